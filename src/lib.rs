@@ -1,0 +1,18 @@
+//! idem makes a money transfer go out exactly once, however often a client
+//! retries it.
+//!
+//! A request carries an idempotency key scoped by `(client_id, endpoint,
+//! idem_key)`. The engine claims the key before any money moves, completes it
+//! in the same transaction that moves the money, and stores the response so a
+//! retry gets the same bytes back. The `idem_api` binary is the lab's
+//! contract; the `idem` binary is the harness that generates a day of traffic
+//! and proves nothing was paid twice.
+
+pub mod canonical; // RFC 8785 canonical JSON and the SHA-256 fingerprint
+pub mod clock; // RFC 3339 instants in one sortable text form
+pub mod day; // the day: generate traffic, report duplicates, replay, prove
+pub mod ledger; // balance checks and moves inside the execution transaction
+pub mod policy; // policy.json, embedded: every number the engine enforces
+pub mod protocol; // claim → execute → complete, replay, conflict; the core
+pub mod request; // request parsing and validation; every 400 reason
+pub mod store; // the Store trait and its SQLite implementation

@@ -1,0 +1,273 @@
+//! The idempotency protocol: claim → execute → complete, replay, conflict.
+//!
+//! This is the file to read first. Everything a retry can meet is decided
+//! here, once, for every store:
+//!
+//! 1. **Claim** (a short write transaction): INSERT the scoped key as
+//!    `in_progress` with a fresh token. If the key exists, the primary key
+//!    says so — there is no lookup before the insert for two racers to both
+//!    pass — and [`decide`] reads the existing record: replay, 422, 409, or
+//!    take over a claim whose lease ran out (or a key past retention).
+//! 2. **Execute** (a second, durable write transaction): check the claim is
+//!    still ours (fencing: a slow original whose lease was taken over must
+//!    not complete too), move the money, and store the exact response with
+//!    the key's completion. All or nothing.
+//! 3. **Replay**: a completed key answers with its stored bytes; only
+//!    `replay` differs from the first response.
+//!
+//! The claim commit is [`Durability::Lazy`]: a claim lost in a power cut
+//! moved no money, and the retry simply claims again. The execution commit
+//! is durable, and in SQLite's WAL it carries the earlier claim frames to disk
+//! with it, so one fsync per transfer is enough.
+
+use crate::clock::Timestamp;
+use crate::ledger::{self, Refusal};
+use crate::policy::Policy;
+use crate::request::{AcctId, Request, Transfer};
+use crate::store::{Claim, Durability, KeyRecord, KeyState, Store, StoreError, Stored, Tx};
+
+/// One response, as printed: `{"status","replay","reason","body"}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub status: u16,
+    pub replay: bool,
+    pub reason: Option<String>,
+    /// Raw JSON text of `body`; `null` when there is none.
+    pub body: String,
+}
+
+impl Response {
+    /// A response that is never stored (400, 409, 422, 503).
+    pub fn refusal(status: u16, reason: impl Into<String>) -> Self {
+        Response {
+            status,
+            replay: false,
+            reason: Some(reason.into()),
+            body: "null".into(),
+        }
+    }
+
+    fn replay_of(stored: Stored) -> Self {
+        Response {
+            status: stored.status,
+            replay: true,
+            reason: stored.reason,
+            body: stored.body,
+        }
+    }
+
+    /// The one serialisation of a response. The stored body is pasted in as
+    /// bytes, never re-serialised, so a replay is identical but for `replay`.
+    pub fn to_json(&self) -> String {
+        let reason = match &self.reason {
+            Some(r) => serde_json::Value::from(r.as_str()).to_string(),
+            None => "null".into(),
+        };
+        format!(
+            r#"{{"status":{},"replay":{},"reason":{},"body":{}}}"#,
+            self.status, self.replay, reason, self.body
+        )
+    }
+}
+
+/// What an existing key means for an incoming request with `fingerprint`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Replay(Stored),
+    Mismatch,
+    InProgress,
+    /// The claim's holder is presumed dead: take the key over, keep its age.
+    TakeOver,
+    /// Past retention the key is forgotten: this request is new.
+    Expired,
+}
+
+/// The pure core: no I/O, no clock but the one passed in.
+pub fn decide(
+    existing: &KeyRecord,
+    fingerprint: &str,
+    now: Timestamp,
+    policy: &Policy,
+) -> Decision {
+    if existing.created_at.plus_seconds(policy.retention_seconds()) <= now {
+        return Decision::Expired;
+    }
+    if existing.fingerprint != fingerprint {
+        return Decision::Mismatch;
+    }
+    match &existing.state {
+        KeyState::Completed(stored) => Decision::Replay(stored.clone()),
+        KeyState::InProgress { lease_until, .. } if now < *lease_until => Decision::InProgress,
+        KeyState::InProgress { .. } => Decision::TakeOver,
+    }
+}
+
+/// The points where a test can stop the process to simulate a crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Point {
+    /// The claim is committed; nothing else has happened.
+    AfterClaim,
+    /// The money has moved and the key is completed, uncommitted.
+    BeforeCommit,
+    /// Committed, response not yet delivered.
+    AfterCommit,
+}
+
+/// What a fault hook asks for at a [`Point`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// Stop here: open transactions roll back, nothing is answered.
+    Crash,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Respond(Response),
+    Crashed(Point),
+}
+
+/// Everything about one call that is not the request: the clock, the
+/// attempt's unique claim token, the policy.
+#[derive(Debug, Clone, Copy)]
+pub struct Ctx<'a> {
+    pub policy: &'a Policy,
+    pub now: Timestamp,
+    pub token: &'a str,
+}
+
+/// Handles one validated request. A busy store becomes an unstored 503.
+pub fn handle<S: Store>(
+    store: &mut S,
+    req: &Request,
+    ctx: Ctx,
+    faults: &mut dyn FnMut(Point) -> Flow,
+) -> Result<Outcome, StoreError> {
+    match claim_and_execute(store, req, ctx, faults) {
+        Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(
+            ctx.policy.on_busy,
+            "busy",
+        ))),
+        other => other,
+    }
+}
+
+fn claim_and_execute<S: Store>(
+    store: &mut S,
+    req: &Request,
+    ctx: Ctx,
+    faults: &mut dyn FnMut(Point) -> Flow,
+) -> Result<Outcome, StoreError> {
+    let mut claim = Claim {
+        fingerprint: req.fingerprint.clone(),
+        token: ctx.token.to_owned(),
+        created_at: ctx.now,
+        lease_until: ctx
+            .now
+            .plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
+    };
+    let mut tx = store.begin(Durability::Lazy)?;
+    if let Some(existing) = tx.insert_claim(&req.key, &claim)? {
+        match decide(&existing, &req.fingerprint, ctx.now, ctx.policy) {
+            Decision::TakeOver => claim.created_at = existing.created_at,
+            Decision::Expired => {}
+            other => return Ok(Outcome::Respond(answer(other, ctx.policy))),
+        }
+        tx.replace_claim(&req.key, &claim)?;
+    }
+    tx.commit()?;
+    if faults(Point::AfterClaim) == Flow::Crash {
+        return Ok(Outcome::Crashed(Point::AfterClaim));
+    }
+
+    let mut tx = store.begin(Durability::Durable)?;
+    match tx.key(&req.key)? {
+        Some(KeyRecord {
+            state: KeyState::InProgress { token, .. },
+            ..
+        }) if token == ctx.token => {}
+        // We lost the claim while we were away (lease taken over, key
+        // purged): whoever holds the key now decides the answer; money is
+        // never moved under a claim that is not ours.
+        lost => {
+            let decision = lost.map(|rec| decide(&rec, &req.fingerprint, ctx.now, ctx.policy));
+            let response = match decision {
+                Some(d @ (Decision::Replay(_) | Decision::Mismatch)) => answer(d, ctx.policy),
+                _ => in_progress(ctx.policy),
+            };
+            return Ok(Outcome::Respond(response));
+        }
+    }
+    let (stored, transfer_id) = match ledger::transfer(&mut tx, &req.transfer, ctx.now)? {
+        Ok(id) => (created(id, &req.transfer, ctx.now), Some(id)),
+        Err(refusal) => (refused(refusal, ctx.policy), None),
+    };
+    tx.complete(&req.key, &stored, transfer_id, ctx.now)?;
+    if faults(Point::BeforeCommit) == Flow::Crash {
+        return Ok(Outcome::Crashed(Point::BeforeCommit));
+    }
+    tx.commit()?;
+    if faults(Point::AfterCommit) == Flow::Crash {
+        return Ok(Outcome::Crashed(Point::AfterCommit));
+    }
+    Ok(Outcome::Respond(Response {
+        status: stored.status,
+        replay: false,
+        reason: stored.reason,
+        body: stored.body,
+    }))
+}
+
+/// Deletes every key created before `before`; returns how many.
+pub fn purge<S: Store>(store: &mut S, before: Timestamp) -> Result<u64, StoreError> {
+    let mut tx = store.begin(Durability::Durable)?;
+    let purged = tx.purge(before)?;
+    tx.commit()?;
+    Ok(purged)
+}
+
+fn answer(decision: Decision, policy: &Policy) -> Response {
+    match decision {
+        Decision::Replay(stored) => Response::replay_of(stored),
+        Decision::Mismatch => {
+            Response::refusal(policy.on_fingerprint_mismatch, "fingerprint_mismatch")
+        }
+        Decision::InProgress | Decision::TakeOver | Decision::Expired => in_progress(policy),
+    }
+}
+
+fn in_progress(policy: &Policy) -> Response {
+    Response::refusal(policy.on_in_flight, "in_progress")
+}
+
+fn created(transfer_id: i64, t: &Transfer, now: Timestamp) -> Stored {
+    let id = |a: &AcctId| match a {
+        AcctId::Int(i) => i.to_string(),
+        AcctId::Text(s) => serde_json::Value::from(s.as_str()).to_string(),
+    };
+    let body = format!(
+        r#"{{"transfer_id":{transfer_id},"src":{},"dst":{},"amount":{},"currency":{},"created_at":"{now}"}}"#,
+        id(&t.src),
+        id(&t.dst),
+        t.amount,
+        serde_json::Value::from(t.currency.as_str()),
+    );
+    Stored {
+        status: 201,
+        reason: None,
+        body,
+    }
+}
+
+fn refused(refusal: Refusal, policy: &Policy) -> Stored {
+    let status = match refusal {
+        Refusal::UnknownAccount => policy.on_unknown_account,
+        Refusal::InsufficientFunds | Refusal::BalanceOverflow => policy.on_insufficient_funds,
+        Refusal::SameAccount => policy.on_invalid_request,
+    };
+    Stored {
+        status,
+        reason: Some(refusal.reason().to_owned()),
+        body: "null".into(),
+    }
+}

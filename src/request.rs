@@ -1,0 +1,323 @@
+//! Parsing and validating a request file into typed values.
+//!
+//! Every 400 reason is born here, before the key is claimed, so a bad request
+//! never consumes its key. The schema is strict: unknown fields are rejected
+//! rather than ignored, because a field the engine ignores is a field the
+//! fingerprint would still cover, and a client that sends `"memo"` expecting
+//! it to matter deserves to hear that it does not.
+
+use crate::canonical::{Json, fingerprint};
+use crate::policy::Policy;
+use std::fmt;
+
+/// The identity of a key: `(client_id, endpoint, idem_key)`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopedKey {
+    pub client_id: String,
+    pub endpoint: String,
+    pub idem_key: String,
+}
+
+/// An account id exactly as the client sent it; matched against
+/// `account.acct_id` with the same SQL type (text or integer).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AcctId {
+    Int(i64),
+    Text(String),
+}
+
+impl AcctId {
+    pub fn to_json(&self) -> Json {
+        match self {
+            AcctId::Int(i) => Json::Int(*i),
+            AcctId::Text(s) => Json::String(s.clone()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transfer {
+    pub src: AcctId,
+    pub dst: AcctId,
+    /// In the currency's smallest unit; 1..=policy.max_amount.
+    pub amount: i64,
+    pub currency: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub key: ScopedKey,
+    pub transfer: Transfer,
+    /// SHA-256 hex of the RFC 8785 form of `body`.
+    pub fingerprint: String,
+}
+
+/// Why a request is malformed. `Display` is the `reason` of the 400 response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    TooLarge {
+        limit: usize,
+    },
+    NotUtf8,
+    NotJson(String),
+    NotObject(&'static str),
+    Missing(&'static str),
+    UnknownField(String),
+    WrongType {
+        field: &'static str,
+        expected: &'static str,
+    },
+    Empty(&'static str),
+    TooLong {
+        field: &'static str,
+        limit: usize,
+    },
+    Amount {
+        max: i64,
+    },
+    SameAccount,
+    Currency(String),
+}
+
+impl fmt::Display for RequestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("invalid_request: ")?;
+        match self {
+            Self::TooLarge { limit } => write!(f, "request is larger than {limit} bytes"),
+            Self::NotUtf8 => write!(f, "request is not valid UTF-8"),
+            Self::NotJson(why) => write!(f, "request is not valid JSON ({why})"),
+            Self::NotObject(what) => write!(f, "{what} must be a JSON object"),
+            Self::Missing(field) => write!(f, "missing field {field}"),
+            Self::UnknownField(field) => write!(f, "unknown field {field}"),
+            Self::WrongType { field, expected } => write!(f, "{field} must be {expected}"),
+            Self::Empty(field) => write!(f, "{field} must not be empty"),
+            Self::TooLong { field, limit } => {
+                write!(f, "{field} must be at most {limit} characters")
+            }
+            Self::Amount { max } => {
+                write!(f, "amount must be a positive integer no greater than {max}")
+            }
+            Self::SameAccount => write!(f, "src and dst must be different accounts"),
+            Self::Currency(c) => write!(f, "unsupported currency {c:?}"),
+        }
+    }
+}
+
+impl std::error::Error for RequestError {}
+
+const TOP: [&str; 4] = ["client_id", "endpoint", "idem_key", "body"];
+const BODY: [&str; 4] = ["src", "dst", "amount", "currency"];
+
+/// Parses and validates the raw bytes of a request file.
+pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
+    if bytes.len() > policy.max_request_bytes {
+        return Err(RequestError::TooLarge {
+            limit: policy.max_request_bytes,
+        });
+    }
+    let text = std::str::from_utf8(bytes).map_err(|_| RequestError::NotUtf8)?;
+    let json = Json::parse(text).map_err(|e| RequestError::NotJson(e.to_string()))?;
+    only_fields(&json, "request", &TOP, "")?;
+    let limit = policy.max_field_chars;
+    let key = ScopedKey {
+        client_id: text_field(&json, "client_id", limit)?,
+        endpoint: text_field(&json, "endpoint", limit)?,
+        idem_key: text_field(&json, "idem_key", limit)?,
+    };
+    let body = json.get("body").ok_or(RequestError::Missing("body"))?;
+    only_fields(body, "body", &BODY, "body.")?;
+    let transfer = Transfer {
+        src: acct_field(body, "body.src", "src", limit)?,
+        dst: acct_field(body, "body.dst", "dst", limit)?,
+        amount: match body.get("amount") {
+            None => return Err(RequestError::Missing("body.amount")),
+            Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => *a,
+            Some(_) => {
+                return Err(RequestError::Amount {
+                    max: policy.max_amount,
+                });
+            }
+        },
+        currency: text_field(body, "currency", limit).map_err(|e| match e {
+            RequestError::Missing(_) => RequestError::Missing("body.currency"),
+            _ => RequestError::WrongType {
+                field: "body.currency",
+                expected: "a string",
+            },
+        })?,
+    };
+    if !policy.currencies.contains(&transfer.currency) {
+        return Err(RequestError::Currency(transfer.currency));
+    }
+    if transfer.src == transfer.dst {
+        return Err(RequestError::SameAccount);
+    }
+    Ok(Request {
+        key,
+        transfer,
+        fingerprint: fingerprint(body),
+    })
+}
+
+fn only_fields(
+    json: &Json,
+    what: &'static str,
+    allowed: &[&str],
+    prefix: &str,
+) -> Result<(), RequestError> {
+    let Json::Object(members) = json else {
+        return Err(RequestError::NotObject(what));
+    };
+    match members.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
+        Some((k, _)) => Err(RequestError::UnknownField(format!("{prefix}{k:?}"))),
+        None => Ok(()),
+    }
+}
+
+fn text_field(json: &Json, field: &'static str, limit: usize) -> Result<String, RequestError> {
+    match json.get(field) {
+        None => Err(RequestError::Missing(field)),
+        Some(Json::String(s)) => checked_text(s, field, limit),
+        Some(_) => Err(RequestError::WrongType {
+            field,
+            expected: "a string",
+        }),
+    }
+}
+
+fn checked_text(s: &str, field: &'static str, limit: usize) -> Result<String, RequestError> {
+    if s.is_empty() {
+        Err(RequestError::Empty(field))
+    } else if s.chars().count() > limit {
+        Err(RequestError::TooLong { field, limit })
+    } else {
+        Ok(s.to_owned())
+    }
+}
+
+fn acct_field(
+    body: &Json,
+    field: &'static str,
+    name: &str,
+    limit: usize,
+) -> Result<AcctId, RequestError> {
+    match body.get(name) {
+        None => Err(RequestError::Missing(field)),
+        Some(Json::Int(i)) => Ok(AcctId::Int(*i)),
+        Some(Json::String(s)) => checked_text(s, field, limit).map(AcctId::Text),
+        Some(_) => Err(RequestError::WrongType {
+            field,
+            expected: "a string or an integer",
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reason(text: &str) -> String {
+        parse(text.as_bytes(), Policy::embedded())
+            .unwrap_err()
+            .to_string()
+    }
+
+    const OK: &str = r#"{"client_id":"c","endpoint":"/t","idem_key":"k","body":{"src":"A","dst":"B","amount":5,"currency":"KRW"}}"#;
+
+    #[test]
+    fn a_good_request_parses() {
+        let r = parse(OK.as_bytes(), Policy::embedded()).unwrap();
+        assert_eq!(r.transfer.amount, 5);
+        assert_eq!(r.transfer.src, AcctId::Text("A".into()));
+    }
+
+    #[test]
+    fn integer_account_ids_stay_integers() {
+        let r = parse(OK.replace("\"A\"", "7").as_bytes(), Policy::embedded()).unwrap();
+        assert_eq!(r.transfer.src, AcctId::Int(7));
+    }
+
+    #[test]
+    fn each_malformation_has_its_own_reason() {
+        let cases = [
+            (OK.replace("5,", "0,"), "amount must be a positive integer"),
+            (OK.replace("5,", "-5,"), "amount must be a positive integer"),
+            (
+                OK.replace("5,", "1.0,"),
+                "amount must be a positive integer",
+            ),
+            (
+                OK.replace("5,", "1e3,"),
+                "amount must be a positive integer",
+            ),
+            (
+                OK.replace("5,", "\"5\","),
+                "amount must be a positive integer",
+            ),
+            (
+                OK.replace("5,", "9007199254740992,"),
+                "no greater than 9007199254740991",
+            ),
+            (
+                OK.replace("5,", "99999999999999999999,"),
+                "amount must be a positive integer",
+            ),
+            (
+                OK.replace("\"B\"", "\"A\""),
+                "src and dst must be different",
+            ),
+            (OK.replace("KRW", "USD"), "unsupported currency \"USD\""),
+            (OK.replace("\"k\"", "\"\""), "idem_key must not be empty"),
+            (
+                OK.replace("\"k\"", &format!("\"{}\"", "k".repeat(256))),
+                "idem_key must be at most 255",
+            ),
+            (OK.replace("\"k\"", "7"), "idem_key must be a string"),
+            (
+                OK.replace("\"client_id\":\"c\",", ""),
+                "missing field client_id",
+            ),
+            (OK.replace("\"src\":\"A\",", ""), "missing field body.src"),
+            (
+                OK.replace("\"src\":\"A\"", "\"src\":true"),
+                "body.src must be a string or an integer",
+            ),
+            (
+                OK.replace("\"amount\":5", "\"amount\":5,\"memo\":1"),
+                "unknown field body.\"memo\"",
+            ),
+            (
+                OK.replace("\"amount\":5", "\"amount\":1,\"amount\":5"),
+                "duplicate member \"amount\"",
+            ),
+            (
+                OK.replace("{\"src", "[{\"src").replace("}}", "}]}"),
+                "body must be a JSON object",
+            ),
+            ("[]".into(), "request must be a JSON object"),
+            ("{".into(), "not valid JSON"),
+        ];
+        for (text, want) in cases {
+            let got = reason(&text);
+            assert!(
+                got.starts_with("invalid_request: ") && got.contains(want),
+                "{text}\n => {got}"
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_utf8_and_oversize_are_rejected_before_parsing() {
+        let mut bad = OK.as_bytes().to_vec();
+        bad[20] = 0xff;
+        assert_eq!(
+            parse(&bad, Policy::embedded()).unwrap_err(),
+            RequestError::NotUtf8
+        );
+        let big = vec![b' '; Policy::embedded().max_request_bytes + 1];
+        assert!(matches!(
+            parse(&big, Policy::embedded()),
+            Err(RequestError::TooLarge { .. })
+        ));
+    }
+}
