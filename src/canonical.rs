@@ -122,9 +122,21 @@ fn es6_number(x: f64) -> String {
     if x < 0.0 {
         return format!("-{}", es6_number(-x));
     }
-    // Rust's `{:e}` prints the shortest digits that round-trip, which is the
-    // digit string ECMAScript uses; only the layout differs.
-    let sci = format!("{x:e}");
+    // Rust's `{:e}` gives the fewest digits that round-trip. ECMAScript wants,
+    // among digit strings of that length, the one nearest to x (ties to
+    // even); Rust's exact formatting rounds that way, so prefer it whenever it
+    // still round-trips.
+    let shortest = format!("{x:e}");
+    let k = shortest
+        .split('e')
+        .next()
+        .map_or(1, |m| m.chars().filter(char::is_ascii_digit).count());
+    let nearest = format!("{x:.*e}", k.saturating_sub(1));
+    let sci = if nearest.parse::<f64>() == Ok(x) {
+        nearest
+    } else {
+        shortest
+    };
     let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
     let digits: String = mantissa.chars().filter(|c| c.is_ascii_digit()).collect();
     let k = digits.len() as i32;

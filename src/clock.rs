@@ -48,8 +48,16 @@ impl Timestamp {
 
     /// This instant plus `seconds`, saturating at the representable range.
     pub fn plus_seconds(self, seconds: i64) -> Self {
-        let moved = self.0.checked_add(Duration::seconds(seconds));
-        Self(moved.unwrap_or(self.0))
+        self.plus_millis(seconds.saturating_mul(1000))
+    }
+
+    /// This instant plus `millis`, saturating at the representable range.
+    pub fn plus_millis(self, millis: i64) -> Self {
+        Self(
+            self.0
+                .checked_add(Duration::milliseconds(millis))
+                .unwrap_or(self.0),
+        )
     }
 
     fn truncated(t: OffsetDateTime) -> Self {

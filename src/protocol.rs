@@ -136,28 +136,46 @@ pub struct Ctx<'a> {
     pub token: &'a str,
 }
 
-/// Handles one validated request. A busy store becomes an unstored 503.
+/// Handles one validated request: [`claim`], then [`execute`] if the claim
+/// is ours. A busy store becomes an unstored 503.
 pub fn handle<S: Store>(
     store: &mut S,
     req: &Request,
     ctx: Ctx,
     faults: &mut dyn FnMut(Point) -> Flow,
 ) -> Result<Outcome, StoreError> {
-    match claim_and_execute(store, req, ctx, faults) {
-        Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(
-            ctx.policy.on_busy,
-            "busy",
-        ))),
+    let outcome = claim(store, req, ctx).and_then(|claimed| match claimed {
+        Claimed::Answer(response) => Ok(Outcome::Respond(response)),
+        Claimed::Mine if faults(Point::AfterClaim) == Flow::Crash => {
+            Ok(Outcome::Crashed(Point::AfterClaim))
+        }
+        Claimed::Mine => execute(store, req, ctx, faults),
+    });
+    unless_busy(outcome, ctx.policy)
+}
+
+/// Turns a lock wait that ran out of budget into an unstored 503.
+pub fn unless_busy(
+    outcome: Result<Outcome, StoreError>,
+    policy: &Policy,
+) -> Result<Outcome, StoreError> {
+    match outcome {
+        Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(policy.on_busy, "busy"))),
         other => other,
     }
 }
 
-fn claim_and_execute<S: Store>(
-    store: &mut S,
-    req: &Request,
-    ctx: Ctx,
-    faults: &mut dyn FnMut(Point) -> Flow,
-) -> Result<Outcome, StoreError> {
+/// The result of the claim step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claimed {
+    /// The key is ours (new, or taken over): go on to [`execute`].
+    Mine,
+    /// The key belongs to another attempt; this is the answer.
+    Answer(Response),
+}
+
+/// Step 1: claim the key for `ctx.token`, or say why not.
+pub fn claim<S: Store>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
     let mut claim = Claim {
         fingerprint: req.fingerprint.clone(),
         token: ctx.token.to_owned(),
@@ -171,15 +189,22 @@ fn claim_and_execute<S: Store>(
         match decide(&existing, &req.fingerprint, ctx.now, ctx.policy) {
             Decision::TakeOver => claim.created_at = existing.created_at,
             Decision::Expired => {}
-            other => return Ok(Outcome::Respond(answer(other, ctx.policy))),
+            other => return Ok(Claimed::Answer(answer(other, ctx.policy))),
         }
         tx.replace_claim(&req.key, &claim)?;
     }
     tx.commit()?;
-    if faults(Point::AfterClaim) == Flow::Crash {
-        return Ok(Outcome::Crashed(Point::AfterClaim));
-    }
+    Ok(Claimed::Mine)
+}
 
+/// Step 2: under the claim held by `ctx.token`, move the money and complete
+/// the key in one durable transaction.
+pub fn execute<S: Store>(
+    store: &mut S,
+    req: &Request,
+    ctx: Ctx,
+    faults: &mut dyn FnMut(Point) -> Flow,
+) -> Result<Outcome, StoreError> {
     let mut tx = store.begin(Durability::Durable)?;
     match tx.key(&req.key)? {
         Some(KeyRecord {

@@ -1,1 +1,137 @@
-//! The day.
+//! The day: a realistic log of one day's transfer requests, the damage the
+//! naive system did with it, and the engine replaying it.
+//!
+//! `traffic` writes `idem.db` (accounts, the gateway's `req_log`, the naive
+//! system's `transfer_v1`); `dup_report` measures what went out twice;
+//! `replay` sends every logged request through the engine into `day.db`;
+//! `report` writes `idem_report.md` from those numbers. Everything is
+//! deterministic: same inputs, same bytes. The SQL here reads and writes the
+//! harness's own tables; the engine's tables are reached only through the
+//! store.
+
+pub mod replay;
+pub mod report;
+pub mod traffic;
+
+use std::path::Path;
+
+/// An error of the harness, with what it was doing.
+#[derive(Debug)]
+pub struct DayError(pub String);
+
+impl std::fmt::Display for DayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DayError {}
+
+impl From<rusqlite::Error> for DayError {
+    fn from(e: rusqlite::Error) -> Self {
+        DayError(format!("sqlite: {e}"))
+    }
+}
+
+impl From<std::io::Error> for DayError {
+    fn from(e: std::io::Error) -> Self {
+        DayError(format!("io: {e}"))
+    }
+}
+
+impl From<crate::store::StoreError> for DayError {
+    fn from(e: crate::store::StoreError) -> Self {
+        DayError(format!("store: {e}"))
+    }
+}
+
+/// Removes a SQLite database and its WAL companions, if present.
+pub fn remove_db(path: &Path) -> Result<(), DayError> {
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        match std::fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Writes `text` plus a final newline, replacing the file atomically.
+pub fn write_file(path: &Path, text: &str) -> Result<(), DayError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{}\n", text.trim_end()))?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// The files `prove` writes, in the order it writes them.
+pub const PROVE_FILES: [&str; 6] = [
+    "idem.db",
+    "dup_report.json",
+    "day.db",
+    "result.json",
+    "policy.json",
+    "idem_report.md",
+];
+
+/// Creates `idem.db` at `path`; refuses to touch an existing file.
+pub fn generate_at(path: &Path) -> Result<(), DayError> {
+    if path.exists() {
+        return Err(DayError(format!(
+            "{} exists; remove it or pick another path",
+            path.display()
+        )));
+    }
+    let mut conn = rusqlite::Connection::open(path)?;
+    traffic::generate(&mut conn)
+}
+
+/// Replays the log at `log_path` into a new `day_path`.
+pub fn replay_at(
+    log_path: &Path,
+    day_path: &Path,
+    policy: &crate::policy::Policy,
+) -> Result<(replay::DayResult, Vec<replay::Answer>), DayError> {
+    if day_path.exists() {
+        return Err(DayError(format!(
+            "{} exists; remove it or pick another path",
+            day_path.display()
+        )));
+    }
+    let log = open_existing(log_path)?;
+    replay::replay(&log, rusqlite::Connection::open(day_path)?, policy)
+}
+
+/// Opens a database that must already exist (never creates an empty one).
+pub fn open_existing(path: &Path) -> Result<rusqlite::Connection, DayError> {
+    use rusqlite::OpenFlags;
+    rusqlite::Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE)
+        .map_err(|e| DayError(format!("cannot open {}: {e}", path.display())))
+}
+
+/// The whole day into `dir`: the six files of [`PROVE_FILES`], from scratch.
+pub fn prove(dir: &Path, policy: &crate::policy::Policy) -> Result<replay::DayResult, DayError> {
+    std::fs::create_dir_all(dir)?;
+    for name in PROVE_FILES {
+        remove_db(&dir.join(name))?;
+    }
+    let log_path = dir.join("idem.db");
+    generate_at(&log_path)?;
+    let dup = report::dup_report(&open_existing(&log_path)?)?;
+    write_file(&dir.join("dup_report.json"), &to_json(&dup)?)?;
+    let (result, answers) = replay_at(&log_path, &dir.join("day.db"), policy)?;
+    write_file(&dir.join("result.json"), &to_json(&result)?)?;
+    write_file(&dir.join("policy.json"), crate::policy::TEXT)?;
+    write_file(
+        &dir.join("idem_report.md"),
+        &report::markdown(&dup, &result, &answers, policy)?,
+    )?;
+    Ok(result)
+}
+
+/// Pretty JSON for the files people read.
+pub fn to_json<T: serde::Serialize>(value: &T) -> Result<String, DayError> {
+    serde_json::to_string_pretty(value).map_err(|e| DayError(e.to_string()))
+}
