@@ -60,7 +60,7 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -69,7 +69,7 @@ impl Rng {
     }
     /// Uniform in `0..n` (n > 0; the modulo bias is irrelevant here).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
 }
 
@@ -89,7 +89,7 @@ pub fn acct_id(i: usize) -> String {
 }
 
 fn uuid(rng: &mut Rng) -> String {
-    let (a, b) = (rng.next(), rng.next());
+    let (a, b) = (rng.next_u64(), rng.next_u64());
     format!(
         "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
         a >> 32,

@@ -1,0 +1,15 @@
+# idem: `just prove` runs the day, `just test` the suite CI gates on.
+
+# The day: writes out/{idem.db,dup_report.json,day.db,result.json,policy.json,idem_report.md}
+prove out="out":
+    cargo run --release --bin idem -- prove --out {{out}}
+
+# Everything CI runs: tests (scenarios, properties, races, loom), then lint.
+test:
+    cargo test --release
+    cargo fmt --check
+    cargo clippy --all-targets -- -D warnings
+
+# What CI runs, from this checkout.
+ci:
+    bash .ci/run
