@@ -127,16 +127,9 @@ fn es6_number(x: f64) -> String {
     // even); Rust's exact formatting rounds that way, so prefer it whenever it
     // still round-trips.
     let shortest = format!("{x:e}");
-    let k = shortest
-        .split('e')
-        .next()
-        .map_or(1, |m| m.chars().filter(char::is_ascii_digit).count());
+    let k = shortest.split('e').next().map_or(1, |m| m.chars().filter(char::is_ascii_digit).count());
     let nearest = format!("{x:.*e}", k.saturating_sub(1));
-    let sci = if nearest.parse::<f64>() == Ok(x) {
-        nearest
-    } else {
-        shortest
-    };
+    let sci = if nearest.parse::<f64>() == Ok(x) { nearest } else { shortest };
     let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
     let digits: String = mantissa.chars().filter(|c| c.is_ascii_digit()).collect();
     let k = digits.len() as i32;
@@ -236,15 +229,7 @@ mod tests {
             Json::Object(m) => m.into_iter().map(|(k, _)| k).collect(),
             _ => unreachable!(),
         };
-        let expected = [
-            "\r",
-            "1",
-            "\u{80}",
-            "\u{f6}",
-            "\u{20ac}",
-            "\u{1f600}",
-            "\u{fb33}",
-        ];
+        let expected = ["\r", "1", "\u{80}", "\u{f6}", "\u{20ac}", "\u{1f600}", "\u{fb33}"];
         assert_eq!(names, expected);
         // UTF-8 byte order would put U+1F600 last; JCS puts it before U+FB33.
         let mut by_bytes = expected.to_vec();
@@ -288,10 +273,9 @@ mod tests {
     #[test]
     fn order_whitespace_and_number_spelling_do_not_change_the_fingerprint() {
         let a = Json::parse(r#"{"src":"A1","dst":"A2","amount":100,"currency":"KRW"}"#).unwrap();
-        let b = Json::parse(
-            "{ \"currency\" : \"KRW\",\n \"amount\": 1.00e2, \"dst\":\"A2\",\"src\":\"A1\" }",
-        )
-        .unwrap();
+        let b =
+            Json::parse("{ \"currency\" : \"KRW\",\n \"amount\": 1.00e2, \"dst\":\"A2\",\"src\":\"A1\" }")
+                .unwrap();
         assert_eq!(fingerprint(&a), fingerprint(&b));
         let c = Json::parse(r#"{"src":"A1","dst":"A2","amount":101,"currency":"KRW"}"#).unwrap();
         assert_ne!(fingerprint(&a), fingerprint(&c));
@@ -300,10 +284,7 @@ mod tests {
 
     #[test]
     fn control_characters_escape_in_lower_case_hex() {
-        assert_eq!(
-            canon(r#""\u001F\u007f\u2028""#),
-            "\"\\u001f\u{7f}\u{2028}\""
-        );
+        assert_eq!(canon(r#""\u001F\u007f\u2028""#), "\"\\u001f\u{7f}\u{2028}\"");
     }
 
     #[test]

@@ -19,11 +19,7 @@ pub struct BadTimestamp(pub String);
 
 impl fmt::Display for BadTimestamp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:?} is not an RFC 3339 timestamp (e.g. 2026-12-02T09:00:00Z)",
-            self.0
-        )
+        write!(f, "{:?} is not an RFC 3339 timestamp (e.g. 2026-12-02T09:00:00Z)", self.0)
     }
 }
 
@@ -53,11 +49,7 @@ impl Timestamp {
 
     /// This instant plus `millis`, saturating at the representable range.
     pub fn plus_millis(self, millis: i64) -> Self {
-        Self(
-            self.0
-                .checked_add(Duration::milliseconds(millis))
-                .unwrap_or(self.0),
-        )
+        Self(self.0.checked_add(Duration::milliseconds(millis)).unwrap_or(self.0))
     }
 
     fn truncated(t: OffsetDateTime) -> Self {
@@ -102,13 +94,7 @@ mod tests {
 
     #[test]
     fn rejects_non_rfc3339() {
-        for bad in [
-            "",
-            "yesterday",
-            "2026-12-02",
-            "2026-13-01T00:00:00Z",
-            "2026-02-30T00:00:00Z",
-        ] {
+        for bad in ["", "yesterday", "2026-12-02", "2026-13-01T00:00:00Z", "2026-02-30T00:00:00Z"] {
             assert!(Timestamp::parse(bad).is_err(), "{bad}");
         }
     }

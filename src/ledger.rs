@@ -31,11 +31,7 @@ impl Refusal {
 }
 
 /// Moves `t.amount` from `t.src` to `t.dst`; returns the new `transfer_id`.
-pub fn transfer<T: Tx>(
-    tx: &mut T,
-    t: &Transfer,
-    now: Timestamp,
-) -> Result<Result<i64, Refusal>, StoreError> {
+pub fn transfer<T: Tx>(tx: &mut T, t: &Transfer, now: Timestamp) -> Result<Result<i64, Refusal>, StoreError> {
     let (Some(src), Some(dst)) = (tx.account(&t.src)?, tx.account(&t.dst)?) else {
         return Ok(Err(Refusal::UnknownAccount));
     };

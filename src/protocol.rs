@@ -39,21 +39,11 @@ pub struct Response {
 impl Response {
     /// A response that is never stored (400, 409, 422, 503).
     pub fn refusal(status: u16, reason: impl Into<String>) -> Self {
-        Response {
-            status,
-            replay: false,
-            reason: Some(reason.into()),
-            body: "null".into(),
-        }
+        Response { status, replay: false, reason: Some(reason.into()), body: "null".into() }
     }
 
     fn replay_of(stored: Stored) -> Self {
-        Response {
-            status: stored.status,
-            replay: true,
-            reason: stored.reason,
-            body: stored.body,
-        }
+        Response { status: stored.status, replay: true, reason: stored.reason, body: stored.body }
     }
 
     /// The one serialisation of a response. The stored body is pasted in as
@@ -83,12 +73,7 @@ pub enum Decision {
 }
 
 /// The pure core: no I/O, no clock but the one passed in.
-pub fn decide(
-    existing: &KeyRecord,
-    fingerprint: &str,
-    now: Timestamp,
-    policy: &Policy,
-) -> Decision {
+pub fn decide(existing: &KeyRecord, fingerprint: &str, now: Timestamp, policy: &Policy) -> Decision {
     if existing.created_at.plus_seconds(policy.retention_seconds()) <= now {
         return Decision::Expired;
     }
@@ -146,19 +131,14 @@ pub fn handle<S: Store>(
 ) -> Result<Outcome, StoreError> {
     let outcome = claim(store, req, ctx).and_then(|claimed| match claimed {
         Claimed::Answer(response) => Ok(Outcome::Respond(response)),
-        Claimed::Mine if faults(Point::AfterClaim) == Flow::Crash => {
-            Ok(Outcome::Crashed(Point::AfterClaim))
-        }
+        Claimed::Mine if faults(Point::AfterClaim) == Flow::Crash => Ok(Outcome::Crashed(Point::AfterClaim)),
         Claimed::Mine => execute(store, req, ctx, faults),
     });
     unless_busy(outcome, ctx.policy)
 }
 
 /// Turns a lock wait that ran out of budget into an unstored 503.
-pub fn unless_busy(
-    outcome: Result<Outcome, StoreError>,
-    policy: &Policy,
-) -> Result<Outcome, StoreError> {
+pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Result<Outcome, StoreError> {
     match outcome {
         Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(policy.on_busy, "busy"))),
         other => other,
@@ -180,9 +160,7 @@ pub fn claim<S: Store>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed
         fingerprint: req.fingerprint.clone(),
         token: ctx.token.to_owned(),
         created_at: ctx.now,
-        lease_until: ctx
-            .now
-            .plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
+        lease_until: ctx.now.plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
     };
     let mut tx = store.begin(Durability::Lazy)?;
     if let Some(existing) = tx.insert_claim(&req.key, &claim)? {
@@ -207,10 +185,7 @@ pub fn execute<S: Store>(
 ) -> Result<Outcome, StoreError> {
     let mut tx = store.begin(Durability::Durable)?;
     match tx.key(&req.key)? {
-        Some(KeyRecord {
-            state: KeyState::InProgress { token, .. },
-            ..
-        }) if token == ctx.token => {}
+        Some(KeyRecord { state: KeyState::InProgress { token, .. }, .. }) if token == ctx.token => {}
         // We lost the claim while we were away (lease taken over, key
         // purged): whoever holds the key now decides the answer; money is
         // never moved under a claim that is not ours.
@@ -254,9 +229,7 @@ pub fn purge<S: Store>(store: &mut S, before: Timestamp) -> Result<u64, StoreErr
 fn answer(decision: Decision, policy: &Policy) -> Response {
     match decision {
         Decision::Replay(stored) => Response::replay_of(stored),
-        Decision::Mismatch => {
-            Response::refusal(policy.on_fingerprint_mismatch, "fingerprint_mismatch")
-        }
+        Decision::Mismatch => Response::refusal(policy.on_fingerprint_mismatch, "fingerprint_mismatch"),
         Decision::InProgress | Decision::TakeOver | Decision::Expired => in_progress(policy),
     }
 }
@@ -277,11 +250,7 @@ fn created(transfer_id: i64, t: &Transfer, now: Timestamp) -> Stored {
         t.amount,
         serde_json::Value::from(t.currency.as_str()),
     );
-    Stored {
-        status: 201,
-        reason: None,
-        body,
-    }
+    Stored { status: 201, reason: None, body }
 }
 
 fn refused(refusal: Refusal, policy: &Policy) -> Stored {
@@ -290,9 +259,5 @@ fn refused(refusal: Refusal, policy: &Policy) -> Stored {
         Refusal::InsufficientFunds | Refusal::BalanceOverflow => policy.on_insufficient_funds,
         Refusal::SameAccount => policy.on_invalid_request,
     };
-    Stored {
-        status,
-        reason: Some(refusal.reason().to_owned()),
-        body: "null".into(),
-    }
+    Stored { status, reason: Some(refusal.reason().to_owned()), body: "null".into() }
 }

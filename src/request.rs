@@ -55,26 +55,16 @@ pub struct Request {
 /// Why a request is malformed. `Display` is the `reason` of the 400 response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestError {
-    TooLarge {
-        limit: usize,
-    },
+    TooLarge { limit: usize },
     NotUtf8,
     NotJson(String),
     NotObject(&'static str),
     Missing(&'static str),
     UnknownField(String),
-    WrongType {
-        field: &'static str,
-        expected: &'static str,
-    },
+    WrongType { field: &'static str, expected: &'static str },
     Empty(&'static str),
-    TooLong {
-        field: &'static str,
-        limit: usize,
-    },
-    Amount {
-        max: i64,
-    },
+    TooLong { field: &'static str, limit: usize },
+    Amount { max: i64 },
     SameAccount,
     Currency(String),
 }
@@ -111,9 +101,7 @@ const BODY: [&str; 4] = ["src", "dst", "amount", "currency"];
 /// Parses and validates the raw bytes of a request file.
 pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
     if bytes.len() > policy.max_request_bytes {
-        return Err(RequestError::TooLarge {
-            limit: policy.max_request_bytes,
-        });
+        return Err(RequestError::TooLarge { limit: policy.max_request_bytes });
     }
     let text = std::str::from_utf8(bytes).map_err(|_| RequestError::NotUtf8)?;
     let json = Json::parse(text).map_err(|e| RequestError::NotJson(e.to_string()))?;
@@ -133,17 +121,12 @@ pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
             None => return Err(RequestError::Missing("body.amount")),
             Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => *a,
             Some(_) => {
-                return Err(RequestError::Amount {
-                    max: policy.max_amount,
-                });
+                return Err(RequestError::Amount { max: policy.max_amount });
             }
         },
         currency: text_field(body, "currency", limit).map_err(|e| match e {
             RequestError::Missing(_) => RequestError::Missing("body.currency"),
-            _ => RequestError::WrongType {
-                field: "body.currency",
-                expected: "a string",
-            },
+            _ => RequestError::WrongType { field: "body.currency", expected: "a string" },
         })?,
     };
     if !policy.currencies.contains(&transfer.currency) {
@@ -152,19 +135,10 @@ pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
     if transfer.src == transfer.dst {
         return Err(RequestError::SameAccount);
     }
-    Ok(Request {
-        key,
-        transfer,
-        fingerprint: fingerprint(body),
-    })
+    Ok(Request { key, transfer, fingerprint: fingerprint(body) })
 }
 
-fn only_fields(
-    json: &Json,
-    what: &'static str,
-    allowed: &[&str],
-    prefix: &str,
-) -> Result<(), RequestError> {
+fn only_fields(json: &Json, what: &'static str, allowed: &[&str], prefix: &str) -> Result<(), RequestError> {
     let Json::Object(members) = json else {
         return Err(RequestError::NotObject(what));
     };
@@ -178,10 +152,7 @@ fn text_field(json: &Json, field: &'static str, limit: usize) -> Result<String, 
     match json.get(field) {
         None => Err(RequestError::Missing(field)),
         Some(Json::String(s)) => checked_text(s, field, limit),
-        Some(_) => Err(RequestError::WrongType {
-            field,
-            expected: "a string",
-        }),
+        Some(_) => Err(RequestError::WrongType { field, expected: "a string" }),
     }
 }
 
@@ -195,20 +166,12 @@ fn checked_text(s: &str, field: &'static str, limit: usize) -> Result<String, Re
     }
 }
 
-fn acct_field(
-    body: &Json,
-    field: &'static str,
-    name: &str,
-    limit: usize,
-) -> Result<AcctId, RequestError> {
+fn acct_field(body: &Json, field: &'static str, name: &str, limit: usize) -> Result<AcctId, RequestError> {
     match body.get(name) {
         None => Err(RequestError::Missing(field)),
         Some(Json::Int(i)) => Ok(AcctId::Int(*i)),
         Some(Json::String(s)) => checked_text(s, field, limit).map(AcctId::Text),
-        Some(_) => Err(RequestError::WrongType {
-            field,
-            expected: "a string or an integer",
-        }),
+        Some(_) => Err(RequestError::WrongType { field, expected: "a string or an integer" }),
     }
 }
 
@@ -217,9 +180,7 @@ mod tests {
     use super::*;
 
     fn reason(text: &str) -> String {
-        parse(text.as_bytes(), Policy::embedded())
-            .unwrap_err()
-            .to_string()
+        parse(text.as_bytes(), Policy::embedded()).unwrap_err().to_string()
     }
 
     const OK: &str = r#"{"client_id":"c","endpoint":"/t","idem_key":"k","body":{"src":"A","dst":"B","amount":5,"currency":"KRW"}}"#;
@@ -242,67 +203,28 @@ mod tests {
         let cases = [
             (OK.replace("5,", "0,"), "amount must be a positive integer"),
             (OK.replace("5,", "-5,"), "amount must be a positive integer"),
-            (
-                OK.replace("5,", "1.0,"),
-                "amount must be a positive integer",
-            ),
-            (
-                OK.replace("5,", "1e3,"),
-                "amount must be a positive integer",
-            ),
-            (
-                OK.replace("5,", "\"5\","),
-                "amount must be a positive integer",
-            ),
-            (
-                OK.replace("5,", "9007199254740992,"),
-                "no greater than 9007199254740991",
-            ),
-            (
-                OK.replace("5,", "99999999999999999999,"),
-                "amount must be a positive integer",
-            ),
-            (
-                OK.replace("\"B\"", "\"A\""),
-                "src and dst must be different",
-            ),
+            (OK.replace("5,", "1.0,"), "amount must be a positive integer"),
+            (OK.replace("5,", "1e3,"), "amount must be a positive integer"),
+            (OK.replace("5,", "\"5\","), "amount must be a positive integer"),
+            (OK.replace("5,", "9007199254740992,"), "no greater than 9007199254740991"),
+            (OK.replace("5,", "99999999999999999999,"), "amount must be a positive integer"),
+            (OK.replace("\"B\"", "\"A\""), "src and dst must be different"),
             (OK.replace("KRW", "USD"), "unsupported currency \"USD\""),
             (OK.replace("\"k\"", "\"\""), "idem_key must not be empty"),
-            (
-                OK.replace("\"k\"", &format!("\"{}\"", "k".repeat(256))),
-                "idem_key must be at most 255",
-            ),
+            (OK.replace("\"k\"", &format!("\"{}\"", "k".repeat(256))), "idem_key must be at most 255"),
             (OK.replace("\"k\"", "7"), "idem_key must be a string"),
-            (
-                OK.replace("\"client_id\":\"c\",", ""),
-                "missing field client_id",
-            ),
+            (OK.replace("\"client_id\":\"c\",", ""), "missing field client_id"),
             (OK.replace("\"src\":\"A\",", ""), "missing field body.src"),
-            (
-                OK.replace("\"src\":\"A\"", "\"src\":true"),
-                "body.src must be a string or an integer",
-            ),
-            (
-                OK.replace("\"amount\":5", "\"amount\":5,\"memo\":1"),
-                "unknown field body.\"memo\"",
-            ),
-            (
-                OK.replace("\"amount\":5", "\"amount\":1,\"amount\":5"),
-                "duplicate member \"amount\"",
-            ),
-            (
-                OK.replace("{\"src", "[{\"src").replace("}}", "}]}"),
-                "body must be a JSON object",
-            ),
+            (OK.replace("\"src\":\"A\"", "\"src\":true"), "body.src must be a string or an integer"),
+            (OK.replace("\"amount\":5", "\"amount\":5,\"memo\":1"), "unknown field body.\"memo\""),
+            (OK.replace("\"amount\":5", "\"amount\":1,\"amount\":5"), "duplicate member \"amount\""),
+            (OK.replace("{\"src", "[{\"src").replace("}}", "}]}"), "body must be a JSON object"),
             ("[]".into(), "request must be a JSON object"),
             ("{".into(), "not valid JSON"),
         ];
         for (text, want) in cases {
             let got = reason(&text);
-            assert!(
-                got.starts_with("invalid_request: ") && got.contains(want),
-                "{text}\n => {got}"
-            );
+            assert!(got.starts_with("invalid_request: ") && got.contains(want), "{text}\n => {got}");
         }
     }
 
@@ -310,14 +232,8 @@ mod tests {
     fn invalid_utf8_and_oversize_are_rejected_before_parsing() {
         let mut bad = OK.as_bytes().to_vec();
         bad[20] = 0xff;
-        assert_eq!(
-            parse(&bad, Policy::embedded()).unwrap_err(),
-            RequestError::NotUtf8
-        );
+        assert_eq!(parse(&bad, Policy::embedded()).unwrap_err(), RequestError::NotUtf8);
         let big = vec![b' '; Policy::embedded().max_request_bytes + 1];
-        assert!(matches!(
-            parse(&big, Policy::embedded()),
-            Err(RequestError::TooLarge { .. })
-        ));
+        assert!(matches!(parse(&big, Policy::embedded()), Err(RequestError::TooLarge { .. })));
     }
 }

@@ -83,7 +83,10 @@ fn retry_while_in_progress_gets_409_and_moves_nothing() {
 
     for _ in 0..2 {
         let r = bank.send(&text);
-        assert_eq!((r.status(), r.replay(), r.reason(), &r.json["body"]), (409, false, Some("in_progress"), &Value::Null));
+        assert_eq!(
+            (r.status(), r.replay(), r.reason(), &r.json["body"]),
+            (409, false, Some("in_progress"), &Value::Null)
+        );
     }
     assert_eq!(bank.balances(), before);
     assert!(bank.transfers().is_empty());
@@ -105,7 +108,10 @@ fn same_key_with_a_different_body_gets_422_and_is_not_stored() {
     ];
     for text in changed {
         let r = bank.send(&text);
-        assert_eq!((r.status(), r.replay(), r.reason(), &r.json["body"]), (422, false, Some("fingerprint_mismatch"), &Value::Null));
+        assert_eq!(
+            (r.status(), r.replay(), r.reason(), &r.json["body"]),
+            (422, false, Some("fingerprint_mismatch"), &Value::Null)
+        );
     }
     assert_eq!(bank.balances(), after);
     assert_eq!(bank.transfers().len(), 1);
@@ -131,14 +137,35 @@ fn malformed_requests_get_400_with_a_reason_and_do_not_consume_the_key() {
         (good.replace(&format!("\"idem_key\":\"{k}\""), "\"idem_key\":\"\""), "idem_key must not be empty"),
         (good.replace(&format!("\"idem_key\":\"{k}\""), "\"idem_key\":42"), "idem_key must be a string"),
         (body(json!({"src": s, "dst": d, "currency": "KRW"})), "missing field body.amount"),
-        (body(json!({"src": s, "dst": d, "amount": 0, "currency": "KRW"})), "amount must be a positive integer"),
-        (body(json!({"src": s, "dst": d, "amount": -amount, "currency": "KRW"})), "amount must be a positive integer"),
-        (body(json!({"src": s, "dst": d, "amount": amount as f64 + 0.5, "currency": "KRW"})), "amount must be a positive integer"),
-        (body(json!({"src": s, "dst": d, "amount": amount.to_string(), "currency": "KRW"})), "amount must be a positive integer"),
-        (body(json!({"src": s, "dst": s, "amount": amount, "currency": "KRW"})), "src and dst must be different"),
+        (
+            body(json!({"src": s, "dst": d, "amount": 0, "currency": "KRW"})),
+            "amount must be a positive integer",
+        ),
+        (
+            body(json!({"src": s, "dst": d, "amount": -amount, "currency": "KRW"})),
+            "amount must be a positive integer",
+        ),
+        (
+            body(json!({"src": s, "dst": d, "amount": amount as f64 + 0.5, "currency": "KRW"})),
+            "amount must be a positive integer",
+        ),
+        (
+            body(json!({"src": s, "dst": d, "amount": amount.to_string(), "currency": "KRW"})),
+            "amount must be a positive integer",
+        ),
+        (
+            body(json!({"src": s, "dst": s, "amount": amount, "currency": "KRW"})),
+            "src and dst must be different",
+        ),
         (body(json!({"src": s, "dst": d, "amount": amount, "currency": "USD"})), "unsupported currency"),
-        (body(json!({"src": s, "dst": d, "amount": amount, "currency": "KRW", "memo": "x"})), "unknown field"),
-        (body(json!({"src": null, "dst": d, "amount": amount, "currency": "KRW"})), "body.src must be a string or an integer"),
+        (
+            body(json!({"src": s, "dst": d, "amount": amount, "currency": "KRW", "memo": "x"})),
+            "unknown field",
+        ),
+        (
+            body(json!({"src": null, "dst": d, "amount": amount, "currency": "KRW"})),
+            "body.src must be a string or an integer",
+        ),
         (body(json!("transfer")), "body must be a JSON object"),
     ];
     for (text, want) in cases {
@@ -213,8 +240,11 @@ fn simultaneous_pair_with_the_same_key_executes_exactly_once() {
     let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
     for round in 0..20 {
         let file = bank.request_file(&request("c", EP, &key(&mut rng), s, d, 1));
-        let children: Vec<_> = (0..2).map(|_| bank.command(&file).stdout(std::process::Stdio::piped()).spawn().unwrap()).collect();
-        let replies: Vec<Reply> = children.into_iter().map(|c| Reply::from_output(c.wait_with_output().unwrap())).collect();
+        let children: Vec<_> = (0..2)
+            .map(|_| bank.command(&file).stdout(std::process::Stdio::piped()).spawn().unwrap())
+            .collect();
+        let replies: Vec<Reply> =
+            children.into_iter().map(|c| Reply::from_output(c.wait_with_output().unwrap())).collect();
         let fresh: Vec<&Reply> = replies.iter().filter(|r| r.status() == 201 && !r.replay()).collect();
         assert_eq!(fresh.len(), 1, "round {round}: {replies:?}");
         for other in replies.iter().filter(|r| r.replay() || r.status() != 201) {
@@ -235,7 +265,9 @@ fn a_fresh_database_survives_two_first_calls_at_once() {
         let mut rng = rng();
         let bank = Bank::new(&mut rng, 2, false);
         let file = bank.request_file(&request("c", EP, "k", &bank.accounts[0], &bank.accounts[1], 1));
-        let children: Vec<_> = (0..3).map(|_| bank.command(&file).stdout(std::process::Stdio::piped()).spawn().unwrap()).collect();
+        let children: Vec<_> = (0..3)
+            .map(|_| bank.command(&file).stdout(std::process::Stdio::piped()).spawn().unwrap())
+            .collect();
         let fresh = children
             .into_iter()
             .map(|c| Reply::from_output(c.wait_with_output().unwrap()))
@@ -261,7 +293,8 @@ fn purge_deletes_keys_created_before_the_cut_and_only_those() {
         if i < old { old_keys.push(k) } else { old_keys.push(String::new()) }
     }
     let purge = |cut: &str| {
-        let out = Command::new(API).args(["--db"]).arg(&bank.db).args(["--purge-before", cut]).output().unwrap();
+        let out =
+            Command::new(API).args(["--db"]).arg(&bank.db).args(["--purge-before", cut]).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice::<Value>(&out.stdout).unwrap()
     };
@@ -283,7 +316,12 @@ fn purge_deletes_keys_created_before_the_cut_and_only_those() {
 fn unparseable_purge_instant_is_a_usage_error() {
     let mut rng = rng();
     let bank = Bank::new(&mut rng, 2, false);
-    let out = Command::new(API).arg("--db").arg(&bank.db).args(["--purge-before", "last tuesday"]).output().unwrap();
+    let out = Command::new(API)
+        .arg("--db")
+        .arg(&bank.db)
+        .args(["--purge-before", "last tuesday"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("RFC 3339"));
 }
@@ -304,7 +342,12 @@ fn unreadable_request_file_exits_3_and_touches_nothing() {
 
 #[test]
 fn bad_command_lines_exit_2() {
-    for args in [vec![], vec!["--db", "x.db"], vec!["--request", "r.json"], vec!["--db", "x", "--request", "r", "--bogus"]] {
+    for args in [
+        vec![],
+        vec!["--db", "x.db"],
+        vec!["--request", "r.json"],
+        vec!["--db", "x", "--request", "r", "--bogus"],
+    ] {
         let out = Command::new(API).args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
     }

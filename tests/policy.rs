@@ -26,7 +26,10 @@ fn at(seconds: i64) -> String {
 
 #[test]
 fn embedded_policy_is_the_file() {
-    assert_eq!(idem::policy::TEXT, std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/policy.json")).unwrap());
+    assert_eq!(
+        idem::policy::TEXT,
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/policy.json")).unwrap()
+    );
     let p = policy();
     let fields: Vec<&str> = p.as_object().unwrap().keys().map(String::as_str).collect();
     // every field is one the engine reads (serde denies unknown ones)
@@ -46,8 +49,15 @@ fn statuses_are_the_published_ones() {
     assert_eq!(bank.send("{}").status(), num(&p, "on_invalid_request"));
     let ghost = json!("nobody");
     assert_eq!(bank.send(&request("c", EP, "k2", s, &ghost, 1)).status(), num(&p, "on_unknown_account"));
-    assert_eq!(bank.send(&request("c", EP, "k3", s, d, i64::from(u32::MAX))).status(), num(&p, "on_insufficient_funds"));
-    let crash = bank.command(&bank.request_file(&request("c", EP, "k4", s, d, 1))).arg("--crash-after-claim").output().unwrap();
+    assert_eq!(
+        bank.send(&request("c", EP, "k3", s, d, i64::from(u32::MAX))).status(),
+        num(&p, "on_insufficient_funds")
+    );
+    let crash = bank
+        .command(&bank.request_file(&request("c", EP, "k4", s, d, 1)))
+        .arg("--crash-after-claim")
+        .output()
+        .unwrap();
     assert!(!crash.status.success());
     assert_eq!(bank.send(&request("c", EP, "k4", s, d, 1)).status(), num(&p, "on_in_flight"));
 }
@@ -86,7 +96,12 @@ fn a_dead_claim_blocks_its_key_for_the_lease_then_is_taken_over() {
     let mut rng = rng();
     let bank = Bank::new(&mut rng, 2, false);
     let text = request("c", EP, "k", &bank.accounts[0], &bank.accounts[1], 1);
-    let crash = bank.command(&bank.request_file(&text)).arg("--crash-after-claim").env("IDEM_NOW", at(0)).output().unwrap();
+    let crash = bank
+        .command(&bank.request_file(&text))
+        .arg("--crash-after-claim")
+        .env("IDEM_NOW", at(0))
+        .output()
+        .unwrap();
     assert!(!crash.status.success());
     assert_eq!(bank.send_with(&text, &[("IDEM_NOW", &at(lease - 1))]).status(), 409);
     let taken = bank.send_with(&text, &[("IDEM_NOW", &at(lease))]);
@@ -124,7 +139,10 @@ fn a_lock_held_past_busy_timeout_answers_503_and_consumes_nothing() {
     let mut rng = rng();
     let bank = Bank::new(&mut rng, 2, false);
     let text = request("c", EP, "k", &bank.accounts[0], &bank.accounts[1], 1);
-    assert_eq!(bank.send(&request("c", EP, "warm-up", &bank.accounts[0], &bank.accounts[1], 1)).status(), 201);
+    assert_eq!(
+        bank.send(&request("c", EP, "warm-up", &bank.accounts[0], &bank.accounts[1], 1)).status(),
+        201
+    );
     let before = bank.balances();
     let holder = rusqlite::Connection::open(&bank.db).unwrap();
     holder.execute_batch("BEGIN IMMEDIATE").unwrap();

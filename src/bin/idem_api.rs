@@ -63,8 +63,7 @@ fn main() -> ExitCode {
         Err(_) => Timestamp::now(),
     };
     if let Some(before) = args.purge_before {
-        let purged =
-            SqliteStore::open(&args.db, policy).and_then(|mut s| protocol::purge(&mut s, before));
+        let purged = SqliteStore::open(&args.db, policy).and_then(|mut s| protocol::purge(&mut s, before));
         return match purged {
             Ok(n) => print(&format!("{{\"purged\": {n}}}")),
             Err(e) => fail(EXIT_DATABASE, &e.to_string()),
@@ -76,10 +75,7 @@ fn main() -> ExitCode {
     let bytes = match read_capped(&path, policy.max_request_bytes) {
         Ok(bytes) => bytes,
         Err(e) => {
-            return fail(
-                EXIT_REQUEST_UNREADABLE,
-                &format!("cannot read {}: {e}", path.display()),
-            );
+            return fail(EXIT_REQUEST_UNREADABLE, &format!("cannot read {}: {e}", path.display()));
         }
     };
     let req = match request::parse(&bytes, policy) {
@@ -108,16 +104,7 @@ fn main() -> ExitCode {
         Flow::Continue
     };
     let token = claim_token(now);
-    match protocol::handle(
-        &mut store,
-        &req,
-        Ctx {
-            policy,
-            now,
-            token: &token,
-        },
-        &mut faults,
-    ) {
+    match protocol::handle(&mut store, &req, Ctx { policy, now, token: &token }, &mut faults) {
         Ok(Outcome::Respond(response)) => print(&response.to_json()),
         Ok(Outcome::Crashed(p)) => fail(EXIT_CRASHED, &format!("simulated crash at {p:?}")),
         Err(e) => fail(EXIT_DATABASE, &e.to_string()),
@@ -128,17 +115,14 @@ fn main() -> ExitCode {
 /// parser (400) without being read whole.
 fn read_capped(path: &Path, limit: usize) -> std::io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(limit as u64 + 1)
-        .read_to_end(&mut bytes)?;
+    std::fs::File::open(path)?.take(limit as u64 + 1).read_to_end(&mut bytes)?;
     Ok(bytes)
 }
 
 /// Unique per attempt across processes: pid plus the wall clock in nanoseconds.
 fn claim_token(now: Timestamp) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     format!("{:x}-{nanos:x}-{now}", std::process::id())
 }
 

@@ -67,22 +67,13 @@ pub fn write_file(path: &Path, text: &str) -> Result<(), DayError> {
 }
 
 /// The files `prove` writes, in the order it writes them.
-pub const PROVE_FILES: [&str; 6] = [
-    "idem.db",
-    "dup_report.json",
-    "day.db",
-    "result.json",
-    "policy.json",
-    "idem_report.md",
-];
+pub const PROVE_FILES: [&str; 6] =
+    ["idem.db", "dup_report.json", "day.db", "result.json", "policy.json", "idem_report.md"];
 
 /// Creates `idem.db` at `path`; refuses to touch an existing file.
 pub fn generate_at(path: &Path) -> Result<(), DayError> {
     if path.exists() {
-        return Err(DayError(format!(
-            "{} exists; remove it or pick another path",
-            path.display()
-        )));
+        return Err(DayError(format!("{} exists; remove it or pick another path", path.display())));
     }
     let mut conn = rusqlite::Connection::open(path)?;
     traffic::generate(&mut conn)
@@ -95,10 +86,7 @@ pub fn replay_at(
     policy: &crate::policy::Policy,
 ) -> Result<(replay::DayResult, Vec<replay::Answer>), DayError> {
     if day_path.exists() {
-        return Err(DayError(format!(
-            "{} exists; remove it or pick another path",
-            day_path.display()
-        )));
+        return Err(DayError(format!("{} exists; remove it or pick another path", day_path.display())));
     }
     let log = open_existing(log_path)?;
     replay::replay(&log, rusqlite::Connection::open(day_path)?, policy)
@@ -124,10 +112,7 @@ pub fn prove(dir: &Path, policy: &crate::policy::Policy) -> Result<replay::DayRe
     let (result, answers) = replay_at(&log_path, &dir.join("day.db"), policy)?;
     write_file(&dir.join("result.json"), &to_json(&result)?)?;
     write_file(&dir.join("policy.json"), crate::policy::TEXT)?;
-    write_file(
-        &dir.join("idem_report.md"),
-        &report::markdown(&dup, &result, &answers, policy)?,
-    )?;
+    write_file(&dir.join("idem_report.md"), &report::markdown(&dup, &result, &answers, policy)?)?;
     Ok(result)
 }
 

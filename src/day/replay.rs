@@ -57,18 +57,15 @@ pub fn replay(
     day: Connection,
     policy: &Policy,
 ) -> Result<(DayResult, Vec<Answer>), DayError> {
-    day.execute_batch("CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)")?;
+    day.execute_batch(
+        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)",
+    )?;
     {
-        let mut read =
-            log.prepare("SELECT acct_id, holder, balance FROM account ORDER BY acct_id")?;
+        let mut read = log.prepare("SELECT acct_id, holder, balance FROM account ORDER BY acct_id")?;
         let mut write = day.prepare("INSERT INTO account VALUES (?1, ?2, ?3)")?;
         let mut rows = read.query([])?;
         while let Some(r) = rows.next()? {
-            write.execute((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, i64>(2)?,
-            ))?;
+            write.execute((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))?;
         }
     }
     let balance_total_before = sum(&day, "SELECT COALESCE(SUM(balance), 0) FROM account")?;
@@ -80,12 +77,7 @@ pub fn replay(
     while let Some(r) = rows.next()? {
         let at: String = r.get(1)?;
         let at = Timestamp::parse(&at).map_err(|e| DayError(format!("req_log: {e}")))?;
-        logged.push(Logged {
-            seq: r.get(0)?,
-            at,
-            kind: r.get(2)?,
-            raw: r.get(3)?,
-        });
+        logged.push(Logged { seq: r.get(0)?, at, kind: r.get(2)?, raw: r.get(3)? });
     }
 
     let mut answers = Vec::new();
@@ -108,9 +100,7 @@ pub fn replay(
     let conn = store.connection();
     let mut rejected_by_reason = BTreeMap::new();
     for a in answers.iter().filter(|a| !a.replay && a.status != 201) {
-        *rejected_by_reason
-            .entry(a.reason.clone().unwrap_or_default())
-            .or_insert(0) += 1;
+        *rejected_by_reason.entry(a.reason.clone().unwrap_or_default()).or_insert(0) += 1;
     }
     let total_transferred = sum(conn, "SELECT COALESCE(SUM(amount), 0) FROM transfer")?;
     let v1_total = sum(log, "SELECT COALESCE(SUM(amount), 0) FROM transfer_v1")?;
@@ -151,11 +141,7 @@ fn run_instant(
         pending.push(match request::parse(entry.raw.as_bytes(), policy) {
             Err(e) => Err(Response::refusal(policy.on_invalid_request, e.to_string())),
             Ok(req) => {
-                let ctx = Ctx {
-                    policy,
-                    now: entry.at,
-                    token,
-                };
+                let ctx = Ctx { policy, now: entry.at, token };
                 match protocol::claim(store, &req, ctx)? {
                     Claimed::Answer(response) => Err(response),
                     Claimed::Mine => Ok((req, ctx)),

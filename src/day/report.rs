@@ -116,21 +116,10 @@ pub fn markdown(
         krw(dup.double_paid)
     )
     .map_err(fmt)?;
-    writeln!(
-        w,
-        "| client_id | idem_key | transfers | paid twice |\n|---|---|---:|---:|"
-    )
-    .map_err(fmt)?;
+    writeln!(w, "| client_id | idem_key | transfers | paid twice |\n|---|---|---:|---:|").map_err(fmt)?;
     for k in &dup.keys {
-        writeln!(
-            w,
-            "| {} | `{}` | {} | {} |",
-            k.client_id,
-            k.idem_key,
-            k.transfers,
-            krw(k.extra_amount)
-        )
-        .map_err(fmt)?;
+        writeln!(w, "| {} | `{}` | {} | {} |", k.client_id, k.idem_key, k.transfers, krw(k.extra_amount))
+            .map_err(fmt)?;
     }
     writeln!(
         w,
@@ -151,19 +140,8 @@ pub fn markdown(
     writeln!(w, "| | naive | idem |\n|---|---:|---:|").map_err(fmt)?;
     writeln!(w, "| requests | {} | {} |", dup.requests, day.requests).map_err(fmt)?;
     writeln!(w, "| transfers | {} | {} |", dup.requests, day.transfers).map_err(fmt)?;
-    writeln!(
-        w,
-        "| money sent | {} | {} |",
-        krw(day.v1_total),
-        krw(day.total_transferred)
-    )
-    .map_err(fmt)?;
-    writeln!(
-        w,
-        "| keys paid twice | {} | {} |",
-        dup.duplicate_keys, day.keys_paid_twice
-    )
-    .map_err(fmt)?;
+    writeln!(w, "| money sent | {} | {} |", krw(day.v1_total), krw(day.total_transferred)).map_err(fmt)?;
+    writeln!(w, "| keys paid twice | {} | {} |", dup.duplicate_keys, day.keys_paid_twice).map_err(fmt)?;
     writeln!(
         w,
         "\nNew transfers: {}. Replays of a stored response: {}. Rejected: {} ({}). \
@@ -171,31 +149,15 @@ pub fn markdown(
         day.created,
         day.replayed,
         day.rejected,
-        day.rejected_by_reason
-            .iter()
-            .map(|(r, n)| format!("{n} {r}"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        day.rejected_by_reason.iter().map(|(r, n)| format!("{n} {r}")).collect::<Vec<_>>().join(", "),
         krw(day.double_paid_avoided)
     )
     .map_err(fmt)?;
-    writeln!(
-        w,
-        "What each repeated arrival got:\n\n| seq | kind | answer |\n|---:|---|---|"
-    )
-    .map_err(fmt)?;
+    writeln!(w, "What each repeated arrival got:\n\n| seq | kind | answer |\n|---:|---|---|").map_err(fmt)?;
     for a in answers.iter().filter(|a| a.kind != "first") {
-        let reason = a
-            .reason
-            .as_deref()
-            .map(|r| format!(" {r}"))
-            .unwrap_or_default();
-        writeln!(
-            w,
-            "| {} | {} | {} replay={}{} |",
-            a.seq, a.kind, a.status, a.replay, reason
-        )
-        .map_err(fmt)?;
+        let reason = a.reason.as_deref().map(|r| format!(" {r}")).unwrap_or_default();
+        writeln!(w, "| {} | {} | {} replay={}{} |", a.seq, a.kind, a.status, a.replay, reason)
+            .map_err(fmt)?;
     }
     writeln!(
         w,
@@ -218,11 +180,7 @@ pub fn markdown(
         writeln!(w, "- {risk}").map_err(fmt)?;
     }
 
-    writeln!(
-        w,
-        "\n## 운영 규칙\n\n*Operating rules* (from `policy.json`).\n"
-    )
-    .map_err(fmt)?;
+    writeln!(w, "\n## 운영 규칙\n\n*Operating rules* (from `policy.json`).\n").map_err(fmt)?;
     for rule in [
         format!("Scope: a key is `({})`.", policy.scope.join(", ")),
         format!(

@@ -139,11 +139,7 @@ fn arrivals(rng: &mut Rng) -> Vec<Arrival> {
     // under the scope, a collision under a global one.
     let shared = firsts[10].key.clone();
     firsts[60].key = shared;
-    firsts[60].client = if firsts[10].client == CLIENTS[0] {
-        CLIENTS[1]
-    } else {
-        CLIENTS[0]
-    };
+    firsts[60].client = if firsts[10].client == CLIENTS[0] { CLIENTS[1] } else { CLIENTS[0] };
 
     let mut extra = Vec::new();
     let mut target = 0;
@@ -171,12 +167,7 @@ fn arrivals(rng: &mut Rng) -> Vec<Arrival> {
     }
     // A key sent three times: a second identical retry of key 0.
     let first = &firsts[0];
-    extra.push(Arrival {
-        at_ms: first.at_ms + 120_000,
-        key: first.key.clone(),
-        kind: Kind::Retry,
-        ..*first
-    });
+    extra.push(Arrival { at_ms: first.at_ms + 120_000, key: first.key.clone(), kind: Kind::Retry, ..*first });
     let mut all: Vec<Arrival> = firsts.into_iter().chain(extra).collect();
     // stable: a same-instant retry stays after its original
     all.sort_by_key(|a| a.at_ms);
@@ -199,10 +190,7 @@ pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
              currency TEXT NOT NULL, created_at TEXT NOT NULL);",
     )?;
     for (i, holder) in HOLDERS.iter().enumerate() {
-        tx.execute(
-            "INSERT INTO account VALUES (?1, ?2, ?3)",
-            params![acct_id(i), holder, OPENING_BALANCE],
-        )?;
+        tx.execute("INSERT INTO account VALUES (?1, ?2, ?3)", params![acct_id(i), holder, OPENING_BALANCE])?;
     }
     let start = Timestamp::parse(DAY_START).map_err(|e| DayError(e.to_string()))?;
     let mut rng = Rng::new(0x1de3_2026_1130);
@@ -211,15 +199,7 @@ pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
         let at = start.plus_millis(a.at_ms).to_string();
         tx.execute(
             "INSERT INTO req_log VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![
-                seq,
-                at,
-                a.client,
-                ENDPOINT,
-                a.key,
-                a.kind.as_str(),
-                raw(a, a.kind)
-            ],
+            params![seq, at, a.client, ENDPOINT, a.key, a.kind.as_str(), raw(a, a.kind)],
         )?;
         // The naive system: every arrival is a new transfer.
         tx.execute(

@@ -53,10 +53,7 @@ pub struct Stored {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyState {
-    InProgress {
-        token: String,
-        lease_until: Timestamp,
-    },
+    InProgress { token: String, lease_until: Timestamp },
     Completed(Stored),
 }
 
@@ -106,11 +103,7 @@ pub trait Store {
 pub trait Tx {
     /// Inserts the claim. If the key already exists — the primary key says
     /// so, never an earlier lookup — returns its record and changes nothing.
-    fn insert_claim(
-        &mut self,
-        key: &ScopedKey,
-        claim: &Claim,
-    ) -> Result<Option<KeyRecord>, StoreError>;
+    fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError>;
     /// Overwrites an existing key with a fresh claim (stale lease, expired key).
     fn replace_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<(), StoreError>;
     fn key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError>;

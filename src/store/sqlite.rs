@@ -7,9 +7,7 @@
 //! commits with `synchronous=NORMAL` (no fsync) while the money-moving commit
 //! uses `FULL` (see the protocol module for why that is safe).
 
-use super::{
-    Account, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
-};
+use super::{Account, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::request::{AcctId, ScopedKey};
@@ -70,19 +68,14 @@ impl SqliteStore {
 
     /// Wraps a connection whose database already holds `account`.
     pub fn from_connection(conn: Connection, policy: &Policy) -> Result<Self, StoreError> {
-        conn.busy_timeout(Duration::from_millis(u64::from(policy.busy_timeout_ms)))
-            .map_err(backend)?;
+        conn.busy_timeout(Duration::from_millis(u64::from(policy.busy_timeout_ms))).map_err(backend)?;
         // Checkpointing on close would cost every short-lived process an extra
         // fsync and a WAL rewrite; SQLite checkpoints on its own every 1000 pages.
-        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true)
-            .map_err(backend)?;
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true).map_err(backend)?;
         if user_version(&conn)? != SCHEMA_VERSION {
             create_schema(&conn)?;
         }
-        Ok(SqliteStore {
-            conn,
-            synchronous: None,
-        })
+        Ok(SqliteStore { conn, synchronous: None })
     }
 
     /// The connection, for read-only inspection by the harness.
@@ -92,8 +85,7 @@ impl SqliteStore {
 }
 
 fn user_version(conn: &Connection) -> Result<i64, StoreError> {
-    conn.pragma_query_value(None, "user_version", |r| r.get(0))
-        .map_err(backend)
+    conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(backend)
 }
 
 fn create_schema(conn: &Connection) -> Result<(), StoreError> {
@@ -113,17 +105,15 @@ fn create_schema(conn: &Connection) -> Result<(), StoreError> {
     if !has_account {
         return Err(StoreError::Schema("database has no account table".into()));
     }
-    let _mode: String = conn
-        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
-        .map_err(backend)?;
+    let _mode: String =
+        conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0)).map_err(backend)?;
     // Two first calls may race here; the version re-read under the write
     // lock makes the loser a no-op.
     conn.execute_batch("BEGIN IMMEDIATE").map_err(backend)?;
     let created = (|| {
         if user_version(conn)? == 0 {
             conn.execute_batch(SCHEMA).map_err(backend)?;
-            conn.pragma_update(None, "user_version", SCHEMA_VERSION)
-                .map_err(backend)?;
+            conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(backend)?;
         }
         conn.execute_batch("COMMIT").map_err(backend)
     })();
@@ -158,17 +148,12 @@ impl Store for SqliteStore {
                 Durability::Lazy => "NORMAL",
                 Durability::Durable => "FULL",
             };
-            self.conn
-                .pragma_update(None, "synchronous", level)
-                .map_err(backend)?;
+            self.conn.pragma_update(None, "synchronous", level).map_err(backend)?;
             self.synchronous = Some(durability);
         }
         // IMMEDIATE takes the write lock now, so a claim never starts as a
         // reader and fails to upgrade later: it waits (busy_timeout) or fails.
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(backend)?;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(backend)?;
         Ok(SqliteTx { tx })
     }
 }
@@ -180,11 +165,7 @@ pub struct SqliteTx<'a> {
 const KEY_WHERE: &str = "client_id = ?1 AND endpoint = ?2 AND idem_key = ?3";
 
 impl Tx for SqliteTx<'_> {
-    fn insert_claim(
-        &mut self,
-        key: &ScopedKey,
-        claim: &Claim,
-    ) -> Result<Option<KeyRecord>, StoreError> {
+    fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
         let inserted = self
             .tx
             .prepare_cached(
@@ -243,16 +224,7 @@ impl Tx for SqliteTx<'_> {
             "SELECT fingerprint, state, token, created_at, lease_until, status, reason, body
              FROM idem_key WHERE {KEY_WHERE}"
         );
-        type Row = (
-            String,
-            String,
-            String,
-            String,
-            String,
-            Option<u16>,
-            Option<String>,
-            Option<String>,
-        );
+        type Row = (String, String, String, String, String, Option<u16>, Option<String>, Option<String>);
         let row: Option<Row> = self
             .tx
             .prepare_cached(&sql)
@@ -272,29 +244,17 @@ impl Tx for SqliteTx<'_> {
                 .optional()
             })
             .map_err(backend)?;
-        let Some((fingerprint, state, token, created_at, lease_until, status, reason, body)) = row
-        else {
+        let Some((fingerprint, state, token, created_at, lease_until, status, reason, body)) = row else {
             return Ok(None);
         };
         let corrupt = || StoreError::Backend(format!("corrupt idem_key row for {key:?}"));
         let time = |t: &str| Timestamp::parse(t).map_err(|_| corrupt());
         let state = match (state.as_str(), status, body) {
-            ("in_progress", _, _) => KeyState::InProgress {
-                token,
-                lease_until: time(&lease_until)?,
-            },
-            ("completed", Some(status), Some(body)) => KeyState::Completed(Stored {
-                status,
-                reason,
-                body,
-            }),
+            ("in_progress", _, _) => KeyState::InProgress { token, lease_until: time(&lease_until)? },
+            ("completed", Some(status), Some(body)) => KeyState::Completed(Stored { status, reason, body }),
             _ => return Err(corrupt()),
         };
-        Ok(Some(KeyRecord {
-            fingerprint,
-            created_at: time(&created_at)?,
-            state,
-        }))
+        Ok(Some(KeyRecord { fingerprint, created_at: time(&created_at)?, state }))
     }
 
     fn complete(
@@ -327,9 +287,7 @@ impl Tx for SqliteTx<'_> {
             .map_err(backend)?;
         match changed {
             1 => Ok(()),
-            _ => Err(StoreError::Backend(format!(
-                "completed a key that was not in progress: {key:?}"
-            ))),
+            _ => Err(StoreError::Backend(format!("completed a key that was not in progress: {key:?}"))),
         }
     }
 
@@ -346,9 +304,7 @@ impl Tx for SqliteTx<'_> {
             Value::Integer(i) => AcctId::Int(i),
             Value::Text(s) => AcctId::Text(s),
             other => {
-                return Err(StoreError::Schema(format!(
-                    "account id {other:?} is neither text nor integer"
-                )));
+                return Err(StoreError::Schema(format!("account id {other:?} is neither text nor integer")));
             }
         };
         match balance {
@@ -374,10 +330,7 @@ impl Tx for SqliteTx<'_> {
                  VALUES (?1, ?2, ?3, ?4, ?5) RETURNING transfer_id",
             )
             .and_then(|mut s| {
-                s.query_row(
-                    (t.src, t.dst, t.amount, t.currency, t.created_at.to_string()),
-                    |r| r.get(0),
-                )
+                s.query_row((t.src, t.dst, t.amount, t.currency, t.created_at.to_string()), |r| r.get(0))
             })
             .map_err(backend)
     }

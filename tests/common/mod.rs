@@ -36,12 +36,18 @@ impl Bank {
         let db = dir.path().join("bank.db");
         let conn = Connection::open(&db).unwrap();
         let ty = if int_ids { "INTEGER" } else { "TEXT" };
-        conn.execute_batch(&format!("CREATE TABLE account (acct_id {ty} PRIMARY KEY, holder TEXT, balance INTEGER)"))
-            .unwrap();
+        conn.execute_batch(&format!(
+            "CREATE TABLE account (acct_id {ty} PRIMARY KEY, holder TEXT, balance INTEGER)"
+        ))
+        .unwrap();
         let base = rng.below(1_000_000) as i64;
         let mut accounts = Vec::new();
         for i in 0..n as i64 {
-            let id = if int_ids { json!(base + i * 7) } else { json!(format!("acct-{:x}-{i}", rng.next_u64() % 65536)) };
+            let id = if int_ids {
+                json!(base + i * 7)
+            } else {
+                json!(format!("acct-{:x}-{i}", rng.next_u64() % 65536))
+            };
             let balance = 1_000 + rng.below(999_000) as i64;
             let sql_id: rusqlite::types::Value = match &id {
                 Value::String(s) => s.clone().into(),
@@ -92,7 +98,8 @@ impl Bank {
     /// `(src, dst, amount, currency)` of every transfer row, as JSON values.
     pub fn transfers(&self) -> Vec<(Value, Value, i64, String)> {
         let conn = Connection::open(&self.db).unwrap();
-        let Ok(mut stmt) = conn.prepare("SELECT src, dst, amount, currency FROM transfer ORDER BY transfer_id")
+        let Ok(mut stmt) =
+            conn.prepare("SELECT src, dst, amount, currency FROM transfer ORDER BY transfer_id")
         else {
             return Vec::new(); // the engine has not created the table yet
         };
