@@ -15,4 +15,5 @@ pub mod ledger; // balance checks and moves inside the execution transaction
 pub mod policy; // policy.json, embedded: every number the engine enforces
 pub mod protocol; // claim → execute → complete, replay, conflict; the core
 pub mod request; // request parsing and validation; every 400 reason
-pub mod store; // the Store trait and its SQLite implementation
+pub mod scenario;
+pub mod store; // the Store trait and its SQLite implementation // request sequences as data: parse, run, transcript

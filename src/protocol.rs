@@ -218,6 +218,24 @@ pub fn execute<S: Store>(
     }))
 }
 
+/// Requests that arrive in the same instant, interleaved as racers at their
+/// worst: every claim lands before any execution starts. This is the
+/// schedule in which a lookup-then-insert engine pays twice.
+pub fn together<S: Store>(store: &mut S, batch: &[(&Request, Ctx)]) -> Result<Vec<Outcome>, StoreError> {
+    let claims: Vec<_> = batch.iter().map(|(req, ctx)| claim(store, req, *ctx)).collect();
+    batch
+        .iter()
+        .zip(claims)
+        .map(|((req, ctx), claimed)| {
+            let outcome = claimed.and_then(|c| match c {
+                Claimed::Answer(response) => Ok(Outcome::Respond(response)),
+                Claimed::Mine => execute(store, req, *ctx, &mut |_| Flow::Continue),
+            });
+            unless_busy(outcome, ctx.policy)
+        })
+        .collect()
+}
+
 /// Deletes every key created before `before`; returns how many.
 pub fn purge<S: Store>(store: &mut S, before: Timestamp) -> Result<u64, StoreError> {
     let mut tx = store.begin(Durability::Durable)?;

@@ -26,6 +26,15 @@ pub enum AcctId {
     Text(String),
 }
 
+impl fmt::Display for AcctId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AcctId::Int(i) => write!(f, "{i}"),
+            AcctId::Text(s) => f.write_str(s),
+        }
+    }
+}
+
 impl AcctId {
     pub fn to_json(&self) -> Json {
         match self {

@@ -41,6 +41,11 @@ enum Command {
         #[arg(long, default_value = "out/result.json")]
         out: PathBuf,
     },
+    /// Run scenario files (scenarios/*.scn) step by step; stops at the first mismatch.
+    Scenario {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
     /// All of the above into DIR, plus policy.json and idem_report.md.
     Prove {
         #[arg(long, default_value = "out")]
@@ -73,6 +78,26 @@ fn run(command: Command, policy: &Policy) -> Result<(), DayError> {
             make_parent(&db)?;
             let (result, _) = day::replay_at(&log, &db, policy)?;
             emit(&out, &day::to_json(&result)?)?;
+        }
+        Command::Scenario { files } => {
+            for file in files {
+                let text = std::fs::read_to_string(&file)
+                    .map_err(|e| DayError(format!("cannot read {}: {e}", file.display())))?;
+                let outcome = idem::scenario::parse(&text).and_then(|s| idem::scenario::run(&s, policy));
+                println!("== {}", file.display());
+                match outcome {
+                    Ok(transcript) => println!("{transcript}ok"),
+                    Err(failure) => {
+                        print!("{}", failure.transcript);
+                        return Err(DayError(format!(
+                            "{} line {}: {}",
+                            file.display(),
+                            failure.line,
+                            failure.message
+                        )));
+                    }
+                }
+            }
         }
         Command::Prove { out } => {
             let r = day::prove(&out, policy)?;

@@ -8,7 +8,7 @@
 use super::DayError;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::protocol::{self, Claimed, Ctx, Flow, Outcome, Response};
+use crate::protocol::{self, Ctx, Outcome, Response};
 use crate::request::{self, ScopedKey};
 use crate::store::sqlite::SqliteStore;
 use rusqlite::Connection;
@@ -128,38 +128,31 @@ pub fn replay(
     Ok((result, answers))
 }
 
-/// Requests that arrive in the same instant: every claim lands before any
-/// execution starts, as when racers interleave worst.
+/// One instant of the log: parse each request (a 400 needs no store), then
+/// let the parsed ones race.
 fn run_instant(
     store: &mut SqliteStore,
     group: &[Logged],
     policy: &Policy,
 ) -> Result<Vec<Response>, DayError> {
     let tokens: Vec<String> = group.iter().map(|e| format!("seq-{}", e.seq)).collect();
-    let mut pending = Vec::new();
-    for (entry, token) in group.iter().zip(&tokens) {
-        pending.push(match request::parse(entry.raw.as_bytes(), policy) {
-            Err(e) => Err(Response::refusal(policy.on_invalid_request, e.to_string())),
-            Ok(req) => {
-                let ctx = Ctx { policy, now: entry.at, token };
-                match protocol::claim(store, &req, ctx)? {
-                    Claimed::Answer(response) => Err(response),
-                    Claimed::Mine => Ok((req, ctx)),
-                }
-            }
-        });
-    }
-    let mut responses = Vec::new();
-    for p in pending {
-        responses.push(match p {
-            Err(response) => response,
-            Ok((req, ctx)) => match protocol::execute(store, &req, ctx, &mut |_| Flow::Continue)? {
-                Outcome::Respond(response) => response,
-                Outcome::Crashed(p) => return Err(DayError(format!("unexpected crash at {p:?}"))),
+    let parsed: Vec<_> = group.iter().map(|e| request::parse(e.raw.as_bytes(), policy)).collect();
+    let batch: Vec<_> = parsed
+        .iter()
+        .zip(group.iter().zip(&tokens))
+        .filter_map(|(p, (e, token))| p.as_ref().ok().map(|req| (req, Ctx { policy, now: e.at, token })))
+        .collect();
+    let mut raced = protocol::together(store, &batch)?.into_iter();
+    parsed
+        .iter()
+        .map(|p| match p {
+            Err(e) => Ok(Response::refusal(policy.on_invalid_request, e.to_string())),
+            Ok(_) => match raced.next() {
+                Some(Outcome::Respond(response)) => Ok(response),
+                other => Err(DayError(format!("unexpected outcome {other:?}"))),
             },
-        });
-    }
-    Ok(responses)
+        })
+        .collect()
 }
 
 fn key_of(raw: &str, policy: &Policy) -> Option<ScopedKey> {

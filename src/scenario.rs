@@ -1,0 +1,445 @@
+//! Scenarios: request sequences written as data, run against the engine,
+//! each step checked against the expectation on its own line.
+//!
+//! The format is documented in `scenarios/README.md`. Beyond what each step
+//! states, the runner checks after every step what must always hold: every
+//! replay carries the bytes of the first answer for its key, no transfer
+//! lacks a completed key, and money is conserved.
+
+use crate::clock::Timestamp;
+use crate::policy::Policy;
+use crate::protocol::{self, Ctx, Flow, Outcome, Point, Response};
+use crate::request::{self, AcctId, ScopedKey};
+use crate::store::StoreError;
+use crate::store::sqlite::SqliteStore;
+use rusqlite::Connection;
+use serde_json::json;
+use std::collections::{BTreeSet, HashMap};
+use std::fmt::{self, Write};
+
+const DEFAULT_START: &str = "2026-12-01T00:00:00Z";
+
+/// What a step expects back: `=> STATUS [replay] [REASON-PREFIX]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expect {
+    pub status: u16,
+    pub replay: bool,
+    /// `None` expects a null reason; otherwise the reason must start with it.
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    At(Timestamp),
+    After(i64),
+    Send { raw: String, expect: Expect },
+    Crash { raw: String, point: Point },
+    Together(Vec<(usize, String, Expect)>),
+    Purge { before: Timestamp, purged: u64 },
+    Transfers(i64),
+    Balances(Vec<(AcctId, i64)>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    pub accounts: Vec<(AcctId, i64)>,
+    /// `(line number, source line, step)`
+    pub steps: Vec<(usize, String, Step)>,
+}
+
+/// A line that does not parse, or an expectation that did not hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub line: usize,
+    pub message: String,
+    /// The transcript up to and including the failing step.
+    pub transcript: String,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}line {}: {}", self.transcript, self.line, self.message)
+    }
+}
+
+fn fail(line: usize, message: impl Into<String>) -> Failure {
+    Failure { line, message: message.into(), transcript: String::new() }
+}
+
+fn acct(token: &str) -> AcctId {
+    token.parse().map_or_else(|_| AcctId::Text(token.to_string()), AcctId::Int)
+}
+
+fn acct_json(id: &AcctId) -> serde_json::Value {
+    match id {
+        AcctId::Int(i) => json!(i),
+        AcctId::Text(s) => json!(s),
+    }
+}
+
+fn parse_expect(line: usize, text: &str) -> Result<Expect, Failure> {
+    let mut words = text.split_whitespace();
+    let status =
+        words.next().and_then(|w| w.parse().ok()).ok_or_else(|| fail(line, "expected `=> STATUS`"))?;
+    let mut rest: Vec<&str> = words.collect();
+    let replay = rest.first() == Some(&"replay");
+    if replay {
+        rest.remove(0);
+    }
+    let reason = (!rest.is_empty()).then(|| rest.join(" "));
+    Ok(Expect { status, replay, reason })
+}
+
+/// `CLIENT ENDPOINT KEY SRC->DST AMOUNT [CURRENCY]` as compact request JSON.
+fn parse_send(line: usize, words: &[&str]) -> Result<String, Failure> {
+    let [client, endpoint, key, route, amount, rest @ ..] = words else {
+        return Err(fail(line, "expected CLIENT ENDPOINT KEY SRC->DST AMOUNT [CURRENCY]"));
+    };
+    let (src, dst) = route.split_once("->").ok_or_else(|| fail(line, "expected SRC->DST"))?;
+    let amount: i64 =
+        amount.parse().map_err(|_| fail(line, format!("amount {amount:?} is not an integer")))?;
+    let currency = rest.first().copied().unwrap_or("KRW");
+    Ok(json!({"client_id": client, "endpoint": endpoint, "idem_key": key,
+              "body": {"src": acct_json(&acct(src)), "dst": acct_json(&acct(dst)),
+                       "amount": amount, "currency": currency}})
+    .to_string())
+}
+
+fn parse_time(line: usize, text: &str) -> Result<Timestamp, Failure> {
+    Timestamp::parse(text).map_err(|e| fail(line, e.to_string()))
+}
+
+/// A request step: `send …` or `raw {json}`, each `=> EXPECT`.
+fn parse_request(line: usize, text: &str) -> Result<(String, Expect), Failure> {
+    let (req, expect) = text.rsplit_once("=>").ok_or_else(|| fail(line, "expected `=> STATUS`"))?;
+    let expect = parse_expect(line, expect)?;
+    let raw = match req.trim().split_once(' ') {
+        Some(("send", args)) => parse_send(line, &args.split_whitespace().collect::<Vec<_>>())?,
+        Some(("raw", json)) => json.trim().to_string(),
+        _ => return Err(fail(line, "expected `send …` or `raw …`")),
+    };
+    Ok((raw, expect))
+}
+
+/// Parses a scenario file's text.
+pub fn parse(text: &str) -> Result<Scenario, Failure> {
+    let mut accounts = Vec::new();
+    let mut steps = Vec::new();
+    let mut group: Option<(usize, String, Vec<(usize, String, Expect)>)> = None;
+    for (i, source) in text.lines().enumerate() {
+        let n = i + 1;
+        let line = source.split(" #").next().unwrap_or("").trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (verb, rest) = line.split_once(' ').unwrap_or((line, ""));
+        if let Some((_, _, members)) = &mut group {
+            match verb {
+                "end" => {
+                    let (start, head, members) = group.take().unwrap_or_default();
+                    if members.len() < 2 {
+                        return Err(fail(start, "a `together` group needs at least two requests"));
+                    }
+                    steps.push((start, head, Step::Together(members)));
+                }
+                "send" | "raw" => {
+                    let (raw, expect) = parse_request(n, line)?;
+                    members.push((n, raw, expect));
+                }
+                _ => return Err(fail(n, "only `send`, `raw` and `end` may stand inside `together`")),
+            }
+            continue;
+        }
+        let step = match verb {
+            "accounts" => {
+                for pair in rest.split_whitespace() {
+                    let (id, balance) = pair.split_once('=').ok_or_else(|| fail(n, "expected ID=BALANCE"))?;
+                    let balance = balance.parse().map_err(|_| fail(n, format!("balance {balance:?}")))?;
+                    accounts.push((acct(id), balance));
+                }
+                continue;
+            }
+            "together" => {
+                group = Some((n, line.to_string(), Vec::new()));
+                continue;
+            }
+            "at" => Step::At(parse_time(n, rest)?),
+            "after" => Step::After(parse_duration(rest).ok_or_else(|| fail(n, "expected e.g. 30s, 5m, 2h"))?),
+            "send" | "raw" => {
+                let (raw, expect) = parse_request(n, line)?;
+                Step::Send { raw, expect }
+            }
+            "crash" => {
+                let words: Vec<&str> = rest.split_whitespace().collect();
+                let (point, args) = match words.split_last() {
+                    Some((&"after-claim", a)) => (Point::AfterClaim, a),
+                    Some((&"before-commit", a)) => (Point::BeforeCommit, a),
+                    Some((&"after-commit", a)) => (Point::AfterCommit, a),
+                    _ => return Err(fail(n, "crash … ends with after-claim, before-commit or after-commit")),
+                };
+                Step::Crash { raw: parse_send(n, args)?, point }
+            }
+            "purge" => {
+                let (cut, count) =
+                    rest.split_once("=>").ok_or_else(|| fail(n, "expected purge TIME => N"))?;
+                let purged = count.trim().parse().map_err(|_| fail(n, "expected a count after =>"))?;
+                Step::Purge { before: parse_time(n, cut.trim())?, purged }
+            }
+            "expect" => match rest.split_once(' ') {
+                Some(("transfers", count)) => {
+                    Step::Transfers(count.trim().parse().map_err(|_| fail(n, "expect transfers N"))?)
+                }
+                Some(("balances", pairs)) => {
+                    let mut want = Vec::new();
+                    for pair in pairs.split_whitespace() {
+                        let (id, b) = pair.split_once('=').ok_or_else(|| fail(n, "expected ID=BALANCE"))?;
+                        want.push((acct(id), b.parse().map_err(|_| fail(n, format!("balance {b:?}")))?));
+                    }
+                    Step::Balances(want)
+                }
+                _ => return Err(fail(n, "expect transfers N | expect balances ID=BALANCE …")),
+            },
+            other => return Err(fail(n, format!("unknown step {other:?}"))),
+        };
+        steps.push((n, line.to_string(), step));
+    }
+    if let Some((start, _, _)) = group {
+        return Err(fail(start, "`together` without `end`"));
+    }
+    if accounts.is_empty() {
+        return Err(fail(1, "a scenario starts with `accounts ID=BALANCE …`"));
+    }
+    Ok(Scenario { accounts, steps })
+}
+
+fn parse_duration(text: &str) -> Option<i64> {
+    let text = text.trim();
+    let (number, unit) = text.split_at(text.len().checked_sub(1)?);
+    let n: i64 = number.parse().ok()?;
+    Some(n * [("s", 1), ("m", 60), ("h", 3600)].iter().find(|(u, _)| *u == unit)?.1)
+}
+
+/// Runs a scenario on a fresh in-memory database; returns the transcript.
+pub fn run(scenario: &Scenario, policy: &Policy) -> Result<String, Failure> {
+    let mut runner = Runner::new(scenario, policy).map_err(|e| fail(0, format!("setup: {e}")))?;
+    for (line, source, step) in &scenario.steps {
+        if let Err(message) = runner.step(*line, source, step) {
+            return Err(Failure { line: *line, message, transcript: runner.transcript });
+        }
+    }
+    Ok(runner.transcript)
+}
+
+struct Runner<'p> {
+    store: SqliteStore,
+    policy: &'p Policy,
+    now: Timestamp,
+    /// The first (non-replay) answer per key, which every replay must repeat.
+    first: HashMap<ScopedKey, Response>,
+    money: i64,
+    /// Transfers whose key was purged or expired: they may lack a key.
+    forgotten: BTreeSet<i64>,
+    transcript: String,
+}
+
+impl<'p> Runner<'p> {
+    fn new(s: &Scenario, policy: &'p Policy) -> Result<Self, StoreError> {
+        let conn = Connection::open_in_memory().map_err(|e| StoreError::Backend(e.to_string()))?;
+        let setup = || -> rusqlite::Result<()> {
+            conn.execute_batch("CREATE TABLE account (acct_id PRIMARY KEY, holder TEXT, balance INTEGER)")?;
+            for (id, balance) in &s.accounts {
+                conn.execute("INSERT INTO account VALUES (?1, 'scenario', ?2)", (id, balance))?;
+            }
+            Ok(())
+        };
+        setup().map_err(|e| StoreError::Backend(e.to_string()))?;
+        let money = s.accounts.iter().map(|(_, b)| b).sum();
+        let now = Timestamp::parse(DEFAULT_START).map_err(|e| StoreError::Backend(e.to_string()))?;
+        Ok(Runner {
+            store: SqliteStore::from_connection(conn, policy)?,
+            policy,
+            now,
+            first: HashMap::new(),
+            money,
+            forgotten: BTreeSet::new(),
+            transcript: String::new(),
+        })
+    }
+
+    fn log(&mut self, line: usize, source: &str, got: &str) {
+        let _ = writeln!(self.transcript, "{line:>4}  {source}\n      {got}");
+    }
+
+    fn step(&mut self, line: usize, source: &str, step: &Step) -> Result<(), String> {
+        match step {
+            Step::At(t) => self.now = *t,
+            Step::After(seconds) => self.now = self.now.plus_seconds(*seconds),
+            Step::Send { raw, expect } => {
+                let response = self.send(raw, line, None)?.ok_or("crashed with no crash point")?;
+                self.log(line, source, &response.to_json());
+                self.check(raw, &response, expect)?;
+            }
+            Step::Crash { raw, point } => {
+                let response = self.send(raw, line, Some(*point))?;
+                self.log(line, source, "(crashed, no answer)");
+                if response.is_some() {
+                    return Err(format!("expected a crash at {point:?}, got an answer"));
+                }
+            }
+            Step::Together(members) => {
+                let answers = self.together(members)?;
+                for ((n, raw, expect), response) in members.iter().zip(answers) {
+                    self.log(*n, &format!("  (together) {}", short(raw)), &response.to_json());
+                    self.check(raw, &response, expect).map_err(|e| format!("(line {n}) {e}"))?;
+                }
+            }
+            Step::Purge { before, purged } => {
+                let got = protocol::purge(&mut self.store, *before).map_err(|e| e.to_string())?;
+                self.log(line, source, &format!("{{\"purged\": {got}}}"));
+                if got != *purged {
+                    return Err(format!("expected {purged} purged, got {got}"));
+                }
+                // A purged key's next answer is a first answer again, and
+                // transfers made so far may have lost their keys.
+                for (_, first) in self.first.drain() {
+                    self.forgotten.extend(transfer_id(&first));
+                }
+            }
+            Step::Transfers(want) => {
+                let got = self.count("SELECT COUNT(*) FROM transfer")?;
+                self.log(line, source, &format!("transfers {got}"));
+                if got != *want {
+                    return Err(format!("expected {want} transfers, got {got}"));
+                }
+            }
+            Step::Balances(want) => {
+                let mut got = Vec::new();
+                for (id, _) in want {
+                    let balance: i64 = self
+                        .store
+                        .connection()
+                        .query_row("SELECT balance FROM account WHERE acct_id = ?1", [id], |r| r.get(0))
+                        .map_err(|e| format!("balance of {id:?}: {e}"))?;
+                    got.push((id.clone(), balance));
+                }
+                let shown: Vec<String> = got.iter().map(|(id, b)| format!("{id}={b}")).collect();
+                self.log(line, source, &format!("balances {}", shown.join(" ")));
+                if got != *want {
+                    return Err(format!("expected balances {want:?}, got {got:?}"));
+                }
+            }
+        }
+        self.invariants()
+    }
+
+    /// One request; `None` when it crashed at `crash`.
+    fn send(&mut self, raw: &str, line: usize, crash: Option<Point>) -> Result<Option<Response>, String> {
+        let req = match request::parse(raw.as_bytes(), self.policy) {
+            Ok(req) => req,
+            Err(e) => return Ok(Some(Response::refusal(self.policy.on_invalid_request, e.to_string()))),
+        };
+        let token = format!("line-{line}");
+        let mut faults = |p: Point| if Some(p) == crash { Flow::Crash } else { Flow::Continue };
+        let ctx = Ctx { policy: self.policy, now: self.now, token: &token };
+        match protocol::handle(&mut self.store, &req, ctx, &mut faults) {
+            Ok(Outcome::Respond(r)) => Ok(Some(r)),
+            Ok(Outcome::Crashed(_)) => Ok(None),
+            Err(e) => Err(format!("store error: {e}")),
+        }
+    }
+
+    fn together(&mut self, members: &[(usize, String, Expect)]) -> Result<Vec<Response>, String> {
+        let tokens: Vec<String> = members.iter().map(|(n, _, _)| format!("line-{n}")).collect();
+        let parsed: Vec<_> =
+            members.iter().map(|(_, raw, _)| request::parse(raw.as_bytes(), self.policy)).collect();
+        let batch: Vec<_> = parsed
+            .iter()
+            .zip(&tokens)
+            .filter_map(|(p, token)| {
+                p.as_ref().ok().map(|req| (req, Ctx { policy: self.policy, now: self.now, token }))
+            })
+            .collect();
+        let mut raced = protocol::together(&mut self.store, &batch).map_err(|e| e.to_string())?.into_iter();
+        parsed
+            .iter()
+            .map(|p| match p {
+                Err(e) => Ok(Response::refusal(self.policy.on_invalid_request, e.to_string())),
+                Ok(_) => match raced.next() {
+                    Some(Outcome::Respond(r)) => Ok(r),
+                    other => Err(format!("unexpected outcome {other:?}")),
+                },
+            })
+            .collect()
+    }
+
+    fn check(&mut self, raw: &str, got: &Response, want: &Expect) -> Result<(), String> {
+        let reason_ok = match (&want.reason, &got.reason) {
+            (None, None) => true,
+            (Some(w), Some(g)) => g.starts_with(w.as_str()),
+            _ => false,
+        };
+        if got.status != want.status || got.replay != want.replay || !reason_ok {
+            return Err(format!(
+                "expected {} {}{}\n      got      {}",
+                want.status,
+                if want.replay { "replay " } else { "" },
+                want.reason.as_deref().unwrap_or("(null reason)"),
+                got.to_json()
+            ));
+        }
+        let Ok(req) = request::parse(raw.as_bytes(), self.policy) else { return Ok(()) };
+        if got.replay {
+            let replayed = Response { replay: false, ..got.clone() };
+            // After a crash the first answer was never seen: this replay
+            // becomes the reference for the ones after it.
+            let first = self.first.entry(req.key).or_insert_with(|| replayed.clone());
+            if replayed != *first {
+                return Err(format!(
+                    "replay differs from the first answer\n      first    {}",
+                    first.to_json()
+                ));
+            }
+        } else if ![self.policy.on_in_flight, self.policy.on_fingerprint_mismatch, self.policy.on_busy]
+            .contains(&got.status)
+        {
+            // A new first answer for a known key: the old one expired.
+            if let Some(old) = self.first.insert(req.key, got.clone()) {
+                self.forgotten.extend(transfer_id(&old));
+            }
+        }
+        Ok(())
+    }
+
+    fn count(&self, sql: &str) -> Result<i64, String> {
+        self.store.connection().query_row(sql, [], |r| r.get(0)).map_err(|e| e.to_string())
+    }
+
+    fn invariants(&self) -> Result<(), String> {
+        let money = self.count("SELECT COALESCE(SUM(balance), 0) FROM account")?;
+        if money != self.money {
+            return Err(format!("money not conserved: {} before, {money} now", self.money));
+        }
+        let mut stmt = self
+            .store
+            .connection()
+            .prepare(
+                "SELECT transfer_id FROM transfer t WHERE NOT EXISTS
+                   (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')",
+            )
+            .map_err(|e| e.to_string())?;
+        let orphans: Vec<i64> =
+            stmt.query_map([], |r| r.get(0)).and_then(|rows| rows.collect()).map_err(|e| e.to_string())?;
+        if let Some(id) = orphans.iter().find(|id| !self.forgotten.contains(id)) {
+            return Err(format!("transfer {id} has no completed key"));
+        }
+        Ok(())
+    }
+}
+
+fn transfer_id(response: &Response) -> Option<i64> {
+    serde_json::from_str::<serde_json::Value>(&response.body).ok()?.get("transfer_id")?.as_i64()
+}
+
+fn short(raw: &str) -> String {
+    raw.chars().take(100).collect()
+}

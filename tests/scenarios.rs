@@ -1,0 +1,53 @@
+//! Runs every `scenarios/*.scn` file and snapshots its transcript into
+//! `snapshots/`: the transcript holds every answer, so the snapshot pins the
+//! replayed bytes across runs and releases.
+
+use std::path::Path;
+
+#[test]
+fn every_scenario_holds_and_its_answers_match_the_snapshot() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "scn"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 15, "only {} scenario files in {}", files.len(), dir.display());
+    let mut settings = insta::Settings::clone_current();
+    settings.set_snapshot_path("../snapshots");
+    settings.set_prepend_module_to_snapshot(false);
+    settings.bind(|| {
+        for file in files {
+            let name = file.file_stem().unwrap().to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(&file).unwrap();
+            let scenario = idem::scenario::parse(&text).unwrap_or_else(|f| panic!("{name}: {f}"));
+            let transcript = idem::scenario::run(&scenario, idem::policy::Policy::embedded())
+                .unwrap_or_else(|f| panic!("scenario {name} failed:\n{f}"));
+            insta::assert_snapshot!(format!("scenario_{name}"), transcript);
+        }
+    });
+}
+
+#[test]
+fn a_wrong_expectation_fails_with_the_line_and_both_answers() {
+    let text = "accounts A=10 B=0\nsend c /t k A->B 1 => 201\nsend c /t k A->B 1 => 201\n";
+    let failure =
+        idem::scenario::run(&idem::scenario::parse(text).unwrap(), idem::policy::Policy::embedded())
+            .unwrap_err();
+    assert_eq!(failure.line, 3);
+    assert!(failure.message.contains("expected 201") && failure.message.contains("\"replay\":true"));
+}
+
+#[test]
+fn malformed_scenarios_are_rejected_with_their_line() {
+    for (text, line) in [
+        ("send c /t k A->B 1 => 201", 1),
+        ("accounts A=1\nsend c /t k A->B => 201", 2),
+        ("accounts A=1\ntogether\nsend c /t k A->B 1 => 201\n", 2),
+        ("accounts A=1\nfrobnicate", 2),
+        ("accounts A=1\nat yesterday", 2),
+    ] {
+        assert_eq!(idem::scenario::parse(text).unwrap_err().line, line, "{text}");
+    }
+}
