@@ -28,13 +28,16 @@ pub struct Expect {
     pub reason: Option<String>,
 }
 
+/// One request of a `together` group: `(line number, raw request, expectation)`.
+pub type Member = (usize, String, Expect);
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
     At(Timestamp),
     After(i64),
     Send { raw: String, expect: Expect },
     Crash { raw: String, point: Point },
-    Together(Vec<(usize, String, Expect)>),
+    Together(Vec<Member>),
     Purge { before: Timestamp, purged: u64 },
     Transfers(i64),
     Balances(Vec<(AcctId, i64)>),
@@ -125,7 +128,7 @@ fn parse_request(line: usize, text: &str) -> Result<(String, Expect), Failure> {
 pub fn parse(text: &str) -> Result<Scenario, Failure> {
     let mut accounts = Vec::new();
     let mut steps = Vec::new();
-    let mut group: Option<(usize, String, Vec<(usize, String, Expect)>)> = None;
+    let mut group: Option<(usize, String, Vec<Member>)> = None;
     for (i, source) in text.lines().enumerate() {
         let n = i + 1;
         let line = source.split(" #").next().unwrap_or("").trim();
@@ -348,7 +351,7 @@ impl<'p> Runner<'p> {
         }
     }
 
-    fn together(&mut self, members: &[(usize, String, Expect)]) -> Result<Vec<Response>, String> {
+    fn together(&mut self, members: &[Member]) -> Result<Vec<Response>, String> {
         let tokens: Vec<String> = members.iter().map(|(n, _, _)| format!("line-{n}")).collect();
         let parsed: Vec<_> =
             members.iter().map(|(_, raw, _)| request::parse(raw.as_bytes(), self.policy)).collect();
