@@ -17,3 +17,4 @@ pub mod protocol; // claim → execute → complete, replay, conflict; the core
 pub mod request; // request parsing and validation; every 400 reason
 pub mod scenario;
 pub mod store; // the Store trait and its SQLite implementation // request sequences as data: parse, run, transcript
+pub mod teeth; // deliberately broken variants (feature "teeth") that the tests must catch

@@ -25,6 +25,7 @@ use crate::ledger::{self, Refusal};
 use crate::policy::Policy;
 use crate::request::{AcctId, Request, Transfer};
 use crate::store::{Claim, Durability, KeyRecord, KeyState, Store, StoreError, Stored, Tx};
+use crate::teeth::{self, Broken};
 
 /// One response, as printed: `{"status","replay","reason","body"}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,6 +164,15 @@ pub fn claim<S: Store>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed
         lease_until: ctx.now.plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
     };
     let mut tx = store.begin(Durability::Lazy)?;
+    if teeth::is(Broken::LookupThenInsert) {
+        return match tx.key(&req.key)? {
+            Some(existing) => Ok(Claimed::Answer(answer(
+                decide(&existing, &req.fingerprint, ctx.now, ctx.policy),
+                ctx.policy,
+            ))),
+            None => Ok(Claimed::Mine), // the insert comes later, with the money
+        };
+    }
     if let Some(existing) = tx.insert_claim(&req.key, &claim)? {
         match decide(&existing, &req.fingerprint, ctx.now, ctx.policy) {
             Decision::TakeOver => claim.created_at = existing.created_at,
@@ -170,6 +180,10 @@ pub fn claim<S: Store>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed
             other => return Ok(Claimed::Answer(answer(other, ctx.policy))),
         }
         tx.replace_claim(&req.key, &claim)?;
+    }
+    if teeth::is(Broken::CompletedBeforeExecute) {
+        let done = Stored { status: 201, reason: None, body: "{}".into() };
+        tx.complete(&req.key, &done, None, ctx.now)?;
     }
     tx.commit()?;
     Ok(Claimed::Mine)
@@ -184,6 +198,18 @@ pub fn execute<S: Store>(
     faults: &mut dyn FnMut(Point) -> Flow,
 ) -> Result<Outcome, StoreError> {
     let mut tx = store.begin(Durability::Durable)?;
+    if teeth::is(Broken::LookupThenInsert) || teeth::is(Broken::CompletedBeforeExecute) {
+        // No fence: whatever the key holds now, this attempt writes over it.
+        let claim = Claim {
+            fingerprint: req.fingerprint.clone(),
+            token: ctx.token.to_owned(),
+            created_at: ctx.now,
+            lease_until: ctx.now,
+        };
+        if tx.insert_claim(&req.key, &claim)?.is_some() {
+            tx.replace_claim(&req.key, &claim)?;
+        }
+    }
     match tx.key(&req.key)? {
         Some(KeyRecord { state: KeyState::InProgress { token, .. }, .. }) if token == ctx.token => {}
         // We lost the claim while we were away (lease taken over, key
@@ -239,6 +265,10 @@ pub fn together<S: Store>(store: &mut S, batch: &[(&Request, Ctx)]) -> Result<Ve
 /// Deletes every key created before `before`; returns how many.
 pub fn purge<S: Store>(store: &mut S, before: Timestamp) -> Result<u64, StoreError> {
     let mut tx = store.begin(Durability::Durable)?;
+    let before = match teeth::is(Broken::PurgeIgnoresCut) {
+        true => Timestamp::parse("9999-12-31T23:59:59Z").unwrap_or(before),
+        false => before,
+    };
     let purged = tx.purge(before)?;
     tx.commit()?;
     Ok(purged)
@@ -246,6 +276,10 @@ pub fn purge<S: Store>(store: &mut S, before: Timestamp) -> Result<u64, StoreErr
 
 fn answer(decision: Decision, policy: &Policy) -> Response {
     match decision {
+        Decision::Replay(stored) if teeth::is(Broken::RecomputedReplay) => {
+            let rebuilt = serde_json::from_str::<serde_json::Value>(&stored.body).map(|v| v.to_string());
+            Response::replay_of(Stored { body: rebuilt.unwrap_or(stored.body), ..stored })
+        }
         Decision::Replay(stored) => Response::replay_of(stored),
         Decision::Mismatch => Response::refusal(policy.on_fingerprint_mismatch, "fingerprint_mismatch"),
         Decision::InProgress | Decision::TakeOver | Decision::Expired => in_progress(policy),

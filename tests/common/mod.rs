@@ -2,6 +2,8 @@
 //! accounts and balances, and a way to drive the real `idem_api` binary.
 #![allow(dead_code)] // each test file uses a different part
 
+pub mod storm;
+
 use idem::day::traffic::Rng;
 use rusqlite::Connection;
 use serde_json::{Value, json};

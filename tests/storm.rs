@@ -1,0 +1,24 @@
+//! Property storms: random days over a few clients, accounts and a tiny key
+//! space — identical, reordered and re-spaced retries, amount-changed retries,
+//! different keys with the same body, crashes at every point, races, purges,
+//! bad bodies, expiries — run through the engine (SQLite, in memory) and
+//! through a plain-map oracle. Every answer, every balance and the transfer
+//! count must agree, and the invariants hold after every step.
+//!
+//! `PROPTEST_CASES` sets the number of days (256 by default; `just storm`
+//! runs tens of thousands).
+
+mod common;
+
+use common::storm::{ACCOUNTS, op, run_day};
+use proptest::prelude::*;
+
+proptest! {
+    #[test]
+    fn engine_agrees_with_the_oracle_on_random_days(
+        balances in prop::array::uniform::<_, ACCOUNTS>(0i64..2_000),
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        run_day(balances, ops)?;
+    }
+}

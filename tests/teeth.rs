@@ -1,0 +1,66 @@
+//! Teeth: each classic mistake of this lab, switched on in turn, must turn
+//! the suite red. Runs with `cargo test --release --features teeth --test teeth`
+//! (CI does). For each broken variant it runs every scenario and a property
+//! storm, and prints which of them caught it.
+#![cfg(feature = "teeth")]
+
+mod common;
+
+use common::storm::{ACCOUNTS, op, run_day};
+use idem::policy::Policy;
+use idem::teeth::{self, Broken};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use std::path::Path;
+
+fn failing_scenarios() -> Vec<String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let mut files: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.retain(|p| p.extension().is_some_and(|e| e == "scn"));
+    files.sort();
+    files
+        .iter()
+        .filter(|f| {
+            let scenario = idem::scenario::parse(&std::fs::read_to_string(f).unwrap()).unwrap();
+            idem::scenario::run(&scenario, Policy::embedded()).is_err()
+        })
+        .map(|f| f.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// The storm's verdict: `Some(minimal failing day)` if it caught the engine.
+fn storm_catches(cases: u32) -> Option<String> {
+    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
+    let strategy = (prop::array::uniform::<_, ACCOUNTS>(0i64..2_000), prop::collection::vec(op(), 1..40));
+    runner.run(&strategy, |(balances, ops)| run_day(balances, ops)).err().map(|e| e.to_string())
+}
+
+#[test]
+fn every_broken_engine_is_caught() {
+    teeth::set(None);
+    assert_eq!(failing_scenarios(), Vec::<String>::new(), "the real engine must pass");
+    assert_eq!(storm_catches(64), None, "the real engine must pass");
+
+    let mut caught = 0;
+    let mut table = String::from("| broken variant | scenarios that fail | storm |\n|---|---|---|\n");
+    for variant in Broken::ALL {
+        teeth::set(Some(variant));
+        let scenarios = failing_scenarios();
+        let storm = storm_catches(2_000);
+        teeth::set(None);
+        if !scenarios.is_empty() || storm.is_some() {
+            caught += 1;
+        }
+        let storm_word = if storm.is_some() { "caught" } else { "missed" };
+        table.push_str(&format!(
+            "| {variant:?} | {} ({}) | {storm_word} |\n",
+            scenarios.len(),
+            scenarios.join(", ")
+        ));
+        if let Some(counterexample) = storm {
+            eprintln!("{variant:?}: storm counterexample:\n{counterexample}\n");
+        }
+    }
+    println!("{table}\ncaught {caught} / {}", Broken::ALL.len());
+    assert_eq!(caught, Broken::ALL.len(), "{table}");
+}
