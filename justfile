@@ -10,6 +10,14 @@ test:
     cargo fmt --check
     cargo clippy --all-targets -- -D warnings
 
+# The deep property storm: tens of thousands of random days.
+storm cases="20000":
+    PROPTEST_CASES={{cases}} cargo test --release --test storm
+
+# Switch on each deliberately broken engine and show what catches it.
+teeth:
+    cargo test --release --features teeth --test teeth -- --nocapture
+
 # What CI runs, from this checkout.
 ci:
     bash .ci/run

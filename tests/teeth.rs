@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::loom_model::race;
 use common::storm::{ACCOUNTS, op, run_day};
 use idem::policy::Policy;
 use idem::teeth::{self, Broken};
@@ -35,27 +36,42 @@ fn storm_catches(cases: u32) -> Option<String> {
     runner.run(&strategy, |(balances, ops)| run_day(balances, ops)).err().map(|e| e.to_string())
 }
 
+/// Whether the loom model (two racers, then two with one dying) panics.
+fn loom_catches() -> bool {
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let caught = std::panic::catch_unwind(|| race(&[false, false])).is_err()
+        || std::panic::catch_unwind(|| race(&[true, false])).is_err();
+    std::panic::set_hook(quiet);
+    caught
+}
+
 #[test]
 fn every_broken_engine_is_caught() {
     teeth::set(None);
     assert_eq!(failing_scenarios(), Vec::<String>::new(), "the real engine must pass");
     assert_eq!(storm_catches(64), None, "the real engine must pass");
+    assert!(!loom_catches(), "the real engine must pass");
 
     let mut caught = 0;
-    let mut table = String::from("| broken variant | scenarios that fail | storm |\n|---|---|---|\n");
+    let mut table =
+        String::from("| broken variant | scenarios that fail | storm | loom |\n|---|---|---|---|\n");
     for variant in Broken::ALL {
         teeth::set(Some(variant));
         let scenarios = failing_scenarios();
         let storm = storm_catches(2_000);
+        let loom = loom_catches();
         teeth::set(None);
-        if !scenarios.is_empty() || storm.is_some() {
+        if !scenarios.is_empty() || storm.is_some() || loom {
             caught += 1;
         }
-        let storm_word = if storm.is_some() { "caught" } else { "missed" };
+        let word = |hit: bool| if hit { "caught" } else { "missed" };
         table.push_str(&format!(
-            "| {variant:?} | {} ({}) | {storm_word} |\n",
+            "| {variant:?} | {} ({}) | {} | {} |\n",
             scenarios.len(),
-            scenarios.join(", ")
+            scenarios.join(", "),
+            word(storm.is_some()),
+            word(loom)
         ));
         if let Some(counterexample) = storm {
             eprintln!("{variant:?}: storm counterexample:\n{counterexample}\n");

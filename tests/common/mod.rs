@@ -2,6 +2,7 @@
 //! accounts and balances, and a way to drive the real `idem_api` binary.
 #![allow(dead_code)] // each test file uses a different part
 
+pub mod loom_model;
 pub mod storm;
 
 use idem::day::traffic::Rng;

@@ -1,0 +1,81 @@
+//! Races across real processes: K `idem_api` processes on one SQLite file,
+//! started together, sending overlapping keys in different orders. Afterwards
+//! every key has paid at most once, every 201 for a key names the same
+//! transfer, and the balances are what paying each key once gives.
+
+mod common;
+
+use common::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Barrier};
+
+const PROCESSES: usize = 6;
+const KEYS: usize = 12;
+
+#[test]
+fn processes_racing_on_overlapping_keys_pay_each_key_once() {
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 3, false);
+    let before = bank.balances();
+    // key i moves amounts[i] from account i % 3 to (i + 1) % 3
+    let amounts: Vec<i64> = (0..KEYS).map(|_| 1 + rng.below(50) as i64).collect();
+    let files: Vec<_> = (0..KEYS)
+        .map(|i| {
+            let (s, d) = (&bank.accounts[i % 3], &bank.accounts[(i + 1) % 3]);
+            bank.request_file(&request("c", "/t", &format!("race-{i}"), s, d, amounts[i]))
+        })
+        .collect();
+    let barrier = Arc::new(Barrier::new(PROCESSES));
+    let workers: Vec<_> = (0..PROCESSES)
+        .map(|p| {
+            let order: Vec<usize> = (0..KEYS).map(|i| (i * (p + 1) + p) % KEYS).collect();
+            let (files, db, barrier) = (files.clone(), bank.db.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                order
+                    .into_iter()
+                    .map(|i| {
+                        let out = std::process::Command::new(API)
+                            .arg("--db")
+                            .arg(&db)
+                            .arg("--request")
+                            .arg(&files[i])
+                            .output()
+                            .unwrap();
+                        (i, Reply::from_output(out))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let replies: Vec<(usize, Reply)> = workers.into_iter().flat_map(|w| w.join().unwrap()).collect();
+
+    let mut ids: BTreeMap<usize, BTreeSet<i64>> = BTreeMap::new();
+    let mut fresh: BTreeMap<usize, usize> = BTreeMap::new();
+    for (i, r) in &replies {
+        match (r.status(), r.replay(), r.reason()) {
+            (201, replay, None) => {
+                ids.entry(*i).or_default().insert(r.json["body"]["transfer_id"].as_i64().unwrap());
+                *fresh.entry(*i).or_default() += usize::from(!replay);
+            }
+            (409, false, Some("in_progress")) => {}
+            other => panic!("key {i}: unexpected {other:?}"),
+        }
+    }
+    assert!(ids.values().all(|s| s.len() == 1), "a key named two transfers: {ids:?}");
+    assert!(fresh.values().all(|n| *n == 1), "a key executed twice: {fresh:?}");
+    assert_eq!(bank.transfers().len(), ids.len());
+    let mut want = before.clone();
+    for &i in ids.keys() {
+        want[i % 3] -= amounts[i];
+        want[(i + 1) % 3] += amounts[i];
+    }
+    assert_eq!(bank.balances(), want);
+    assert_eq!(want.iter().sum::<i64>(), before.iter().sum::<i64>());
+    // the last process to touch each key saw it completed, or a retry now does
+    for (i, file) in files.iter().enumerate() {
+        let r = Reply::from_output(bank.command(file).output().unwrap());
+        assert_eq!(r.status(), 201, "key {i}");
+    }
+    assert_eq!(bank.transfers().len(), KEYS);
+}
