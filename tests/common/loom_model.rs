@@ -143,7 +143,7 @@ pub fn race(crashes: &'static [bool]) {
             }
             KeyState::InProgress { .. } => assert!(state.transfers.is_empty() && died == 1),
         }
-        for r in answers.iter().flatten().filter(|r| !(r.status == 201)) {
+        for r in answers.iter().flatten().filter(|r| r.status != 201) {
             assert_eq!((r.status, r.reason.as_deref()), (409, Some("in_progress")));
         }
         if died == 0 {
