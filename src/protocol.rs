@@ -23,7 +23,7 @@
 use crate::clock::Timestamp;
 use crate::ledger::{self, Refusal};
 use crate::policy::Policy;
-use crate::request::{AcctId, Request, Transfer};
+use crate::request::{AcctId, Request, ScopedKey, Transfer};
 use crate::store::{Claim, Durability, KeyRecord, KeyState, Store, StoreError, Stored, Tx};
 use crate::teeth::{self, Broken};
 
@@ -272,6 +272,49 @@ pub fn purge<S: Store>(store: &mut S, before: Timestamp) -> Result<u64, StoreErr
     let purged = tx.purge(before)?;
     tx.commit()?;
     Ok(purged)
+}
+
+/// A claim still `in_progress`: its holder is executing now, or died.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenClaim {
+    pub key: ScopedKey,
+    pub created_at: Timestamp,
+    pub lease_until: Timestamp,
+    /// The lease has run out: the holder is presumed dead.
+    pub stale: bool,
+}
+
+/// Every claim still in progress at `now`, oldest first.
+pub fn open_claims<S: Store>(store: &mut S, now: Timestamp) -> Result<Vec<OpenClaim>, StoreError> {
+    let mut tx = store.begin(Durability::Lazy)?;
+    let claims = tx.in_progress()?;
+    Ok(claims
+        .into_iter()
+        .filter_map(|(key, rec)| match rec.state {
+            KeyState::InProgress { lease_until, .. } => {
+                Some(OpenClaim { key, created_at: rec.created_at, lease_until, stale: lease_until <= now })
+            }
+            KeyState::Completed(_) => None,
+        })
+        .collect())
+}
+
+/// Deletes the stale claims (lease run out) and returns their keys. Safe:
+/// money moves only in the transaction that completes a key, so an
+/// in-progress key has moved none, and its next request starts afresh.
+pub fn release_stale<S: Store>(store: &mut S, now: Timestamp) -> Result<Vec<ScopedKey>, StoreError> {
+    let mut tx = store.begin(Durability::Durable)?;
+    let mut released = Vec::new();
+    for (key, rec) in tx.in_progress()? {
+        if let KeyState::InProgress { token, lease_until } = rec.state
+            && lease_until <= now
+            && tx.release(&key, &token)?
+        {
+            released.push(key);
+        }
+    }
+    tx.commit()?;
+    Ok(released)
 }
 
 fn answer(decision: Decision, policy: &Policy) -> Response {

@@ -241,7 +241,13 @@ fn simultaneous_pair_with_the_same_key_executes_exactly_once() {
     for round in 0..20 {
         let file = bank.request_file(&request("c", EP, &key(&mut rng), s, d, 1));
         let children: Vec<_> = (0..2)
-            .map(|_| bank.command(&file).stdout(std::process::Stdio::piped()).spawn().unwrap())
+            .map(|_| {
+                bank.command(&file)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
             .collect();
         let replies: Vec<Reply> =
             children.into_iter().map(|c| Reply::from_output(c.wait_with_output().unwrap())).collect();
@@ -261,12 +267,18 @@ fn simultaneous_pair_with_the_same_key_executes_exactly_once() {
 fn a_fresh_database_survives_two_first_calls_at_once() {
     // The very first call creates the schema and switches to WAL; racing
     // first calls must neither fail nor both pay.
-    for _ in 0..10 {
+    for _ in 0..30 {
         let mut rng = rng();
         let bank = Bank::new(&mut rng, 2, false);
         let file = bank.request_file(&request("c", EP, "k", &bank.accounts[0], &bank.accounts[1], 1));
         let children: Vec<_> = (0..3)
-            .map(|_| bank.command(&file).stdout(std::process::Stdio::piped()).spawn().unwrap())
+            .map(|_| {
+                bank.command(&file)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
             .collect();
         let fresh = children
             .into_iter()

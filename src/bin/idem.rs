@@ -2,8 +2,11 @@
 //! into `idem::day`; exit 0 on success, 1 with one line on stderr otherwise.
 
 use clap::{Parser, Subcommand};
+use idem::clock::Timestamp;
 use idem::day::{self, DayError};
 use idem::policy::Policy;
+use idem::protocol;
+use idem::store::sqlite::SqliteStore;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -45,6 +48,18 @@ enum Command {
     Scenario {
         #[arg(required = true)]
         files: Vec<PathBuf>,
+    },
+    /// List claims still in progress (live or stale); --release deletes the stale ones.
+    ///
+    /// A stale claim is one whose lease has run out: its process died before
+    /// moving money, so releasing it lets the next retry start afresh.
+    /// IDEM_NOW=<RFC 3339> fixes the clock.
+    Recover {
+        #[arg(long)]
+        db: PathBuf,
+        /// Delete the stale claims and print {"released": N}.
+        #[arg(long)]
+        release: bool,
     },
     /// All of the above into DIR, plus policy.json and idem_report.md.
     Prove {
@@ -96,6 +111,30 @@ fn run(command: Command, policy: &Policy) -> Result<(), DayError> {
                             failure.message
                         )));
                     }
+                }
+            }
+        }
+        Command::Recover { db, release } => {
+            let now = match std::env::var("IDEM_NOW") {
+                Ok(text) => Timestamp::parse(&text).map_err(|e| DayError(format!("IDEM_NOW: {e}")))?,
+                Err(_) => Timestamp::now(),
+            };
+            let mut store = SqliteStore::open(&db, policy)?;
+            if release {
+                let released = protocol::release_stale(&mut store, now)?;
+                for key in &released {
+                    println!("released {} {} {}", key.client_id, key.endpoint, key.idem_key);
+                }
+                println!("{{\"released\": {}}}", released.len());
+            } else {
+                println!("state\tclient_id\tendpoint\tidem_key\tcreated_at\tlease_until");
+                for c in protocol::open_claims(&mut store, now)? {
+                    let state = if c.stale { "stale" } else { "live" };
+                    let k = &c.key;
+                    println!(
+                        "{state}\t{}\t{}\t{}\t{}\t{}",
+                        k.client_id, k.endpoint, k.idem_key, c.created_at, c.lease_until
+                    );
                 }
             }
         }

@@ -121,5 +121,9 @@ pub trait Tx {
     fn insert_transfer(&mut self, transfer: &NewTransfer) -> Result<i64, StoreError>;
     /// Deletes every key created before `before`; returns how many.
     fn purge(&mut self, before: Timestamp) -> Result<u64, StoreError>;
+    /// Every key still `in_progress`, oldest first.
+    fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError>;
+    /// Deletes the key if it is still in progress under `token`.
+    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError>;
     fn commit(self) -> Result<(), StoreError>;
 }

@@ -73,7 +73,18 @@ impl SqliteStore {
         // fsync and a WAL rewrite; SQLite checkpoints on its own every 1000 pages.
         conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true).map_err(backend)?;
         if user_version(&conn)? != SCHEMA_VERSION {
-            create_schema(&conn)?;
+            // Racing first calls can meet SQLite's deadlock-avoiding BUSY
+            // (returned at once, without waiting) while one of them switches
+            // the journal mode; retry within the same budget as any lock wait.
+            let budget = std::time::Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
+            let mut pause_ms = 1;
+            while let Err(e) = create_schema(&conn) {
+                if e != StoreError::Busy || std::time::Instant::now() >= budget {
+                    return Err(e);
+                }
+                std::thread::sleep(Duration::from_millis(pause_ms));
+                pause_ms = (pause_ms * 2).min(50);
+            }
         }
         Ok(SqliteStore { conn, synchronous: None })
     }
@@ -88,22 +99,36 @@ fn user_version(conn: &Connection) -> Result<i64, StoreError> {
     conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(backend)
 }
 
+/// Checks, before writing anything, that the file is one the engine may
+/// extend: version 0, an `account` table, and no `transfer`/`idem_key` tables
+/// of another shape. Then switches to WAL and creates what is missing.
 fn create_schema(conn: &Connection) -> Result<(), StoreError> {
     let v = user_version(conn)?;
+    if v == SCHEMA_VERSION {
+        return Ok(()); // another first call got here first
+    }
     if v != 0 {
         return Err(StoreError::Schema(format!(
             "database has schema version {v}; this idem understands version {SCHEMA_VERSION}"
         )));
     }
-    let has_account: bool = conn
-        .query_row(
-            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'account')",
-            [],
-            |r| r.get(0),
-        )
-        .map_err(backend)?;
-    if !has_account {
+    if columns(conn, "account")?.is_empty() {
         return Err(StoreError::Schema("database has no account table".into()));
+    }
+    for (table, wanted) in [
+        ("account", &ACCOUNT_COLUMNS[..]),
+        ("transfer", &TRANSFER_COLUMNS[..]),
+        ("idem_key", &KEY_COLUMNS[..]),
+    ] {
+        let have = columns(conn, table)?;
+        let missing: Vec<&str> =
+            wanted.iter().copied().filter(|c| !have.is_empty() && !have.iter().any(|h| h == c)).collect();
+        if !missing.is_empty() {
+            return Err(StoreError::Schema(format!(
+                "table {table} exists without column(s) {}: not a schema this idem can use",
+                missing.join(", ")
+            )));
+        }
     }
     let _mode: String =
         conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0)).map_err(backend)?;
@@ -121,6 +146,31 @@ fn create_schema(conn: &Connection) -> Result<(), StoreError> {
         let _ = conn.execute_batch("ROLLBACK");
     }
     created
+}
+
+const ACCOUNT_COLUMNS: [&str; 2] = ["acct_id", "balance"];
+const TRANSFER_COLUMNS: [&str; 6] = ["transfer_id", "src", "dst", "amount", "currency", "created_at"];
+const KEY_COLUMNS: [&str; 13] = [
+    "client_id",
+    "endpoint",
+    "idem_key",
+    "fingerprint",
+    "state",
+    "token",
+    "created_at",
+    "lease_until",
+    "status",
+    "reason",
+    "body",
+    "transfer_id",
+    "completed_at",
+];
+
+/// The column names of `table`; empty if there is no such table.
+fn columns(conn: &Connection, table: &str) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare("SELECT name FROM pragma_table_info(?1)").map_err(backend)?;
+    let names = stmt.query_map([table], |r| r.get(0)).and_then(|rows| rows.collect());
+    names.map_err(backend)
 }
 
 fn backend(e: rusqlite::Error) -> StoreError {
@@ -340,6 +390,38 @@ impl Tx for SqliteTx<'_> {
             .prepare_cached("DELETE FROM idem_key WHERE created_at < ?1")
             .and_then(|mut s| s.execute([before.to_string()]))
             .map(|n| n as u64)
+            .map_err(backend)
+    }
+
+    fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
+        let keys: Vec<ScopedKey> = self
+            .tx
+            .prepare_cached(
+                "SELECT client_id, endpoint, idem_key FROM idem_key
+                 WHERE state = 'in_progress' ORDER BY created_at, client_id, endpoint, idem_key",
+            )
+            .and_then(|mut s| {
+                s.query_map([], |r| {
+                    Ok(ScopedKey { client_id: r.get(0)?, endpoint: r.get(1)?, idem_key: r.get(2)? })
+                })?
+                .collect()
+            })
+            .map_err(backend)?;
+        let mut claims = Vec::new();
+        for key in keys {
+            if let Some(record) = self.key(&key)? {
+                claims.push((key, record));
+            }
+        }
+        Ok(claims)
+    }
+
+    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        let sql = format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?4");
+        self.tx
+            .prepare_cached(&sql)
+            .and_then(|mut s| s.execute((&key.client_id, &key.endpoint, &key.idem_key, token)))
+            .map(|n| n == 1)
             .map_err(backend)
     }
 

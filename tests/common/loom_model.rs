@@ -82,6 +82,17 @@ impl Tx for MemTx<'_> {
         self.work.keys.retain(|_, r| r.created_at >= before);
         Ok((n - self.work.keys.len()) as u64)
     }
+    fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
+        let open = self.work.keys.iter().filter(|(_, r)| matches!(r.state, KeyState::InProgress { .. }));
+        Ok(open.map(|(k, r)| (k.clone(), r.clone())).collect())
+    }
+    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        let held = matches!(self.work.keys.get(key), Some(KeyRecord { state: KeyState::InProgress { token: t, .. }, .. }) if t == token);
+        if held {
+            self.work.keys.remove(key);
+        }
+        Ok(held)
+    }
     fn commit(mut self) -> Result<(), StoreError> {
         *self.guard = std::mem::take(&mut self.work);
         Ok(())
