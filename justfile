@@ -14,6 +14,10 @@ test:
 storm cases="20000":
     PROPTEST_CASES={{cases}} cargo test --release --test storm
 
+# The long kill test: 3000 idem_api processes killed with SIGKILL at random moments.
+kill runs="3000":
+    IDEM_KILL_RUNS={{runs}} cargo test --release --test kill -- --nocapture
+
 # Switch on each deliberately broken engine and show what catches it.
 teeth:
     cargo test --release --features teeth --test teeth -- --nocapture

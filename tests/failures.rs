@@ -1,0 +1,253 @@
+//! Failure modes: a crash at every boundary, a slow original overtaken by a
+//! reclaimer, stale claims and their recovery, and databases the engine must
+//! refuse without writing a byte.
+
+mod common;
+
+use common::*;
+use idem::clock::Timestamp;
+use idem::policy::Policy;
+use idem::protocol::{self, Claimed, Ctx, Flow, Outcome};
+use idem::store::sqlite::SqliteStore;
+use rusqlite::Connection;
+use std::process::Command;
+
+const T0: &str = "2026-12-01T00:00:00Z";
+
+fn at(seconds: i64) -> String {
+    Timestamp::parse(T0).unwrap().plus_seconds(seconds).to_string()
+}
+
+fn lease() -> i64 {
+    i64::from(Policy::embedded().in_progress_lease_seconds)
+}
+
+/// The key table's `(state, transfer_id)` rows.
+fn keys(bank: &Bank) -> Vec<(String, Option<i64>)> {
+    let conn = Connection::open(&bank.db).unwrap();
+    let mut stmt = conn.prepare("SELECT state, transfer_id FROM idem_key").unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().collect::<Result<_, _>>().unwrap()
+}
+
+fn crash(bank: &Bank, text: &str, point: &str) -> std::process::Output {
+    let mut cmd = bank.command(&bank.request_file(text));
+    cmd.args(["--crash-at", point]).env("IDEM_NOW", at(0));
+    cmd.output().unwrap()
+}
+
+#[test]
+fn crash_after_claim_leaves_a_claim_and_no_money() {
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 2, false);
+    let before = bank.balances();
+    let text = request("c", "/t", &key(&mut rng), &bank.accounts[0], &bank.accounts[1], 1);
+    let out = crash(&bank, &text, "after-claim");
+    assert_eq!((out.status.code(), out.stdout.is_empty()), (Some(4), true));
+    assert_eq!(keys(&bank), vec![("in_progress".to_string(), None)]);
+    assert_eq!((bank.balances(), bank.transfers().len()), (before.clone(), 0));
+    assert_eq!(bank.send_with(&text, &[("IDEM_NOW", &at(1))]).status(), 409);
+    let retry = bank.send_with(&text, &[("IDEM_NOW", &at(lease()))]);
+    assert_eq!((retry.status(), retry.replay()), (201, false));
+    assert_eq!(bank.balances(), vec![before[0] - 1, before[1] + 1]);
+}
+
+#[test]
+fn crash_before_commit_rolls_the_money_back_and_keeps_the_claim() {
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 2, false);
+    let before = bank.balances();
+    let text = request("c", "/t", &key(&mut rng), &bank.accounts[0], &bank.accounts[1], 1);
+    let out = crash(&bank, &text, "before-commit");
+    assert_eq!((out.status.code(), out.stdout.is_empty()), (Some(4), true));
+    assert_eq!(keys(&bank), vec![("in_progress".to_string(), None)], "the claim commit survives");
+    assert_eq!((bank.balances(), bank.transfers().len()), (before.clone(), 0), "the money did not move");
+    assert_eq!(bank.send_with(&text, &[("IDEM_NOW", &at(1))]).status(), 409);
+    assert_eq!(bank.send_with(&text, &[("IDEM_NOW", &at(lease()))]).status(), 201);
+    assert_eq!(bank.transfers().len(), 1);
+}
+
+#[test]
+fn crash_after_commit_keeps_everything_and_the_retry_replays() {
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 2, false);
+    let before = bank.balances();
+    let text = request("c", "/t", &key(&mut rng), &bank.accounts[0], &bank.accounts[1], 1);
+    let out = crash(&bank, &text, "after-commit");
+    assert_eq!((out.status.code(), out.stdout.is_empty()), (Some(4), true), "no answer was given");
+    assert_eq!(keys(&bank), vec![("completed".to_string(), Some(1))]);
+    assert_eq!(bank.balances(), vec![before[0] - 1, before[1] + 1]);
+    let retry = bank.send_with(&text, &[("IDEM_NOW", &at(1))]);
+    assert_eq!(
+        (retry.status(), retry.replay(), &retry.json["body"]["transfer_id"]),
+        (201, true, &serde_json::json!(1))
+    );
+    assert_eq!(bank.transfers().len(), 1);
+}
+
+#[test]
+fn the_crash_hook_is_hidden_from_help() {
+    let help = Command::new(API).arg("--help").output().unwrap();
+    let text = String::from_utf8(help.stdout).unwrap();
+    assert!(text.contains("--crash-after-claim") && !text.contains("--crash-at"), "{text}");
+}
+
+/// A slow original and a reclaimer, in process on one file: whichever
+/// executes first, money moves once and the other gets a consistent answer.
+#[test]
+fn a_slow_original_never_completes_alongside_its_reclaimer() {
+    let policy = Policy::embedded();
+    for original_executes_first in [true, false] {
+        let mut rng = rng();
+        let bank = Bank::new(&mut rng, 2, false);
+        let text = request("c", "/t", "k", &bank.accounts[0], &bank.accounts[1], 7);
+        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
+        let (mut slow, mut fast) =
+            (SqliteStore::open(&bank.db, policy).unwrap(), SqliteStore::open(&bank.db, policy).unwrap());
+        let t0 = Timestamp::parse(T0).unwrap();
+        let late = t0.plus_seconds(lease());
+        let original = Ctx { policy, now: t0, token: "original" };
+        let reclaimer = Ctx { policy, now: late, token: "reclaimer" };
+        assert_eq!(protocol::claim(&mut slow, &req, original).unwrap(), Claimed::Mine);
+        // the original stalls past its lease; a retry takes the key over
+        assert_eq!(protocol::claim(&mut fast, &req, reclaimer).unwrap(), Claimed::Mine);
+        let run =
+            |store: &mut SqliteStore, ctx| match protocol::execute(store, &req, ctx, &mut |_| Flow::Continue)
+                .unwrap()
+            {
+                Outcome::Respond(r) => r,
+                other => panic!("{other:?}"),
+            };
+        let (first, second) = if original_executes_first {
+            let o = run(&mut slow, Ctx { now: late, ..original });
+            (o, run(&mut fast, reclaimer))
+        } else {
+            let r = run(&mut fast, reclaimer);
+            (r, run(&mut slow, Ctx { now: late, ..original }))
+        };
+        let answers = [(first.status, first.replay), (second.status, second.replay)];
+        if original_executes_first {
+            // fenced: the original no longer holds the claim and moves nothing
+            assert_eq!(answers, [(409, false), (201, false)]);
+        } else {
+            // the original arrives after completion and gets the stored answer
+            assert_eq!(answers, [(201, false), (201, true)]);
+            assert_eq!(first.body, second.body);
+        }
+        assert_eq!(bank.transfers().len(), 1, "paid twice");
+    }
+}
+
+#[test]
+fn recover_lists_stale_claims_and_releases_only_those() {
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 2, false);
+    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
+    let idem = env!("CARGO_BIN_EXE_idem");
+    let dead = request("c", "/t", "dead", s, d, 1);
+    let alive = request("c", "/t", "alive", s, d, 1);
+    crash(&bank, &dead, "after-claim");
+    let mut young = bank.command(&bank.request_file(&alive));
+    young.arg("--crash-after-claim").env("IDEM_NOW", at(lease() - 10));
+    young.output().unwrap();
+    let recover = |args: &[&str]| {
+        let out = Command::new(idem)
+            .arg("recover")
+            .arg("--db")
+            .arg(&bank.db)
+            .args(args)
+            .env("IDEM_NOW", at(lease()))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let listing = recover(&[]);
+    assert!(
+        listing.contains("stale\tc\t/t\tdead\t") && listing.contains("live\tc\t/t\talive\t"),
+        "{listing}"
+    );
+    assert!(recover(&["--release"]).ends_with("{\"released\": 1}\n"));
+    assert!(!recover(&[]).contains("dead"));
+    // the released key starts afresh at once; the live one is still held
+    assert_eq!(bank.send_with(&dead, &[("IDEM_NOW", &at(lease()))]).status(), 201);
+    assert_eq!(bank.send_with(&alive, &[("IDEM_NOW", &at(lease()))]).status(), 409);
+}
+
+/// Runs `idem_api` on a database that must be refused: exit 5, one line on
+/// stderr, no stdout, and not one byte of the file (or a WAL beside it) written.
+fn assert_refused(db: &std::path::Path, want: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let req = dir.path().join("r.json");
+    std::fs::write(&req, request("c", "/t", "k", &serde_json::json!("A"), &serde_json::json!("B"), 1))
+        .unwrap();
+    let before = std::fs::read(db).ok();
+    let out = Command::new(API).arg("--db").arg(db).arg("--request").arg(&req).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert!(out.stdout.is_empty());
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains(want) && !stderr.contains("panicked"), "{stderr}");
+    assert_eq!(std::fs::read(db).ok(), before, "the file changed");
+    for suffix in ["-wal", "-shm", "-journal"] {
+        let mut p = db.as_os_str().to_owned();
+        p.push(suffix);
+        assert!(!std::path::Path::new(&p).exists(), "{suffix} created");
+    }
+}
+
+#[test]
+fn broken_databases_are_refused_without_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    assert_refused(&dir.path().join("missing/dir/bank.db"), "cannot open");
+    assert_refused(&dir.path().join("absent.db"), "cannot open");
+
+    let corrupt = dir.path().join("corrupt.db");
+    std::fs::write(&corrupt, b"this is not a database, just forty-odd bytes of text".repeat(100)).unwrap();
+    assert_refused(&corrupt, "not a database");
+
+    let empty_schema = dir.path().join("no_account.db");
+    Connection::open(&empty_schema).unwrap().execute_batch("CREATE TABLE other (x)").unwrap();
+    assert_refused(&empty_schema, "no account table");
+
+    let newer = dir.path().join("newer.db");
+    let conn = Connection::open(&newer).unwrap();
+    conn.execute_batch("CREATE TABLE account (acct_id, holder, balance); PRAGMA user_version = 7;").unwrap();
+    drop(conn);
+    assert_refused(&newer, "schema version 7");
+
+    let older = dir.path().join("older.db");
+    let conn = Connection::open(&older).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE account (acct_id, holder, balance);
+         CREATE TABLE idem_key (client_id, idem_key, response, PRIMARY KEY (client_id, idem_key));",
+    )
+    .unwrap();
+    drop(conn);
+    assert_refused(&older, "table idem_key exists without column(s) endpoint");
+}
+
+#[test]
+fn a_read_only_database_is_refused_without_writing() {
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 2, false);
+    // root ignores permission bits, so as root make the file immutable instead
+    let root = is_root();
+    let locked = if root {
+        Command::new("chattr").arg("+i").arg(&bank.db).status().is_ok_and(|s| s.success())
+    } else {
+        let mut perms = std::fs::metadata(&bank.db).unwrap().permissions();
+        perms.set_readonly(true);
+        std::fs::set_permissions(&bank.db, perms).is_ok()
+    };
+    assert!(locked, "could not make the database read-only");
+    let outcome = std::panic::catch_unwind(|| assert_refused(&bank.db, "readonly"));
+    if root {
+        Command::new("chattr").arg("-i").arg(&bank.db).status().unwrap();
+    }
+    outcome.unwrap();
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
+}

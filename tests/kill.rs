@@ -1,0 +1,119 @@
+//! The kill test: real `idem_api` processes killed with SIGKILL at random
+//! moments, then every key retried to completion. Afterwards no money moved
+//! without a completed key, no completed 201 key lacks its transfer, every
+//! key executed exactly once, and the balances are exactly right.
+//!
+//! `IDEM_KILL_RUNS` sets the number of kills (CI: 200, bounded to 90 s);
+//! `just kill` runs 3000.
+
+mod common;
+
+use common::*;
+use idem::clock::Timestamp;
+use rusqlite::Connection;
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+const KEYS: usize = 16;
+const T0: &str = "2026-12-01T00:00:00Z";
+
+fn scalar(conn: &Connection, sql: &str) -> i64 {
+    conn.query_row(sql, [], |r| r.get(0)).unwrap()
+}
+
+/// What must hold at every moment, killed processes or not.
+fn assert_invariants(bank: &Bank) {
+    let conn = Connection::open(&bank.db).unwrap();
+    let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+    assert_eq!(check, "ok");
+    let orphans = scalar(
+        &conn,
+        "SELECT COUNT(*) FROM transfer t WHERE NOT EXISTS
+           (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')",
+    );
+    assert_eq!(orphans, 0, "money moved without a completed key");
+    let hollow = scalar(
+        &conn,
+        "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
+           AND transfer_id NOT IN (SELECT transfer_id FROM transfer)",
+    );
+    assert_eq!(hollow, 0, "a completed 201 key without its transfer");
+}
+
+#[test]
+fn sigkill_at_random_moments_loses_nothing_and_pays_nothing_twice() {
+    let runs: usize = std::env::var("IDEM_KILL_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let deadline = Instant::now() + Duration::from_secs(if runs <= 200 { 90 } else { 3600 });
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 3, false);
+    let before = bank.balances();
+    let amounts: Vec<i64> = (0..KEYS).map(|_| 1 + rng.below(100) as i64).collect();
+    let files: Vec<_> = (0..KEYS)
+        .map(|i| {
+            let (s, d) = (&bank.accounts[i % 3], &bank.accounts[(i + 1) % 3]);
+            bank.request_file(&request("c", "/t", &format!("kill-{i}"), s, d, amounts[i]))
+        })
+        .collect();
+    // Warm the file up (schema, WAL) so kills land inside requests, too.
+    let warm = bank.request_file(&request("c", "/t", "warm", &bank.accounts[0], &bank.accounts[1], 1));
+    assert_eq!(Reply::from_output(bank.command(&warm).output().unwrap()).status(), 201);
+
+    let (mut killed, mut finished, mut done) = (0, 0, 0);
+    while done < runs && Instant::now() < deadline {
+        done += 1;
+        let i = rng.below(KEYS as u64) as usize;
+        let mut child = bank
+            .command(&files[i])
+            .env("IDEM_NOW", T0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_micros(rng.below(4_000)));
+        match child.try_wait().unwrap() {
+            Some(_) => finished += 1,
+            None => {
+                child.kill().unwrap(); // SIGKILL
+                child.wait().unwrap();
+                killed += 1;
+            }
+        }
+        if done % 25 == 0 {
+            assert_invariants(&bank);
+        }
+    }
+    assert_invariants(&bank);
+    let conn = Connection::open(&bank.db).unwrap();
+    let completed = scalar(&conn, "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'") - 1;
+    let claimed = scalar(&conn, "SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'");
+    eprintln!(
+        "{done} runs: {killed} killed by SIGKILL, {finished} finished first; \
+         before the retries {completed} of {KEYS} keys completed, {claimed} left claimed by a dead process"
+    );
+    assert!(killed > 0, "no run was killed: the delays are too long for this machine");
+
+    // Retry every key after the lease: stale claims are taken over, the rest replay.
+    let later = Timestamp::parse(T0)
+        .unwrap()
+        .plus_seconds(i64::from(idem::policy::Policy::embedded().in_progress_lease_seconds));
+    let mut transfer_ids = BTreeMap::new();
+    for (i, file) in files.iter().enumerate() {
+        let r = Reply::from_output(bank.command(file).env("IDEM_NOW", later.to_string()).output().unwrap());
+        assert_eq!(r.status(), 201, "key {i}: {}", r.stdout);
+        transfer_ids.insert(i, r.json["body"]["transfer_id"].as_i64().unwrap());
+        let again =
+            Reply::from_output(bank.command(file).env("IDEM_NOW", later.to_string()).output().unwrap());
+        assert_eq!((again.replay(), again.raw_body()), (true, r.raw_body()));
+    }
+    assert_invariants(&bank);
+    assert_eq!(bank.transfers().len(), KEYS + 1, "each key executed exactly once (plus the warm-up)");
+    let mut want = before.clone();
+    want[0] -= 1;
+    want[1] += 1;
+    for (i, amount) in amounts.iter().enumerate() {
+        want[i % 3] -= amount;
+        want[(i + 1) % 3] += amount;
+    }
+    assert_eq!(bank.balances(), want);
+}
