@@ -31,9 +31,25 @@ impl Timestamp {
         Self::truncated(OffsetDateTime::now_utc())
     }
 
-    /// Parses any RFC 3339 instant (any offset, any fractional precision).
+    /// Parses an RFC 3339 instant (any offset, any fractional precision).
+    /// Also accepted, because clients send them: a space instead of `T`, a
+    /// lower-case `z`, and no offset at all, which is read as UTC (what
+    /// Python's `datetime.utcnow().isoformat()` prints).
     pub fn parse(text: &str) -> Result<Self, BadTimestamp> {
-        let t = OffsetDateTime::parse(text.trim(), &Rfc3339)
+        let mut norm: Vec<char> = text.trim().chars().collect();
+        if norm.len() > 10 && matches!(norm[10], ' ' | 't') {
+            norm[10] = 'T';
+        }
+        if norm.last() == Some(&'z') {
+            norm.pop();
+            norm.push('Z');
+        }
+        let has_offset = norm.len() > 19 && norm[19..].iter().any(|c| matches!(c, 'Z' | '+' | '-'));
+        if norm.len() >= 19 && !has_offset {
+            norm.push('Z');
+        }
+        let norm: String = norm.into_iter().collect();
+        let t = OffsetDateTime::parse(&norm, &Rfc3339)
             .map_err(|_| BadTimestamp(text.to_string()))?
             .to_offset(UtcOffset::UTC);
         if !(1..=9999).contains(&t.year()) {
@@ -93,8 +109,29 @@ mod tests {
     }
 
     #[test]
+    fn accepts_what_clients_send() {
+        let want = "2026-12-02T09:00:00.250000Z";
+        for text in [
+            "2026-12-02T09:00:00.25Z",
+            "2026-12-02 09:00:00.25z",
+            "2026-12-02T09:00:00.25",
+            "2026-12-02T18:00:00.25+09:00",
+        ] {
+            assert_eq!(Timestamp::parse(text).unwrap().to_string(), want, "{text}");
+        }
+    }
+
+    #[test]
     fn rejects_non_rfc3339() {
-        for bad in ["", "yesterday", "2026-12-02", "2026-13-01T00:00:00Z", "2026-02-30T00:00:00Z"] {
+        for bad in [
+            "",
+            "yesterday",
+            "2026-12-02",
+            "2026-13-01T00:00:00Z",
+            "2026-02-30T00:00:00Z",
+            "2026-12-02T25:00:00",
+            "2026-12-02T09:00Z",
+        ] {
             assert!(Timestamp::parse(bad).is_err(), "{bad}");
         }
     }
