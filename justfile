@@ -22,6 +22,10 @@ kill runs="3000":
 teeth:
     cargo test --release --features teeth --test teeth -- --nocapture
 
+# Benchmarks: medians and ratios against the Python peer and the disk's fsync rate.
+bench:
+    cargo bench --bench idem
+
 # What CI runs, from this checkout.
 ci:
     bash .ci/run

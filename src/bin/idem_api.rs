@@ -63,7 +63,8 @@ fn main() -> ExitCode {
         Err(_) => Timestamp::now(),
     };
     if let Some(before) = args.purge_before {
-        let purged = SqliteStore::open(&args.db, policy).and_then(|mut s| protocol::purge(&mut s, before));
+        let purged = SqliteStore::open_for_one_request(&args.db, policy)
+            .and_then(|mut s| protocol::purge(&mut s, before));
         return match purged {
             Ok(n) => print(&format!("{{\"purged\": {n}}}")),
             Err(e) => fail(EXIT_DATABASE, &e.to_string()),
@@ -84,7 +85,7 @@ fn main() -> ExitCode {
             return print(&Response::refusal(policy.on_invalid_request, e.to_string()).to_json());
         }
     };
-    let mut store = match SqliteStore::open(&args.db, policy) {
+    let mut store = match SqliteStore::open_for_one_request(&args.db, policy) {
         Ok(store) => store,
         Err(e) => return fail(EXIT_DATABASE, &e.to_string()),
     };

