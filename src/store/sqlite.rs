@@ -214,11 +214,12 @@ impl Store for SqliteStore {
 
     fn begin(&mut self, durability: Durability) -> Result<SqliteTx<'_>, StoreError> {
         if self.synchronous != Some(durability) {
-            let level = match durability {
-                Durability::Lazy => "NORMAL",
-                Durability::Durable => "FULL",
+            let pragma = match durability {
+                Durability::Lazy => "PRAGMA synchronous = NORMAL",
+                Durability::Durable => "PRAGMA synchronous = FULL",
             };
-            self.conn.pragma_update(None, "synchronous", level).map_err(backend)?;
+            // Cached: a new transfer switches twice, so compile each once.
+            self.conn.prepare_cached(pragma).and_then(|mut s| s.execute([])).map_err(backend)?;
             self.synchronous = Some(durability);
         }
         // IMMEDIATE takes the write lock now, so a claim never starts as a
