@@ -230,7 +230,9 @@ fn main() {
         })
         .collect();
     let (mut ours, mut theirs) = (vec![Vec::new(); 4], vec![Vec::new(); 2]);
+    let mut floor = Vec::new();
     for i in 0..count {
+        floor.push(timed(|| assert!(Command::new("true").status().unwrap().success())));
         ours[0].push(invoke(&[API], &db, &new_files[i], "\"status\":201,\"replay\":false"));
         ours[1].push(invoke(&[API], &db, &new_files[i], "\"replay\":true"));
         ours[2].push(invoke(&[API], &db, &stuck[0], "\"status\":409"));
@@ -256,6 +258,7 @@ fn main() {
             None => println!("| {name} | {:.2} ms | — | — |", o / 1e3),
         }
     }
+    println!("| (floor: start and wait for `true`) | {:.2} ms | | |", median(floor) / 1e3);
     println!("\nPeak memory of one process: {peak_kib}");
     if let Some(py) = &py {
         println!("Baseline: `{py} bench/baseline_idem_api.py` ({} runs each).", theirs[0].len());
