@@ -23,7 +23,7 @@
 use crate::clock::Timestamp;
 use crate::ledger::{self, Refusal};
 use crate::policy::Policy;
-use crate::request::{AcctId, Request, ScopedKey, Transfer};
+use crate::request::{self, AcctId, Request, ScopedKey, Transfer};
 use crate::store::{Claim, Durability, KeyRecord, KeyState, Store, StoreError, Stored, Tx};
 use crate::teeth::{self, Broken};
 
@@ -246,20 +246,34 @@ pub fn execute<S: Store>(
 
 /// Requests that arrive in the same instant, interleaved as racers at their
 /// worst: every claim lands before any execution starts. This is the
-/// schedule in which a lookup-then-insert engine pays twice.
-pub fn together<S: Store>(store: &mut S, batch: &[(&Request, Ctx)]) -> Result<Vec<Outcome>, StoreError> {
-    let claims: Vec<_> = batch.iter().map(|(req, ctx)| claim(store, req, *ctx)).collect();
-    batch
+/// schedule in which a lookup-then-insert engine pays twice. Each request is
+/// raw text with its context; a malformed one gets its 400 in its place.
+pub fn together<S: Store>(store: &mut S, batch: &[(&str, Ctx)]) -> Result<Vec<Response>, StoreError> {
+    let staged: Vec<_> = batch
         .iter()
-        .zip(claims)
-        .map(|((req, ctx), claimed)| {
-            let outcome = claimed.and_then(|c| match c {
-                Claimed::Answer(response) => Ok(Outcome::Respond(response)),
-                Claimed::Mine => execute(store, req, *ctx, &mut |_| Flow::Continue),
-            });
-            unless_busy(outcome, ctx.policy)
+        .map(|(raw, ctx)| match request::parse(raw.as_bytes(), ctx.policy) {
+            Err(e) => Err(Response::refusal(ctx.policy.on_invalid_request, e.to_string())),
+            Ok(req) => {
+                let claimed = claim(store, &req, *ctx);
+                Ok((req, claimed))
+            }
         })
-        .collect()
+        .collect();
+    let mut responses = Vec::new();
+    for ((_, ctx), stage) in batch.iter().zip(staged) {
+        let outcome = match stage {
+            Err(refusal) => Ok(Outcome::Respond(refusal)),
+            Ok((req, claimed)) => claimed.and_then(|c| match c {
+                Claimed::Answer(response) => Ok(Outcome::Respond(response)),
+                Claimed::Mine => execute(store, &req, *ctx, &mut |_| Flow::Continue),
+            }),
+        };
+        responses.push(match unless_busy(outcome, ctx.policy)? {
+            Outcome::Respond(response) => response,
+            Outcome::Crashed(p) => return Err(StoreError::Backend(format!("crashed at {p:?} unasked"))),
+        });
+    }
+    Ok(responses)
 }
 
 /// Deletes every key created before `before`; returns how many.

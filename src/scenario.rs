@@ -353,26 +353,12 @@ impl<'p> Runner<'p> {
 
     fn together(&mut self, members: &[Member]) -> Result<Vec<Response>, String> {
         let tokens: Vec<String> = members.iter().map(|(n, _, _)| format!("line-{n}")).collect();
-        let parsed: Vec<_> =
-            members.iter().map(|(_, raw, _)| request::parse(raw.as_bytes(), self.policy)).collect();
-        let batch: Vec<_> = parsed
+        let batch: Vec<_> = members
             .iter()
             .zip(&tokens)
-            .filter_map(|(p, token)| {
-                p.as_ref().ok().map(|req| (req, Ctx { policy: self.policy, now: self.now, token }))
-            })
+            .map(|((_, raw, _), token)| (raw.as_str(), Ctx { policy: self.policy, now: self.now, token }))
             .collect();
-        let mut raced = protocol::together(&mut self.store, &batch).map_err(|e| e.to_string())?.into_iter();
-        parsed
-            .iter()
-            .map(|p| match p {
-                Err(e) => Ok(Response::refusal(self.policy.on_invalid_request, e.to_string())),
-                Ok(_) => match raced.next() {
-                    Some(Outcome::Respond(r)) => Ok(r),
-                    other => Err(format!("unexpected outcome {other:?}")),
-                },
-            })
-            .collect()
+        protocol::together(&mut self.store, &batch).map_err(|e| e.to_string())
     }
 
     fn check(&mut self, raw: &str, got: &Response, want: &Expect) -> Result<(), String> {

@@ -8,7 +8,7 @@
 use super::DayError;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::protocol::{self, Ctx, Outcome, Response};
+use crate::protocol::{self, Ctx, Response};
 use crate::request::{self, ScopedKey};
 use crate::store::sqlite::SqliteStore;
 use rusqlite::Connection;
@@ -128,31 +128,19 @@ pub fn replay(
     Ok((result, answers))
 }
 
-/// One instant of the log: parse each request (a 400 needs no store), then
-/// let the parsed ones race.
+/// One instant of the log, raced: every claim before any execution.
 fn run_instant(
     store: &mut SqliteStore,
     group: &[Logged],
     policy: &Policy,
 ) -> Result<Vec<Response>, DayError> {
     let tokens: Vec<String> = group.iter().map(|e| format!("seq-{}", e.seq)).collect();
-    let parsed: Vec<_> = group.iter().map(|e| request::parse(e.raw.as_bytes(), policy)).collect();
-    let batch: Vec<_> = parsed
+    let batch: Vec<_> = group
         .iter()
-        .zip(group.iter().zip(&tokens))
-        .filter_map(|(p, (e, token))| p.as_ref().ok().map(|req| (req, Ctx { policy, now: e.at, token })))
+        .zip(&tokens)
+        .map(|(e, token)| (e.raw.as_str(), Ctx { policy, now: e.at, token }))
         .collect();
-    let mut raced = protocol::together(store, &batch)?.into_iter();
-    parsed
-        .iter()
-        .map(|p| match p {
-            Err(e) => Ok(Response::refusal(policy.on_invalid_request, e.to_string())),
-            Ok(_) => match raced.next() {
-                Some(Outcome::Respond(response)) => Ok(response),
-                other => Err(DayError(format!("unexpected outcome {other:?}"))),
-            },
-        })
-        .collect()
+    Ok(protocol::together(store, &batch)?)
 }
 
 fn key_of(raw: &str, policy: &Policy) -> Option<ScopedKey> {

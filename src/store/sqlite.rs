@@ -235,26 +235,29 @@ pub struct SqliteTx<'a> {
 
 const KEY_WHERE: &str = "client_id = ?1 AND endpoint = ?2 AND idem_key = ?3";
 
+impl SqliteTx<'_> {
+    /// Runs `sql` with the key as ?1..?3 and the claim as ?4..?7.
+    fn write_claim(&mut self, sql: &str, key: &ScopedKey, claim: &Claim) -> rusqlite::Result<usize> {
+        self.tx.prepare_cached(sql)?.execute((
+            &key.client_id,
+            &key.endpoint,
+            &key.idem_key,
+            &claim.fingerprint,
+            &claim.token,
+            claim.created_at.to_string(),
+            claim.lease_until.to_string(),
+        ))
+    }
+}
+
 impl Tx for SqliteTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
-        let inserted = self
-            .tx
-            .prepare_cached(
-                "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token,
-                                       created_at, lease_until)
-                 VALUES (?1, ?2, ?3, ?4, 'in_progress', ?5, ?6, ?7)",
-            )
-            .and_then(|mut s| {
-                s.execute((
-                    &key.client_id,
-                    &key.endpoint,
-                    &key.idem_key,
-                    &claim.fingerprint,
-                    &claim.token,
-                    claim.created_at.to_string(),
-                    claim.lease_until.to_string(),
-                ))
-            });
+        let inserted = self.write_claim(
+            "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
+             VALUES (?1, ?2, ?3, ?4, 'in_progress', ?5, ?6, ?7)",
+            key,
+            claim,
+        );
         match inserted {
             Ok(_) => Ok(None),
             // The primary key is the arbiter: a violation means the key exists.
@@ -273,21 +276,7 @@ impl Tx for SqliteTx<'_> {
                     body = NULL, transfer_id = NULL, completed_at = NULL
              WHERE {KEY_WHERE}"
         );
-        self.tx
-            .prepare_cached(&sql)
-            .and_then(|mut s| {
-                s.execute((
-                    &key.client_id,
-                    &key.endpoint,
-                    &key.idem_key,
-                    &claim.fingerprint,
-                    &claim.token,
-                    claim.created_at.to_string(),
-                    claim.lease_until.to_string(),
-                ))
-            })
-            .map(drop)
-            .map_err(backend)
+        self.write_claim(&sql, key, claim).map(drop).map_err(backend)
     }
 
     fn key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {

@@ -333,23 +333,15 @@ pub fn run_day(balances: [i64; ACCOUNTS], ops: Vec<Op>) -> Result<(), TestCaseEr
                         format!("t{}", engine.tokens)
                     })
                     .collect();
-                let parsed: Vec<_> =
-                    sends.iter().map(|s| request::parse(raw(s).as_bytes(), policy)).collect();
-                let batch: Vec<_> = parsed
+                let raws: Vec<String> = sends.iter().map(raw).collect();
+                let batch: Vec<_> = raws
                     .iter()
                     .zip(&tokens)
-                    .filter_map(|(p, token)| p.as_ref().ok().map(|r| (r, Ctx { policy, now, token })))
+                    .map(|(r, token)| (r.as_str(), Ctx { policy, now, token }))
                     .collect();
-                let mut outcomes = protocol::together(&mut engine.store, &batch).unwrap().into_iter();
+                let answers = protocol::together(&mut engine.store, &batch).unwrap();
                 let verdicts: Vec<Expect> = sends.iter().map(|s| oracle.claim(s)).collect();
-                for ((s, p), verdict) in sends.iter().zip(&parsed).zip(verdicts) {
-                    let got = match p {
-                        Err(e) => Response::refusal(400, e.to_string()),
-                        Ok(_) => match outcomes.next() {
-                            Some(Outcome::Respond(r)) => r,
-                            other => return Err(TestCaseError::fail(format!("{other:?}"))),
-                        },
-                    };
+                for ((s, got), verdict) in sends.iter().zip(answers).zip(verdicts) {
                     let want = match verdict {
                         Expect::Answer(status, replay, reason) => (status, replay, reason),
                         Expect::Execute => {
