@@ -251,3 +251,36 @@ fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
 }
+
+#[test]
+fn whole_amounts_in_a_real_balance_column_work_and_fractions_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("real.db");
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance REAL);
+         INSERT INTO account VALUES ('A', 'a', 1000.0), ('B', 'b', 0.0), ('C', 'c', 10.5);",
+    )
+    .unwrap();
+    drop(conn);
+    let run = |text: String| {
+        let req = dir.path().join("r.json");
+        std::fs::write(&req, text).unwrap();
+        Command::new(API).arg("--db").arg(&db).arg("--request").arg(&req).output().unwrap()
+    };
+    let (a, b, c) = (serde_json::json!("A"), serde_json::json!("B"), serde_json::json!("C"));
+    let ok = Reply::from_output(run(request("x", "/t", "k1", &a, &b, 250)));
+    assert_eq!(ok.status(), 201);
+    let conn = Connection::open(&db).unwrap();
+    let balances: Vec<f64> = conn
+        .prepare("SELECT balance FROM account ORDER BY acct_id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(balances, vec![750.0, 250.0, 10.5]);
+    let refused = run(request("x", "/t", "k2", &c, &b, 1));
+    assert_eq!(refused.status.code(), Some(5));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not an integer amount"));
+}

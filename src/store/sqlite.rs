@@ -369,6 +369,11 @@ impl Tx for SqliteTx<'_> {
         };
         match balance {
             Value::Integer(balance) => Ok(Some(Account { id, balance })),
+            // A `balance REAL` column holds whole amounts as 900.0; take them
+            // exactly, refuse anything with a fraction.
+            Value::Real(r) if r.fract() == 0.0 && r.abs() <= 9_007_199_254_740_991.0 => {
+                Ok(Some(Account { id, balance: r as i64 }))
+            }
             other => Err(StoreError::Schema(format!(
                 "balance of account {id:?} is {other:?}, not an integer amount"
             ))),
