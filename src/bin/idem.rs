@@ -21,6 +21,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The day: gen, dup-report and replay into DIR, plus policy.json and idem_report.md.
+    Prove {
+        #[arg(long, default_value = "out")]
+        out: PathBuf,
+    },
     /// Write idem.db: 8 accounts, 120 logged requests (100 keys), the naive transfers.
     Gen {
         #[arg(long, default_value = "out/idem.db")]
@@ -60,11 +65,6 @@ enum Command {
         /// Delete the stale claims and print {"released": N}.
         #[arg(long)]
         release: bool,
-    },
-    /// All of the above into DIR, plus policy.json and idem_report.md.
-    Prove {
-        #[arg(long, default_value = "out")]
-        out: PathBuf,
     },
 }
 

@@ -23,7 +23,8 @@ const EXIT_DATABASE: u8 = 5;
 /// Moves money exactly once per idempotency key.
 ///
 /// Prints {"status","replay","reason","body"} and exits 0 for every status.
-/// Exit 3: request file unreadable; 4: simulated crash; 5: database unusable.
+/// Exit 2: bad command line; 3: request file unreadable; 4: simulated crash;
+/// 5: database unusable (one line on stderr).
 /// IDEM_NOW=<RFC 3339> fixes the clock (for tests).
 #[derive(Parser, Debug)]
 #[command(version)]
