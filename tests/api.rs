@@ -328,13 +328,12 @@ fn purge_deletes_keys_created_before_the_cut_and_only_those() {
 fn unparseable_purge_instant_is_a_usage_error() {
     let mut rng = rng();
     let bank = Bank::new(&mut rng, 2, false);
-    let out = Command::new(API)
+    let assert = assert_cmd::Command::new(API)
         .arg("--db")
         .arg(&bank.db)
         .args(["--purge-before", "last tuesday"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+        .assert();
+    let out = assert.code(2).stdout("").get_output().clone();
     assert!(String::from_utf8_lossy(&out.stderr).contains("RFC 3339"));
 }
 
@@ -344,10 +343,9 @@ fn unreadable_request_file_exits_3_and_touches_nothing() {
     let bank = Bank::new(&mut rng, 2, false);
     let before = std::fs::read(&bank.db).unwrap();
     for path in [bank.dir.path().join("missing.json"), bank.dir.path().to_path_buf()] {
-        let out = bank.command(&path).output().unwrap();
-        assert_eq!(out.status.code(), Some(3), "{}", path.display());
-        assert!(out.stdout.is_empty());
-        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+        let assert = assert_cmd::Command::from_std(bank.command(&path)).assert();
+        let out = assert.code(3).stdout("").get_output().clone();
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{}", path.display());
     }
     assert_eq!(std::fs::read(&bank.db).unwrap(), before);
 }
@@ -360,7 +358,6 @@ fn bad_command_lines_exit_2() {
         vec!["--request", "r.json"],
         vec!["--db", "x", "--request", "r", "--bogus"],
     ] {
-        let out = Command::new(API).args(&args).output().unwrap();
-        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert_cmd::Command::new(API).args(&args).assert().code(2).stdout("");
     }
 }

@@ -181,10 +181,9 @@ fn assert_refused(db: &std::path::Path, want: &str) {
     std::fs::write(&req, request("c", "/t", "k", &serde_json::json!("A"), &serde_json::json!("B"), 1))
         .unwrap();
     let before = std::fs::read(db).ok();
-    let out = Command::new(API).arg("--db").arg(db).arg("--request").arg(&req).output().unwrap();
+    let assert = assert_cmd::Command::new(API).arg("--db").arg(db).arg("--request").arg(&req).assert();
+    let out = assert.code(5).stdout("").get_output().clone();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(5), "{stderr}");
-    assert!(out.stdout.is_empty());
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains(want) && !stderr.contains("panicked"), "{stderr}");
     assert_eq!(std::fs::read(db).ok(), before, "the file changed");

@@ -11,7 +11,7 @@ use common::storm::{ACCOUNTS, op, run_day};
 use idem::policy::Policy;
 use idem::teeth::{self, Broken};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::{Config, FileFailurePersistence, RngAlgorithm, TestRng, TestRunner};
 use std::path::Path;
 
 fn failing_scenarios() -> Vec<String> {
@@ -30,8 +30,15 @@ fn failing_scenarios() -> Vec<String> {
 }
 
 /// The storm's verdict: `Some(minimal failing day)` if it caught the engine.
+///
+/// The runner is seeded, so the same days are tried on every run, and every
+/// day that broke an engine is saved to `tests/storm.proptest-regressions`,
+/// which the storm (`tests/storm.rs`) replays first against the real engine
+/// on every `cargo test`.
 fn storm_catches(cases: u32) -> Option<String> {
-    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
+    let persistence = FileFailurePersistence::Direct("tests/storm.proptest-regressions");
+    let config = Config { cases, failure_persistence: Some(Box::new(persistence)), ..Config::default() };
+    let mut runner = TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
     let strategy = (prop::array::uniform::<_, ACCOUNTS>(0i64..2_000), prop::collection::vec(op(), 1..40));
     runner.run(&strategy, |(balances, ops)| run_day(balances, ops)).err().map(|e| e.to_string())
 }
