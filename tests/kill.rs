@@ -51,12 +51,7 @@ fn sigkill_at_random_moments_loses_nothing_and_pays_nothing_twice() {
     let bank = Bank::new(&mut rng, 3, false);
     let before = bank.balances();
     let amounts: Vec<i64> = (0..keys).map(|_| 1 + rng.below(100) as i64).collect();
-    let files: Vec<_> = (0..keys)
-        .map(|i| {
-            let (s, d) = (&bank.accounts[i % 3], &bank.accounts[(i + 1) % 3]);
-            bank.request_file(&request("c", "/t", &format!("kill-{i}"), s, d, amounts[i]))
-        })
-        .collect();
+    let files = ring_requests(&bank, "kill", &amounts);
     // Warm the file up (schema, WAL) so kills land inside requests, too.
     let warm = bank.request_file(&request("c", "/t", "warm", &bank.accounts[0], &bank.accounts[1], 1));
     assert_eq!(Reply::from_output(bank.command(&warm).output().unwrap()).status(), 201);
@@ -110,12 +105,8 @@ fn sigkill_at_random_moments_loses_nothing_and_pays_nothing_twice() {
     }
     assert_invariants(&bank);
     assert_eq!(bank.transfers().len(), keys + 1, "each key executed exactly once (plus the warm-up)");
-    let mut want = before.clone();
-    want[0] -= 1;
+    let mut want = ring_balances(&before, &amounts, 0..keys);
+    want[0] -= 1; // the warm-up
     want[1] += 1;
-    for (i, amount) in amounts.iter().enumerate() {
-        want[i % 3] -= amount;
-        want[(i + 1) % 3] += amount;
-    }
     assert_eq!(bank.balances(), want);
 }

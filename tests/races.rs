@@ -17,14 +17,8 @@ fn processes_racing_on_overlapping_keys_pay_each_key_once() {
     let mut rng = rng();
     let bank = Bank::new(&mut rng, 3, false);
     let before = bank.balances();
-    // key i moves amounts[i] from account i % 3 to (i + 1) % 3
     let amounts: Vec<i64> = (0..KEYS).map(|_| 1 + rng.below(50) as i64).collect();
-    let files: Vec<_> = (0..KEYS)
-        .map(|i| {
-            let (s, d) = (&bank.accounts[i % 3], &bank.accounts[(i + 1) % 3]);
-            bank.request_file(&request("c", "/t", &format!("race-{i}"), s, d, amounts[i]))
-        })
-        .collect();
+    let files = ring_requests(&bank, "race", &amounts);
     let barrier = Arc::new(Barrier::new(PROCESSES));
     let workers: Vec<_> = (0..PROCESSES)
         .map(|p| {
@@ -65,11 +59,7 @@ fn processes_racing_on_overlapping_keys_pay_each_key_once() {
     assert!(ids.values().all(|s| s.len() == 1), "a key named two transfers: {ids:?}");
     assert!(fresh.values().all(|n| *n == 1), "a key executed twice: {fresh:?}");
     assert_eq!(bank.transfers().len(), ids.len());
-    let mut want = before.clone();
-    for &i in ids.keys() {
-        want[i % 3] -= amounts[i];
-        want[(i + 1) % 3] += amounts[i];
-    }
+    let want = ring_balances(&before, &amounts, ids.keys().copied());
     assert_eq!(bank.balances(), want);
     assert_eq!(want.iter().sum::<i64>(), before.iter().sum::<i64>());
     // the last process to touch each key saw it completed, or a retry now does

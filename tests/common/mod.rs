@@ -125,6 +125,27 @@ pub fn request(client: &str, endpoint: &str, key: &str, src: &Value, dst: &Value
     .to_string()
 }
 
+/// Request files that pay around a ring of accounts: key `{prefix}-{i}`
+/// moves `amounts[i]` from account `i % n` to account `(i + 1) % n`.
+pub fn ring_requests(bank: &Bank, prefix: &str, amounts: &[i64]) -> Vec<PathBuf> {
+    let n = bank.accounts.len();
+    let files = amounts.iter().enumerate().map(|(i, amount)| {
+        let (s, d) = (&bank.accounts[i % n], &bank.accounts[(i + 1) % n]);
+        bank.request_file(&request("c", "/t", &format!("{prefix}-{i}"), s, d, *amount))
+    });
+    files.collect()
+}
+
+/// The balances after each ring key in `paid` moved its amount exactly once.
+pub fn ring_balances(before: &[i64], amounts: &[i64], paid: impl IntoIterator<Item = usize>) -> Vec<i64> {
+    let mut want = before.to_vec();
+    for i in paid {
+        want[i % before.len()] -= amounts[i];
+        want[(i + 1) % before.len()] += amounts[i];
+    }
+    want
+}
+
 /// A fresh random key string.
 pub fn key(rng: &mut Rng) -> String {
     format!("key-{:016x}", rng.next_u64())
