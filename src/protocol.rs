@@ -47,6 +47,11 @@ impl Response {
         Response { status: stored.status, replay: true, reason: stored.reason, body: stored.body }
     }
 
+    /// The `transfer_id` in the body, if this answer names a transfer.
+    pub fn transfer_id(&self) -> Option<i64> {
+        serde_json::from_str::<serde_json::Value>(&self.body).ok()?.get("transfer_id")?.as_i64()
+    }
+
     /// The one serialisation of a response. The stored body is pasted in as
     /// bytes, never re-serialised, so a replay is identical but for `replay`.
     pub fn to_json(&self) -> String {

@@ -305,7 +305,7 @@ impl<'p> Runner<'p> {
                 // A purged key's next answer is a first answer again, and
                 // transfers made so far may have lost their keys.
                 for (_, first) in self.first.drain() {
-                    self.forgotten.extend(transfer_id(&first));
+                    self.forgotten.extend(first.transfer_id());
                 }
             }
             Step::Transfers(want) => {
@@ -393,7 +393,7 @@ impl<'p> Runner<'p> {
         {
             // A new first answer for a known key: the old one expired.
             if let Some(old) = self.first.insert(req.key, got.clone()) {
-                self.forgotten.extend(transfer_id(&old));
+                self.forgotten.extend(old.transfer_id());
             }
         }
         Ok(())
@@ -423,10 +423,6 @@ impl<'p> Runner<'p> {
         }
         Ok(())
     }
-}
-
-fn transfer_id(response: &Response) -> Option<i64> {
-    serde_json::from_str::<serde_json::Value>(&response.body).ok()?.get("transfer_id")?.as_i64()
 }
 
 fn short(raw: &str) -> String {

@@ -84,7 +84,7 @@ pub fn replay(
     let mut paid: BTreeMap<ScopedKey, BTreeSet<i64>> = BTreeMap::new();
     for group in logged.chunk_by(|a, b| a.at == b.at) {
         for (entry, response) in group.iter().zip(run_instant(&mut store, group, policy)?) {
-            if let (Some(key), Some(id)) = (key_of(&entry.raw, policy), transfer_id(&response)) {
+            if let (Some(key), Some(id)) = (key_of(&entry.raw, policy), response.transfer_id()) {
                 paid.entry(key).or_default().insert(id);
             }
             answers.push(Answer {
@@ -145,11 +145,6 @@ fn run_instant(
 
 fn key_of(raw: &str, policy: &Policy) -> Option<ScopedKey> {
     request::parse(raw.as_bytes(), policy).ok().map(|r| r.key)
-}
-
-fn transfer_id(response: &Response) -> Option<i64> {
-    let body: serde_json::Value = serde_json::from_str(&response.body).ok()?;
-    body.get("transfer_id")?.as_i64()
 }
 
 fn sum(conn: &Connection, sql: &str) -> Result<i64, DayError> {
