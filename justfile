@@ -18,9 +18,9 @@ storm cases="20000":
 kill runs="3000":
     IDEM_KILL_RUNS={{runs}} cargo test --release --test kill -- --nocapture
 
-# Switch on each deliberately broken engine and show what catches it.
+# Run each deliberately broken engine (tests/common/broken.rs) and show what catches it.
 teeth:
-    cargo test --release --features teeth --test teeth -- --nocapture
+    cargo test --release --test teeth -- --nocapture
 
 # Benchmarks: medians and ratios against the Python peer and the disk's fsync rate.
 bench:

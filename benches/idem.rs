@@ -348,9 +348,12 @@ fn main() {
         let new_med = run_in_process(&mut p, &fresh, (201, false));
         let rep_med = run_in_process(&mut p, &old, (201, true));
         let start = Instant::now();
-        let purged =
-            protocol::purge(&mut p.store, Timestamp::parse(PRELOAD_START).unwrap().plus_seconds(250))
-                .unwrap();
+        let purged = protocol::purge(
+            &mut p.store,
+            Timestamp::parse(PRELOAD_START).unwrap().plus_seconds(250),
+            Policy::embedded(),
+        )
+        .unwrap();
         let purge_ms = start.elapsed().as_secs_f64() * 1e3;
         assert_eq!(purged, 1000);
         let base = *first_new.get_or_insert(new_med);

@@ -9,6 +9,7 @@
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
+use std::collections::HashSet;
 use std::fmt;
 
 /// A parsed JSON value that keeps what canonicalisation needs and no more.
@@ -192,9 +193,11 @@ impl<'de> Visitor<'de> for JsonVisitor {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
         let mut members: Vec<(String, Json)> = Vec::new();
+        // A set, not a scan of `members`: 7 000 members must cost 7 000 steps.
+        let mut names = HashSet::new();
         while let Some(name) = map.next_key::<String>()? {
-            if members.iter().any(|(k, _)| *k == name) {
-                return Err(de::Error::custom(format!("duplicate member {name:?}")));
+            if !names.insert(name.clone()) {
+                return Err(de::Error::custom(format!("duplicate member {:?}", crate::request::clip(&name))));
             }
             let value = map.next_value()?;
             members.push((name, value));

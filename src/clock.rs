@@ -7,7 +7,13 @@
 
 use std::fmt;
 use time::format_description::well_known::Rfc3339;
+use time::macros::datetime;
 use time::{Duration, OffsetDateTime, UtcOffset};
+
+/// The range of instants the engine stores: years 1 to 9999, whose text
+/// form is fixed-width, so text order stays time order.
+const MIN: OffsetDateTime = datetime!(0001-01-01 00:00:00 UTC);
+const MAX: OffsetDateTime = datetime!(9999-12-31 23:59:59.999_999 UTC);
 
 /// A UTC instant with microsecond precision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -49,23 +55,26 @@ impl Timestamp {
             norm.push('Z');
         }
         let norm: String = norm.into_iter().collect();
-        let t = OffsetDateTime::parse(&norm, &Rfc3339)
-            .map_err(|_| BadTimestamp(text.to_string()))?
-            .to_offset(UtcOffset::UTC);
-        if !(1..=9999).contains(&t.year()) {
-            return Err(BadTimestamp(text.to_string()));
+        // An offset can carry 9999-12-31T23:59:59-23:59 past year 9999 in
+        // UTC: checked, never a panic.
+        let bad = || BadTimestamp(text.to_string());
+        let t = OffsetDateTime::parse(&norm, &Rfc3339).map_err(|_| bad())?;
+        let t = Self::truncated(t.checked_to_offset(UtcOffset::UTC).ok_or_else(bad)?);
+        match (MIN..=MAX).contains(&t.0) {
+            true => Ok(t),
+            false => Err(bad()),
         }
-        Ok(Self::truncated(t))
     }
 
-    /// This instant plus `seconds`, saturating at the representable range.
+    /// This instant plus `seconds`, saturating at years 1 and 9999.
     pub fn plus_seconds(self, seconds: i64) -> Self {
         self.plus_millis(seconds.saturating_mul(1000))
     }
 
-    /// This instant plus `millis`, saturating at the representable range.
+    /// This instant plus `millis`, saturating at years 1 and 9999.
     pub fn plus_millis(self, millis: i64) -> Self {
-        Self(self.0.checked_add(Duration::milliseconds(millis)).unwrap_or(self.0))
+        let t = self.0.checked_add(Duration::milliseconds(millis));
+        Self(t.unwrap_or(if millis < 0 { MIN } else { MAX }).clamp(MIN, MAX))
     }
 
     fn truncated(t: OffsetDateTime) -> Self {
@@ -133,6 +142,49 @@ mod tests {
             "2026-12-02T09:00Z",
         ] {
             assert!(Timestamp::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn instants_at_the_edges_of_the_range_never_panic() {
+        for text in ["9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+23:59", "10000-01-01T00:00:00Z"] {
+            assert!(Timestamp::parse(text).is_err(), "{text}");
+        }
+        let max = Timestamp::parse("9999-12-31T23:59:59.999999999Z").unwrap();
+        assert_eq!(max.to_string(), "9999-12-31T23:59:59.999999Z");
+        assert_eq!((max.plus_seconds(300), max.plus_seconds(i64::MAX)), (max, max));
+        let min = Timestamp::parse("0001-01-01T00:00:00+00:00").unwrap();
+        assert_eq!((min.plus_seconds(-1), min.plus_millis(i64::MIN)), (min, min));
+        // saturating, not wrapping back to the start: a lease never ends before it began
+        assert!(max.plus_seconds(-1) < max && min.plus_seconds(1) > min);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_instant_shifted_by_any_amount_stays_in_range_and_in_order(
+            year in 1i32..=9999, day in 1u16..=365, second in 0u32..86_400, nanos in 0u32..1_000_000_000,
+            offset_minutes in -1439i32..=1439, shift in proptest::num::i64::ANY,
+        ) {
+            let date = time::Date::from_ordinal_date(year, day).unwrap();
+            let sign = if offset_minutes < 0 { '-' } else { '+' };
+            let text = format!(
+                "{date}T{:02}:{:02}:{:02}.{nanos:09}{sign}{:02}:{:02}",
+                second / 3600, second / 60 % 60, second % 60,
+                offset_minutes.abs() / 60, offset_minutes.abs() % 60
+            );
+            if let Ok(t) = Timestamp::parse(&text) {
+                let shifted = t.plus_seconds(shift);
+                let (min, max) = (Timestamp(MIN), Timestamp(MAX));
+                proptest::prop_assert!(min <= shifted && shifted <= max);
+                let in_order = if shift >= 0 { shifted >= t } else { shifted <= t };
+                proptest::prop_assert!(in_order, "{} shifted by {} is {}", t, shift, shifted);
+                proptest::prop_assert_eq!(Timestamp::parse(&shifted.to_string()), Ok(shifted));
+            }
+        }
+
+        #[test]
+        fn arbitrary_text_never_panics(text in "\\PC{0,40}") {
+            let _ = Timestamp::parse(&text);
         }
     }
 }

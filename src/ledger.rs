@@ -1,9 +1,9 @@
 //! Accounts and transfers: the checks and the balance moves.
 //!
-//! Runs inside the execution transaction, so the balances it reads cannot
-//! change before it writes. Refusals here (unknown account, insufficient
-//! funds) are decisions about the request, so they are stored and replayed
-//! like a success.
+//! Runs inside the execution transaction with both accounts locked, so the
+//! balances it reads cannot change before it writes. Refusals here (unknown
+//! account, insufficient funds) are decisions about the request, so they are
+//! stored and replayed like a success.
 
 use crate::clock::Timestamp;
 use crate::request::Transfer;
@@ -31,8 +31,14 @@ impl Refusal {
 }
 
 /// Moves `t.amount` from `t.src` to `t.dst`; returns the new `transfer_id`.
-pub fn transfer<T: Tx>(tx: &mut T, t: &Transfer, now: Timestamp) -> Result<Result<i64, Refusal>, StoreError> {
-    let (Some(src), Some(dst)) = (tx.account(&t.src)?, tx.account(&t.dst)?) else {
+pub fn transfer(tx: &mut dyn Tx, t: &Transfer, now: Timestamp) -> Result<Result<i64, Refusal>, StoreError> {
+    // Both accounts are locked in one order whatever the direction, so A→B
+    // racing B→A waits for the other instead of deadlocking.
+    let src_first = t.src <= t.dst;
+    let first = tx.lock_account(if src_first { &t.src } else { &t.dst })?;
+    let second = tx.lock_account(if src_first { &t.dst } else { &t.src })?;
+    let (src, dst) = if src_first { (first, second) } else { (second, first) };
+    let (Some(src), Some(dst)) = (src, dst) else {
         return Ok(Err(Refusal::UnknownAccount));
     };
     if src.id == dst.id {
@@ -51,7 +57,17 @@ pub fn transfer<T: Tx>(tx: &mut T, t: &Transfer, now: Timestamp) -> Result<Resul
         currency: &t.currency,
         created_at: now,
     })?;
-    tx.set_balance(&src.id, src_after)?;
-    tx.set_balance(&dst.id, dst_after)?;
+    // The stored balances must be exactly the ones computed here. A column
+    // that rounds (REAL beyond 2^53) would make them differ; then the whole
+    // execution rolls back rather than lose a unit.
+    for (account, delta, want) in [(&src, -t.amount, src_after), (&dst, t.amount, dst_after)] {
+        let got = tx.add_to_balance(&account.id, delta)?;
+        if got != want {
+            return Err(StoreError::Schema(format!(
+                "account {:?}: balance stored as {got}, not {want}; the balance column cannot hold it exactly",
+                account.id.to_string()
+            )));
+        }
+    }
     Ok(Ok(id))
 }

@@ -7,14 +7,18 @@
 //! retry gets the same bytes back. The `idem_api` binary is the lab's
 //! contract; the `idem` binary is the harness that generates a day of traffic
 //! and proves nothing was paid twice.
-
+//!
+//! The engine:
 pub mod canonical; // RFC 8785 canonical JSON and the SHA-256 fingerprint
 pub mod clock; // RFC 3339 instants in one sortable text form
-pub mod day; // the day: generate traffic, report duplicates, replay, prove
 pub mod ledger; // balance checks and moves inside the execution transaction
 pub mod policy; // policy.json, embedded: every number the engine enforces
 pub mod protocol; // claim → execute → complete, replay, conflict; the core
 pub mod request; // request parsing and validation; every 400 reason
-pub mod scenario;
-pub mod store; // the Store trait and its SQLite implementation // request sequences as data: parse, run, transcript
-pub mod teeth; // deliberately broken variants (feature "teeth") that the tests must catch
+pub mod store; // the store contract and its backends; all SQL lives here
+
+// Its fronts:
+pub mod api; // the lab's command-line contract (the idem_api binary)
+
+// Around it:
+pub mod harness; // the day, scenarios and races that prove the engine

@@ -7,25 +7,26 @@
 //!    `in_progress` with a fresh token. If the key exists, the primary key
 //!    says so — there is no lookup before the insert for two racers to both
 //!    pass — and [`decide`] reads the existing record: replay, 422, 409, or
-//!    take over a claim whose lease ran out (or a key past retention).
-//! 2. **Execute** (a second, durable write transaction): check the claim is
-//!    still ours (fencing: a slow original whose lease was taken over must
-//!    not complete too), move the money, and store the exact response with
-//!    the key's completion. All or nothing.
+//!    take over a claim whose lease ran out (or a key past retention), by a
+//!    compare-and-set on the version it saw.
+//! 2. **Execute** (a second, durable write transaction): lock the key and
+//!    check the claim is still ours (fencing: a slow original whose lease was
+//!    taken over must not complete too), move the money, and store the exact
+//!    response with the key's completion. All or nothing.
 //! 3. **Replay**: a completed key answers with its stored bytes; only
 //!    `replay` differs from the first response.
 //!
 //! The claim commit is [`Durability::Lazy`]: a claim lost in a power cut
 //! moved no money, and the retry simply claims again. The execution commit
-//! is durable, and in SQLite's WAL it carries the earlier claim frames to disk
-//! with it, so one fsync per transfer is enough.
+//! is durable; in SQLite's WAL it carries the earlier claim frames to disk
+//! with it, and on PostgreSQL the claim's WAL record is flushed by the
+//! execution's commit record after it. One fsync per transfer is enough.
 
 use crate::clock::Timestamp;
 use crate::ledger::{self, Refusal};
 use crate::policy::Policy;
-use crate::request::{self, AcctId, Request, ScopedKey, Transfer};
-use crate::store::{Claim, Durability, KeyRecord, KeyState, Store, StoreError, Stored, Tx};
-use crate::teeth::{self, Broken};
+use crate::request::{self, AcctId, Request, RequestError, ScopedKey, Transfer};
+use crate::store::{self, Audit, Claim, Durability, End, KeyRecord, KeyState, Store, StoreError, Stored};
 
 /// One response, as printed: `{"status","replay","reason","body"}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,8 +44,9 @@ impl Response {
         Response { status, replay: false, reason: Some(reason.into()), body: "null".into() }
     }
 
-    fn replay_of(stored: Stored) -> Self {
-        Response { status: stored.status, replay: true, reason: stored.reason, body: stored.body }
+    /// The answer a stored response gives: the first time, or as a replay.
+    pub fn from_stored(stored: Stored, replay: bool) -> Self {
+        Response { status: stored.status, replay, reason: stored.reason, body: stored.body }
     }
 
     /// The `transfer_id` in the body, if this answer names a transfer.
@@ -88,7 +90,7 @@ pub fn decide(existing: &KeyRecord, fingerprint: &str, now: Timestamp, policy: &
     }
     match &existing.state {
         KeyState::Completed(stored) => Decision::Replay(stored.clone()),
-        KeyState::InProgress { lease_until, .. } if now < *lease_until => Decision::InProgress,
+        KeyState::InProgress { lease_until } if now < *lease_until => Decision::InProgress,
         KeyState::InProgress { .. } => Decision::TakeOver,
     }
 }
@@ -127,28 +129,12 @@ pub struct Ctx<'a> {
     pub token: &'a str,
 }
 
-/// Handles one validated request: [`claim`], then [`execute`] if the claim
-/// is ours. A busy store becomes an unstored 503.
-pub fn handle<S: Store>(
-    store: &mut S,
-    req: &Request,
-    ctx: Ctx,
-    faults: &mut dyn FnMut(Point) -> Flow,
-) -> Result<Outcome, StoreError> {
-    let outcome = claim(store, req, ctx).and_then(|claimed| match claimed {
-        Claimed::Answer(response) => Ok(Outcome::Respond(response)),
-        Claimed::Mine if faults(Point::AfterClaim) == Flow::Crash => Ok(Outcome::Crashed(Point::AfterClaim)),
-        Claimed::Mine => execute(store, req, ctx, faults),
-    });
-    unless_busy(outcome, ctx.policy)
-}
-
-/// Turns a lock wait that ran out of budget into an unstored 503.
-pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Result<Outcome, StoreError> {
-    match outcome {
-        Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(policy.on_busy, "busy"))),
-        other => other,
-    }
+/// A fresh claim token: 128 random bits, so no two attempts share one,
+/// whether they run in many processes or in one service.
+pub fn fresh_token() -> Result<String, getrandom::Error> {
+    let mut bits = [0u8; 16];
+    getrandom::fill(&mut bits)?;
+    Ok(bits.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The result of the claim step.
@@ -160,137 +146,187 @@ pub enum Claimed {
     Answer(Response),
 }
 
+/// The steps of the protocol as one engine. Every store is one (below); the
+/// seam lets the harness drive, through the same calls, the deliberately
+/// broken engines kept under `tests/`, so it can prove it catches them.
+pub trait Engine {
+    fn parse(&self, raw: &[u8], policy: &Policy) -> Result<Request, RequestError> {
+        request::parse(raw, policy)
+    }
+    fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError>;
+    fn execute(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError>;
+    fn release(&mut self, req: &Request, ctx: Ctx) -> Result<bool, StoreError>;
+    fn purge(&mut self, before: Timestamp, policy: &Policy) -> Result<u64, StoreError>;
+    fn audit(&mut self) -> Result<Audit, StoreError>;
+}
+
+impl<S: Store> Engine for S {
+    fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
+        claim(self, req, ctx)
+    }
+    fn execute(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError> {
+        execute(self, req, ctx, faults)
+    }
+    fn release(&mut self, req: &Request, ctx: Ctx) -> Result<bool, StoreError> {
+        release(self, &req.key, ctx)
+    }
+    fn purge(&mut self, before: Timestamp, policy: &Policy) -> Result<u64, StoreError> {
+        purge(self, before, policy)
+    }
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        Store::audit(self)
+    }
+}
+
+/// Handles one validated request: claim, then execute if the claim is ours.
+/// A busy store becomes an unstored 503.
+pub fn handle<E: Engine + ?Sized>(
+    engine: &mut E,
+    req: &Request,
+    ctx: Ctx,
+    faults: &mut dyn FnMut(Point) -> Flow,
+) -> Result<Outcome, StoreError> {
+    let outcome = match engine.claim(req, ctx) {
+        Ok(Claimed::Answer(response)) => Ok(Outcome::Respond(response)),
+        Ok(Claimed::Mine) if faults(Point::AfterClaim) == Flow::Crash => {
+            Ok(Outcome::Crashed(Point::AfterClaim))
+        }
+        Ok(Claimed::Mine) => engine.execute(req, ctx, faults).inspect_err(|_| {
+            // The execution could not run (a lock held past the budget, a
+            // database error) and rolled back: free the key now rather than
+            // leave it answering 409 for the whole lease. Best effort: if
+            // this fails too, or the process dies first, the lease frees it.
+            let _ = engine.release(req, ctx);
+        }),
+        Err(e) => Err(e),
+    };
+    unless_busy(outcome, ctx.policy)
+}
+
+/// Turns a lock wait that ran out of budget into an unstored 503.
+pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Result<Outcome, StoreError> {
+    match outcome {
+        Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(policy.on_busy, "busy"))),
+        other => other,
+    }
+}
+
 /// Step 1: claim the key for `ctx.token`, or say why not.
-pub fn claim<S: Store>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
-    let mut claim = Claim {
+pub fn claim<S: Store + ?Sized>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
+    let claim = Claim {
         fingerprint: req.fingerprint.clone(),
         token: ctx.token.to_owned(),
         created_at: ctx.now,
         lease_until: ctx.now.plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
     };
-    let mut tx = store.begin(Durability::Lazy)?;
-    if teeth::is(Broken::LookupThenInsert) {
-        return match tx.key(&req.key)? {
-            Some(existing) => Ok(Claimed::Answer(answer(
-                decide(&existing, &req.fingerprint, ctx.now, ctx.policy),
-                ctx.policy,
-            ))),
-            None => Ok(Claimed::Mine), // the insert comes later, with the money
+    store::atomically(store, Durability::Lazy, ctx.policy, |tx| {
+        let Some(existing) = tx.insert_claim(&req.key, &claim)? else {
+            return Ok(End::Commit(Claimed::Mine));
         };
-    }
-    if let Some(existing) = tx.insert_claim(&req.key, &claim)? {
-        match decide(&existing, &req.fingerprint, ctx.now, ctx.policy) {
-            Decision::TakeOver => claim.created_at = existing.created_at,
-            Decision::Expired => {}
-            other => return Ok(Claimed::Answer(answer(other, ctx.policy))),
-        }
-        tx.replace_claim(&req.key, &claim)?;
-    }
-    if teeth::is(Broken::CompletedBeforeExecute) {
-        let done = Stored { status: 201, reason: None, body: "{}".into() };
-        tx.complete(&req.key, &done, None, ctx.now)?;
-    }
-    tx.commit()?;
-    Ok(Claimed::Mine)
+        let created_at = match decide(&existing, &req.fingerprint, ctx.now, ctx.policy) {
+            // A taken-over key keeps its age: retention counts from the first claim.
+            Decision::TakeOver => existing.created_at,
+            Decision::Expired => ctx.now,
+            other => return Ok(End::Rollback(Claimed::Answer(answer(other, ctx.policy)))),
+        };
+        Ok(match tx.replace_claim(&req.key, &existing, &Claim { created_at, ..claim.clone() })? {
+            true => End::Commit(Claimed::Mine),
+            // Another attempt got there first, or the old holder is still
+            // executing: either way the key is in flight.
+            false => End::Rollback(Claimed::Answer(in_progress(ctx.policy))),
+        })
+    })
 }
 
 /// Step 2: under the claim held by `ctx.token`, move the money and complete
 /// the key in one durable transaction.
-pub fn execute<S: Store>(
+pub fn execute<S: Store + ?Sized>(
     store: &mut S,
     req: &Request,
     ctx: Ctx,
     faults: &mut dyn FnMut(Point) -> Flow,
 ) -> Result<Outcome, StoreError> {
-    let mut tx = store.begin(Durability::Durable)?;
-    if teeth::is(Broken::LookupThenInsert) || teeth::is(Broken::CompletedBeforeExecute) {
-        // No fence: whatever the key holds now, this attempt writes over it.
-        let claim = Claim {
-            fingerprint: req.fingerprint.clone(),
-            token: ctx.token.to_owned(),
-            created_at: ctx.now,
-            lease_until: ctx.now,
+    let (outcome, executed) = store::atomically(store, Durability::Durable, ctx.policy, |tx| {
+        let held = tx.lock_key(&req.key)?;
+        if !held.as_ref().is_some_and(|rec| rec.held_by(ctx.token)) {
+            // We lost the claim while we were away (lease taken over, key
+            // purged): whoever holds the key now decides the answer; money is
+            // never moved under a claim that is not ours.
+            return Ok(End::Rollback((Outcome::Respond(lost_claim(held, req, ctx)), false)));
+        }
+        let (stored, transfer_id) = match ledger::transfer(tx, &req.transfer, ctx.now)? {
+            Ok(id) => (created(id, &req.transfer, ctx.now), Some(id)),
+            Err(refusal) => (refused(refusal, ctx.policy), None),
         };
-        if tx.insert_claim(&req.key, &claim)?.is_some() {
-            tx.replace_claim(&req.key, &claim)?;
+        if !tx.complete(&req.key, ctx.token, &stored, transfer_id, ctx.now)? {
+            // Cannot happen while we hold the key's lock; if a store lets it,
+            // roll back and read the key again.
+            return Err(StoreError::Conflict);
         }
-    }
-    match tx.key(&req.key)? {
-        Some(KeyRecord { state: KeyState::InProgress { token, .. }, .. }) if token == ctx.token => {}
-        // We lost the claim while we were away (lease taken over, key
-        // purged): whoever holds the key now decides the answer; money is
-        // never moved under a claim that is not ours.
-        lost => {
-            let decision = lost.map(|rec| decide(&rec, &req.fingerprint, ctx.now, ctx.policy));
-            let response = match decision {
-                Some(d @ (Decision::Replay(_) | Decision::Mismatch)) => answer(d, ctx.policy),
-                _ => in_progress(ctx.policy),
-            };
-            return Ok(Outcome::Respond(response));
+        if faults(Point::BeforeCommit) == Flow::Crash {
+            return Ok(End::Rollback((Outcome::Crashed(Point::BeforeCommit), false)));
         }
-    }
-    let (stored, transfer_id) = match ledger::transfer(&mut tx, &req.transfer, ctx.now)? {
-        Ok(id) => (created(id, &req.transfer, ctx.now), Some(id)),
-        Err(refusal) => (refused(refusal, ctx.policy), None),
-    };
-    tx.complete(&req.key, &stored, transfer_id, ctx.now)?;
-    if faults(Point::BeforeCommit) == Flow::Crash {
-        return Ok(Outcome::Crashed(Point::BeforeCommit));
-    }
-    tx.commit()?;
-    if faults(Point::AfterCommit) == Flow::Crash {
+        Ok(End::Commit((Outcome::Respond(Response::from_stored(stored, false)), true)))
+    })?;
+    if executed && faults(Point::AfterCommit) == Flow::Crash {
         return Ok(Outcome::Crashed(Point::AfterCommit));
     }
-    Ok(Outcome::Respond(Response {
-        status: stored.status,
-        replay: false,
-        reason: stored.reason,
-        body: stored.body,
-    }))
+    Ok(outcome)
 }
 
-/// Requests that arrive in the same instant, interleaved as racers at their
-/// worst: every claim lands before any execution starts. This is the
-/// schedule in which a lookup-then-insert engine pays twice. Each request is
-/// raw text with its context; a malformed one gets its 400 in its place.
-pub fn together<S: Store>(store: &mut S, batch: &[(&str, Ctx)]) -> Result<Vec<Response>, StoreError> {
-    let staged: Vec<_> = batch
-        .iter()
-        .map(|(raw, ctx)| match request::parse(raw.as_bytes(), ctx.policy) {
-            Err(e) => Err(Response::refusal(ctx.policy.on_invalid_request, e.to_string())),
-            Ok(req) => {
-                let claimed = claim(store, &req, *ctx);
-                Ok((req, claimed))
-            }
-        })
-        .collect();
-    let mut responses = Vec::new();
-    for ((_, ctx), stage) in batch.iter().zip(staged) {
-        let outcome = match stage {
-            Err(refusal) => Ok(Outcome::Respond(refusal)),
-            Ok((req, claimed)) => claimed.and_then(|c| match c {
-                Claimed::Answer(response) => Ok(Outcome::Respond(response)),
-                Claimed::Mine => execute(store, &req, *ctx, &mut |_| Flow::Continue),
-            }),
-        };
-        responses.push(match unless_busy(outcome, ctx.policy)? {
-            Outcome::Respond(response) => response,
-            Outcome::Crashed(p) => return Err(StoreError::Backend(format!("crashed at {p:?} unasked"))),
-        });
+/// The answer of an attempt that found its claim gone at execution.
+fn lost_claim(held: Option<KeyRecord>, req: &Request, ctx: Ctx) -> Response {
+    match held.map(|rec| decide(&rec, &req.fingerprint, ctx.now, ctx.policy)) {
+        Some(d @ (Decision::Replay(_) | Decision::Mismatch)) => answer(d, ctx.policy),
+        _ => in_progress(ctx.policy),
     }
-    Ok(responses)
 }
 
-/// Deletes every key created before `before`; returns how many.
-pub fn purge<S: Store>(store: &mut S, before: Timestamp) -> Result<u64, StoreError> {
-    let mut tx = store.begin(Durability::Durable)?;
-    let before = match teeth::is(Broken::PurgeIgnoresCut) {
-        true => Timestamp::parse("9999-12-31T23:59:59Z").unwrap_or(before),
-        false => before,
-    };
-    let purged = tx.purge(before)?;
-    tx.commit()?;
-    Ok(purged)
+/// Deletes the key if `ctx.token` still holds it in progress.
+pub fn release<S: Store + ?Sized>(store: &mut S, key: &ScopedKey, ctx: Ctx) -> Result<bool, StoreError> {
+    store::atomically(store, Durability::Lazy, ctx.policy, |tx| tx.release(key, ctx.token).map(End::Commit))
+}
+
+/// Deletes every key created before `before`; returns how many. This is the
+/// lab's `--purge-before`: it deletes what it is told, in one transaction.
+pub fn purge<S: Store + ?Sized>(
+    store: &mut S,
+    before: Timestamp,
+    policy: &Policy,
+) -> Result<u64, StoreError> {
+    store::atomically(store, Durability::Durable, policy, |tx| tx.purge(before, u64::MAX).map(End::Commit))
+}
+
+/// The operator's purge: deletes only keys past retention at `now`, `batch`
+/// keys per transaction so that no transaction holds the write lock for
+/// long. Returns how many.
+pub fn purge_expired<S: Store + ?Sized>(
+    store: &mut S,
+    now: Timestamp,
+    batch: u64,
+    policy: &Policy,
+) -> Result<u64, StoreError> {
+    let cut = now.plus_seconds(-policy.retention_seconds());
+    let mut purged = 0;
+    loop {
+        let n = store::atomically(store, Durability::Durable, policy, |tx| {
+            tx.purge(cut, batch).map(End::Commit)
+        })?;
+        purged += n;
+        if n < batch {
+            return Ok(purged);
+        }
+    }
 }
 
 /// A claim still `in_progress`: its holder is executing now, or died.
@@ -304,13 +340,17 @@ pub struct OpenClaim {
 }
 
 /// Every claim still in progress at `now`, oldest first.
-pub fn open_claims<S: Store>(store: &mut S, now: Timestamp) -> Result<Vec<OpenClaim>, StoreError> {
-    let mut tx = store.begin(Durability::Lazy)?;
-    let claims = tx.in_progress()?;
+pub fn open_claims<S: Store + ?Sized>(
+    store: &mut S,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<Vec<OpenClaim>, StoreError> {
+    let claims =
+        store::atomically(store, Durability::Lazy, policy, |tx| tx.in_progress().map(End::Rollback))?;
     Ok(claims
         .into_iter()
         .filter_map(|(key, rec)| match rec.state {
-            KeyState::InProgress { lease_until, .. } => {
+            KeyState::InProgress { lease_until } => {
                 Some(OpenClaim { key, created_at: rec.created_at, lease_until, stale: lease_until <= now })
             }
             KeyState::Completed(_) => None,
@@ -321,28 +361,29 @@ pub fn open_claims<S: Store>(store: &mut S, now: Timestamp) -> Result<Vec<OpenCl
 /// Deletes the stale claims (lease run out) and returns their keys. Safe:
 /// money moves only in the transaction that completes a key, so an
 /// in-progress key has moved none, and its next request starts afresh.
-pub fn release_stale<S: Store>(store: &mut S, now: Timestamp) -> Result<Vec<ScopedKey>, StoreError> {
-    let mut tx = store.begin(Durability::Durable)?;
-    let mut released = Vec::new();
-    for (key, rec) in tx.in_progress()? {
-        if let KeyState::InProgress { token, lease_until } = rec.state
-            && lease_until <= now
-            && tx.release(&key, &token)?
-        {
-            released.push(key);
+pub fn release_stale<S: Store + ?Sized>(
+    store: &mut S,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<Vec<ScopedKey>, StoreError> {
+    store::atomically(store, Durability::Durable, policy, |tx| {
+        let mut released = Vec::new();
+        for (key, rec) in tx.in_progress()? {
+            if let KeyState::InProgress { lease_until } = rec.state
+                && lease_until <= now
+                && tx.release(&key, &rec.token)?
+            {
+                released.push(key);
+            }
         }
-    }
-    tx.commit()?;
-    Ok(released)
+        Ok(End::Commit(released))
+    })
 }
 
-fn answer(decision: Decision, policy: &Policy) -> Response {
+/// The answer a decision gives without executing.
+pub fn answer(decision: Decision, policy: &Policy) -> Response {
     match decision {
-        Decision::Replay(stored) if teeth::is(Broken::RecomputedReplay) => {
-            let rebuilt = serde_json::from_str::<serde_json::Value>(&stored.body).map(|v| v.to_string());
-            Response::replay_of(Stored { body: rebuilt.unwrap_or(stored.body), ..stored })
-        }
-        Decision::Replay(stored) => Response::replay_of(stored),
+        Decision::Replay(stored) => Response::from_stored(stored, true),
         Decision::Mismatch => Response::refusal(policy.on_fingerprint_mismatch, "fingerprint_mismatch"),
         Decision::InProgress | Decision::TakeOver | Decision::Expired => in_progress(policy),
     }

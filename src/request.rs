@@ -8,9 +8,15 @@
 
 use crate::canonical::{Json, fingerprint};
 use crate::policy::Policy;
-use crate::teeth::{self, Broken};
-use sha2::Digest;
 use std::fmt;
+
+/// 2^53 − 1: the largest integer that every JSON parser, RFC 8785 and a
+/// double-precision column keep exact. Amounts and integer account ids
+/// beyond it would round, and two different ids could share a fingerprint.
+pub const MAX_EXACT_INT: i64 = 9_007_199_254_740_991;
+
+/// How much of a client's own text a reason echoes back.
+const ECHO_CHARS: usize = 64;
 
 /// The identity of a key: `(client_id, endpoint, idem_key)`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -141,19 +147,20 @@ pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
         })?,
     };
     if !policy.currencies.contains(&transfer.currency) {
-        return Err(RequestError::Currency(transfer.currency));
+        return Err(RequestError::Currency(clip(&transfer.currency)));
     }
     if transfer.src == transfer.dst {
         return Err(RequestError::SameAccount);
     }
-    let mut req = Request { key, transfer, fingerprint: fingerprint(body) };
-    if teeth::is(Broken::RawFingerprint) {
-        req.fingerprint = format!("{:x?}", sha2::Sha256::digest(bytes));
+    Ok(Request { key, transfer, fingerprint: fingerprint(body) })
+}
+
+/// A client's text as a reason may quote it: at most [`ECHO_CHARS`].
+pub(crate) fn clip(text: &str) -> String {
+    match text.char_indices().nth(ECHO_CHARS) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
     }
-    if teeth::is(Broken::GlobalScope) {
-        (req.key.client_id, req.key.endpoint) = (String::new(), String::new());
-    }
-    Ok(req)
 }
 
 fn only_fields(json: &Json, what: &'static str, allowed: &[&str], prefix: &str) -> Result<(), RequestError> {
@@ -161,7 +168,7 @@ fn only_fields(json: &Json, what: &'static str, allowed: &[&str], prefix: &str) 
         return Err(RequestError::NotObject(what));
     };
     match members.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
-        Some((k, _)) => Err(RequestError::UnknownField(format!("{prefix}{k:?}"))),
+        Some((k, _)) => Err(RequestError::UnknownField(format!("{prefix}{:?}", clip(k)))),
         None => Ok(()),
     }
 }
@@ -187,7 +194,10 @@ fn checked_text(s: &str, field: &'static str, limit: usize) -> Result<String, Re
 fn acct_field(body: &Json, field: &'static str, name: &str, limit: usize) -> Result<AcctId, RequestError> {
     match body.get(name) {
         None => Err(RequestError::Missing(field)),
-        Some(Json::Int(i)) => Ok(AcctId::Int(*i)),
+        Some(Json::Int(i)) if i.unsigned_abs() <= MAX_EXACT_INT as u64 => Ok(AcctId::Int(*i)),
+        Some(Json::Int(_)) => {
+            Err(RequestError::WrongType { field, expected: "a string or an integer within ±(2^53 − 1)" })
+        }
         Some(Json::String(s)) => checked_text(s, field, limit).map(AcctId::Text),
         Some(_) => Err(RequestError::WrongType { field, expected: "a string or an integer" }),
     }

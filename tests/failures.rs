@@ -161,13 +161,17 @@ fn recover_lists_stale_claims_and_releases_only_those() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
-    let listing = recover(&[]);
-    assert!(
-        listing.contains("stale\tc\t/t\tdead\t") && listing.contains("live\tc\t/t\talive\t"),
-        "{listing}"
-    );
-    assert!(recover(&["--release"]).ends_with("{\"released\": 1}\n"));
-    assert!(!recover(&[]).contains("dead"));
+    let lines = |text: String| -> Vec<(String, String)> {
+        let rows = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+        rows.map(|v| (v["state"].as_str().unwrap_or("").into(), v["idem_key"].as_str().unwrap_or("").into()))
+            .collect()
+    };
+    let pair = |state: &str, key: &str| (state.to_string(), key.to_string());
+    assert_eq!(lines(recover(&[])), [pair("stale", "dead"), pair("live", "alive")]);
+    let released = recover(&["--release"]);
+    assert!(released.ends_with("{\"released\":1}\n"), "{released}");
+    assert_eq!(lines(released)[0], pair("released", "dead"));
+    assert_eq!(lines(recover(&[])), [pair("live", "alive")]);
     // the released key starts afresh at once; the live one is still held
     assert_eq!(bank.send_with(&dead, &[("IDEM_NOW", &at(lease()))]).status(), 201);
     assert_eq!(bank.send_with(&alive, &[("IDEM_NOW", &at(lease()))]).status(), 409);

@@ -1,14 +1,18 @@
 //! `idem prove`: the six files, byte-identical on every run, with the
 //! reviewed outputs pinned as snapshots in `snapshots/`.
 
-use idem::day;
+use idem::harness::day;
 use idem::policy::Policy;
+
+fn engine() -> Vec<String> {
+    vec![env!("CARGO_BIN_EXE_idem_api").to_string()]
+}
 
 #[test]
 fn prove_is_deterministic_and_matches_the_snapshots() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let result = day::prove(a.path(), Policy::embedded()).unwrap();
-    day::prove(b.path(), Policy::embedded()).unwrap();
+    let result = day::prove(a.path(), Policy::embedded(), &engine()).unwrap();
+    day::prove(b.path(), Policy::embedded(), &engine()).unwrap();
     for name in day::PROVE_FILES {
         let (x, y) =
             (std::fs::read(a.path().join(name)).unwrap(), std::fs::read(b.path().join(name)).unwrap());
@@ -32,8 +36,8 @@ fn prove_is_deterministic_and_matches_the_snapshots() {
 #[test]
 fn prove_overwrites_its_own_outputs() {
     let dir = tempfile::tempdir().unwrap();
-    day::prove(dir.path(), Policy::embedded()).unwrap();
+    day::prove(dir.path(), Policy::embedded(), &engine()).unwrap();
     let first = std::fs::read(dir.path().join("day.db")).unwrap();
-    day::prove(dir.path(), Policy::embedded()).unwrap();
+    day::prove(dir.path(), Policy::embedded(), &engine()).unwrap();
     assert_eq!(std::fs::read(dir.path().join("day.db")).unwrap(), first);
 }

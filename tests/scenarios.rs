@@ -21,8 +21,8 @@ fn every_scenario_holds_and_its_answers_match_the_snapshot() {
         for file in files {
             let name = file.file_stem().unwrap().to_string_lossy().into_owned();
             let text = std::fs::read_to_string(&file).unwrap();
-            let scenario = idem::scenario::parse(&text).unwrap_or_else(|f| panic!("{name}: {f}"));
-            let transcript = idem::scenario::run(&scenario, idem::policy::Policy::embedded())
+            let scenario = idem::harness::scenario::parse(&text).unwrap_or_else(|f| panic!("{name}: {f}"));
+            let transcript = idem::harness::scenario::run(&scenario, idem::policy::Policy::embedded())
                 .unwrap_or_else(|f| panic!("scenario {name} failed:\n{f}"));
             insta::assert_snapshot!(format!("scenario_{name}"), transcript);
         }
@@ -32,9 +32,11 @@ fn every_scenario_holds_and_its_answers_match_the_snapshot() {
 #[test]
 fn a_wrong_expectation_fails_with_the_line_and_both_answers() {
     let text = "accounts A=10 B=0\nsend c /t k A->B 1 => 201\nsend c /t k A->B 1 => 201\n";
-    let failure =
-        idem::scenario::run(&idem::scenario::parse(text).unwrap(), idem::policy::Policy::embedded())
-            .unwrap_err();
+    let failure = idem::harness::scenario::run(
+        &idem::harness::scenario::parse(text).unwrap(),
+        idem::policy::Policy::embedded(),
+    )
+    .unwrap_err();
     assert_eq!(failure.line, 3);
     assert!(failure.message.contains("expected 201") && failure.message.contains("\"replay\":true"));
 }
@@ -48,6 +50,6 @@ fn malformed_scenarios_are_rejected_with_their_line() {
         ("accounts A=1\nfrobnicate", 2),
         ("accounts A=1\nat yesterday", 2),
     ] {
-        assert_eq!(idem::scenario::parse(text).unwrap_err().line, line, "{text}");
+        assert_eq!(idem::harness::scenario::parse(text).unwrap_err().line, line, "{text}");
     }
 }

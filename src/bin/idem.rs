@@ -1,12 +1,14 @@
 //! `idem`: the harness around the engine. Each subcommand is a thin call
-//! into `idem::day`; exit 0 on success, 1 with one line on stderr otherwise.
+//! into the library; exit 0 on success, 1 with one line on stderr otherwise.
 
 use clap::{Parser, Subcommand};
 use idem::clock::Timestamp;
-use idem::day::{self, DayError};
+use idem::harness::day::{self, DayError};
 use idem::policy::Policy;
 use idem::protocol;
+use idem::request::ScopedKey;
 use idem::store::sqlite::SqliteStore;
+use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -22,9 +24,15 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// The day: gen, dup-report and replay into DIR, plus policy.json and idem_report.md.
+    ///
+    /// The same-instant requests are also raced as real engine processes on
+    /// a copy of the day: the idem_api next to this binary, or `idem api`.
     Prove {
         #[arg(long, default_value = "out")]
         out: PathBuf,
+        /// The engine command to race with (the lab's --db/--request contract).
+        #[arg(long, value_name = "CMD")]
+        engine: Option<String>,
     },
     /// Write idem.db: 8 accounts, 120 logged requests (100 keys), the naive transfers.
     Gen {
@@ -54,7 +62,7 @@ enum Command {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
-    /// List claims still in progress (live or stale); --release deletes the stale ones.
+    /// List claims still in progress (live or stale) as JSON lines; --release deletes the stale ones.
     ///
     /// A stale claim is one whose lease has run out: its process died before
     /// moving money, so releasing it lets the next retry start afresh.
@@ -62,15 +70,34 @@ enum Command {
     Recover {
         #[arg(long)]
         db: PathBuf,
-        /// Delete the stale claims and print {"released": N}.
+        /// Delete the stale claims: a line per released key, then {"released": N}.
         #[arg(long)]
         release: bool,
+    },
+    /// Delete the keys past retention, in short batches; prints {"purged": N}.
+    ///
+    /// Unlike `idem_api --purge-before`, this never deletes a key that a
+    /// retry could still need. Each batch is its own transaction, so live
+    /// traffic waits for the write lock at most one batch at a time.
+    /// IDEM_NOW=<RFC 3339> fixes the clock.
+    Purge {
+        #[arg(long)]
+        db: PathBuf,
+        /// Keys deleted per transaction.
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
+        batch: u64,
+    },
+    /// The idem_api contract itself (`idem api --db DB --request REQ`).
+    #[command(hide = true)]
+    Api {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
 }
 
 fn main() -> ExitCode {
     match run(Cli::parse().command, Policy::embedded()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("idem: {e}");
             ExitCode::FAILURE
@@ -78,7 +105,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command, policy: &Policy) -> Result<(), DayError> {
+fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
     match command {
         Command::Gen { out } => {
             make_parent(&out)?;
@@ -91,14 +118,15 @@ fn run(command: Command, policy: &Policy) -> Result<(), DayError> {
         }
         Command::Replay { log, db, out } => {
             make_parent(&db)?;
-            let (result, _) = day::replay_at(&log, &db, policy)?;
-            emit(&out, &day::to_json(&result)?)?;
+            let replayed = day::replay_at(&log, &db, policy, None)?;
+            emit(&out, &day::to_json(&replayed.result)?)?;
         }
         Command::Scenario { files } => {
             for file in files {
                 let text = std::fs::read_to_string(&file)
                     .map_err(|e| DayError(format!("cannot read {}: {e}", file.display())))?;
-                let outcome = idem::scenario::parse(&text).and_then(|s| idem::scenario::run(&s, policy));
+                let outcome = idem::harness::scenario::parse(&text)
+                    .and_then(|s| idem::harness::scenario::run(&s, policy));
                 println!("== {}", file.display());
                 match outcome {
                     Ok(transcript) => println!("{transcript}ok"),
@@ -115,31 +143,42 @@ fn run(command: Command, policy: &Policy) -> Result<(), DayError> {
             }
         }
         Command::Recover { db, release } => {
-            let now = match std::env::var("IDEM_NOW") {
-                Ok(text) => Timestamp::parse(&text).map_err(|e| DayError(format!("IDEM_NOW: {e}")))?,
-                Err(_) => Timestamp::now(),
-            };
+            let now = now()?;
             let mut store = SqliteStore::open(&db, policy)?;
+            let line = |state: &str, k: &ScopedKey, created_at: Timestamp, lease_until: Timestamp| {
+                let (created_at, lease_until) = (created_at.to_string(), lease_until.to_string());
+                json!({"state": state, "client_id": k.client_id, "endpoint": k.endpoint, "idem_key": k.idem_key,
+                       "created_at": created_at, "lease_until": lease_until})
+            };
+            let claims = protocol::open_claims(&mut store, now, policy)?;
             if release {
-                let released = protocol::release_stale(&mut store, now)?;
-                for key in &released {
-                    println!("released {} {} {}", key.client_id, key.endpoint, key.idem_key);
+                let released = protocol::release_stale(&mut store, now, policy)?;
+                for c in claims.iter().filter(|c| released.contains(&c.key)) {
+                    println!("{}", line("released", &c.key, c.created_at, c.lease_until));
                 }
-                println!("{{\"released\": {}}}", released.len());
+                println!("{}", json!({"released": released.len()}));
             } else {
-                println!("state\tclient_id\tendpoint\tidem_key\tcreated_at\tlease_until");
-                for c in protocol::open_claims(&mut store, now)? {
-                    let state = if c.stale { "stale" } else { "live" };
-                    let k = &c.key;
+                for c in &claims {
                     println!(
-                        "{state}\t{}\t{}\t{}\t{}\t{}",
-                        k.client_id, k.endpoint, k.idem_key, c.created_at, c.lease_until
+                        "{}",
+                        line(if c.stale { "stale" } else { "live" }, &c.key, c.created_at, c.lease_until)
                     );
                 }
             }
         }
-        Command::Prove { out } => {
-            let r = day::prove(&out, policy)?;
+        Command::Purge { db, batch } => {
+            let now = now()?;
+            let mut store = SqliteStore::open(&db, policy)?;
+            let purged = protocol::purge_expired(&mut store, now, batch, policy)?;
+            println!("{}", json!({"purged": purged}));
+        }
+        Command::Api { args } => return Ok(idem::api::main(std::iter::once("idem_api".into()).chain(args))),
+        Command::Prove { out, engine } => {
+            let engine = match engine {
+                Some(cmd) => cmd.split_whitespace().map(String::from).collect(),
+                None => own_engine()?,
+            };
+            let r = day::prove(&out, policy, &engine)?;
             println!(
                 "{} requests: {} created, {} replayed, {} rejected; {} transfers; \
                  blocked {} KRW of double payment; keys paid twice: {}",
@@ -156,7 +195,26 @@ fn run(command: Command, policy: &Policy) -> Result<(), DayError> {
             }
         }
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The wall clock, or `IDEM_NOW` when set (for tests).
+fn now() -> Result<Timestamp, DayError> {
+    match std::env::var("IDEM_NOW") {
+        Ok(text) => Timestamp::parse(&text).map_err(|e| DayError(format!("IDEM_NOW: {e}"))),
+        Err(_) => Ok(Timestamp::now()),
+    }
+}
+
+/// The engine to race: the `idem_api` built next to this binary, or this
+/// binary's own `api` command (the same code) when only `idem` was built.
+fn own_engine() -> Result<Vec<String>, DayError> {
+    let me = std::env::current_exe()?;
+    let sibling = me.with_file_name("idem_api");
+    Ok(match sibling.is_file() {
+        true => vec![sibling.to_string_lossy().into_owned()],
+        false => vec![me.to_string_lossy().into_owned(), "api".into()],
+    })
 }
 
 fn make_parent(path: &std::path::Path) -> Result<(), DayError> {

@@ -1,16 +1,39 @@
-//! What the protocol needs from storage, in the protocol's own words.
+//! What the protocol needs from storage, in the protocol's own words, and the
+//! isolation each operation must give without a global writer lock.
 //!
-//! A store hands out write transactions that exclude every other writer
-//! (SQLite's `BEGIN IMMEDIATE`, a mutex in the loom model, row locks in
-//! PostgreSQL). Inside one, the protocol claims keys, reads and moves money
-//! and completes keys; nothing is visible to anyone else until `commit`, and
-//! dropping a transaction rolls it back. All SQL lives below this module.
+//! A store hands out transactions. The contract is written so that it holds
+//! under PostgreSQL's READ COMMITTED with many writers at once, not only under
+//! SQLite's single writer:
+//!
+//! - **The primary key decides who claims a key.** [`Tx::insert_claim`] is an
+//!   insert that does nothing on conflict; only then is the existing row read.
+//!   Nobody looks first and inserts later.
+//! - **Every change to an existing key is a compare-and-set** on the version
+//!   the protocol saw (its token and state): [`Tx::replace_claim`],
+//!   [`Tx::complete`], [`Tx::release`]. A `false` means somebody else got
+//!   there first; the protocol then re-reads, never overwrites.
+//! - **The execution holds its key and its accounts locked.**
+//!   [`Tx::lock_key`] and [`Tx::lock_account`] are locking reads held to the
+//!   end of the transaction; the ledger takes the accounts in one fixed order,
+//!   so A→B racing B→A waits instead of deadlocking.
+//! - **Balances move by guarded relative updates** ([`Tx::add_to_balance`]):
+//!   exactly one row changes or the transaction fails, and a concurrent debit
+//!   is never lost to a stale absolute write.
+//! - **Transient failures are retried by one runner**, [`atomically`]: a
+//!   [`StoreError::Conflict`] (a serialization failure, a deadlock, a lost
+//!   compare-and-set) rolls back and runs the work again within the busy
+//!   budget; a lock wait past the budget is [`StoreError::Busy`].
+//!
+//! Nothing is visible to anyone else until commit; a dropped transaction rolls
+//! back. All SQL lives below this module.
 
 pub mod sqlite;
 
 use crate::clock::Timestamp;
+use crate::policy::Policy;
 use crate::request::{AcctId, ScopedKey};
 use std::fmt;
+use std::time::{Duration, Instant};
 
 /// Whether a commit must reach the disk before it returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,8 +46,12 @@ pub enum Durability {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreError {
-    /// Another writer held the lock for longer than the busy budget.
+    /// A lock was held for longer than the busy budget, or no connection was
+    /// free: nothing was written; the caller may try again later.
     Busy,
+    /// Another transaction changed what this one read (a serialization
+    /// failure, a deadlock, a lost compare-and-set): run the work again.
+    Conflict,
     /// The database is not one the engine can use (no account table, a
     /// schema of another version, a balance that is not an integer).
     Schema(String),
@@ -36,6 +63,7 @@ impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreError::Busy => f.write_str("database is busy: lock wait exceeded busy_timeout_ms"),
+            StoreError::Conflict => f.write_str("concurrent update: retries exceeded busy_timeout_ms"),
             StoreError::Schema(why) | StoreError::Backend(why) => f.write_str(why),
         }
     }
@@ -53,15 +81,25 @@ pub struct Stored {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyState {
-    InProgress { token: String, lease_until: Timestamp },
+    InProgress { lease_until: Timestamp },
     Completed(Stored),
 }
 
+/// A key's row. `token` and `state` together name one version of it: the
+/// attempt that claimed it, before or after completing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyRecord {
     pub fingerprint: String,
     pub created_at: Timestamp,
+    pub token: String,
     pub state: KeyState,
+}
+
+impl KeyRecord {
+    /// Whether the attempt holding `token` holds this key in progress.
+    pub fn held_by(&self, token: &str) -> bool {
+        self.token == token && matches!(self.state, KeyState::InProgress { .. })
+    }
 }
 
 /// A fresh `in_progress` claim on a key.
@@ -91,39 +129,112 @@ pub struct NewTransfer<'a> {
     pub created_at: Timestamp,
 }
 
-pub trait Store {
-    type Tx<'a>: Tx
-    where
-        Self: 'a;
+/// Everything the harness reads back to judge a run: the ledger and how it
+/// ties to the keys. Read-only, for tests, `idem prove` and `idem check`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Audit {
+    /// Every account, ordered by id.
+    pub balances: Vec<(AcctId, i64)>,
+    /// `(transfer_id, amount)` of every transfer, ordered by id.
+    pub transfers: Vec<(i64, i64)>,
+    /// Transfers that no completed key names (money moved without a key).
+    pub orphans: Vec<i64>,
+    /// Completed keys whose 201 names a transfer that does not exist.
+    pub hollow: i64,
+    pub keys_in_progress: i64,
+    pub keys_completed: i64,
+}
 
-    /// Starts a transaction that excludes all other writers until it ends.
-    fn begin(&mut self, durability: Durability) -> Result<Self::Tx<'_>, StoreError>;
+impl Audit {
+    pub fn money(&self) -> i64 {
+        self.balances.iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn balance(&self, id: &AcctId) -> Option<i64> {
+        self.balances.iter().find(|(a, _)| a == id).map(|(_, b)| *b)
+    }
+}
+
+pub trait Store {
+    /// Starts a transaction; dropping it without [`Tx::commit`] rolls back.
+    fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError>;
+    /// Reads back the ledger and the keys (outside any request).
+    fn audit(&mut self) -> Result<Audit, StoreError>;
 }
 
 pub trait Tx {
-    /// Inserts the claim. If the key already exists — the primary key says
-    /// so, never an earlier lookup — returns its record and changes nothing.
+    /// Inserts the claim unless the key exists (`ON CONFLICT DO NOTHING`);
+    /// if it does, returns its committed record and changes nothing. A racer
+    /// whose claim is not yet committed makes this wait for its outcome.
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError>;
-    /// Overwrites an existing key with a fresh claim (stale lease, expired key).
-    fn replace_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<(), StoreError>;
-    fn key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError>;
-    /// Marks the key completed with its response and, if any, its transfer.
+    /// Overwrites the key with a fresh claim only if it is still the version
+    /// `seen` (same token, same state); `false` if it changed. Never waits on
+    /// a key whose execution is running: that is `false` at once.
+    fn replace_claim(&mut self, key: &ScopedKey, seen: &KeyRecord, claim: &Claim)
+    -> Result<bool, StoreError>;
+    /// Reads the key and locks it to the end of the transaction, so it cannot
+    /// be taken over, completed or purged under the caller.
+    fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError>;
+    /// Marks the key completed with its response and, if any, its transfer,
+    /// only if `token` still holds it in progress; `false` otherwise.
     fn complete(
         &mut self,
         key: &ScopedKey,
+        token: &str,
         response: &Stored,
         transfer_id: Option<i64>,
         at: Timestamp,
-    ) -> Result<(), StoreError>;
-    fn account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError>;
-    fn set_balance(&mut self, id: &AcctId, balance: i64) -> Result<(), StoreError>;
+    ) -> Result<bool, StoreError>;
+    /// Deletes the key if `token` still holds it in progress.
+    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError>;
+    /// Reads an account and locks it to the end of the transaction. Callers
+    /// lock several accounts in ascending [`AcctId`] order.
+    fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError>;
+    /// Adds `delta` to the balance of exactly one account and returns the
+    /// stored result; an error (the caller rolls back) if no row or several
+    /// rows match, or if the balance would go negative.
+    fn add_to_balance(&mut self, id: &AcctId, delta: i64) -> Result<i64, StoreError>;
     /// Inserts a transfer and returns its `transfer_id`.
     fn insert_transfer(&mut self, transfer: &NewTransfer) -> Result<i64, StoreError>;
-    /// Deletes every key created before `before`; returns how many.
-    fn purge(&mut self, before: Timestamp) -> Result<u64, StoreError>;
+    /// Deletes up to `limit` keys created before `before`, oldest first;
+    /// returns how many.
+    fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError>;
     /// Every key still `in_progress`, oldest first.
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError>;
-    /// Deletes the key if it is still in progress under `token`.
-    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError>;
-    fn commit(self) -> Result<(), StoreError>;
+    fn commit(self: Box<Self>) -> Result<(), StoreError>;
+}
+
+/// How a unit of work ends: commit what it wrote, or roll it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End<R> {
+    Commit(R),
+    Rollback(R),
+}
+
+/// Runs `work` in one transaction and ends it as `work` says. A
+/// [`StoreError::Conflict`] rolls back and runs `work` again, with a short
+/// growing pause, until `policy.busy_timeout_ms` is spent; then it is
+/// [`StoreError::Busy`]. Any other error rolls back and is returned.
+pub fn atomically<S: Store + ?Sized, R>(
+    store: &mut S,
+    durability: Durability,
+    policy: &Policy,
+    mut work: impl FnMut(&mut dyn Tx) -> Result<End<R>, StoreError>,
+) -> Result<R, StoreError> {
+    let deadline = Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
+    let mut pause = Duration::from_micros(200);
+    loop {
+        let attempt = store.begin(durability).and_then(|mut tx| match work(tx.as_mut())? {
+            End::Commit(r) => tx.commit().map(|()| r),
+            End::Rollback(r) => Ok(r),
+        });
+        match attempt {
+            Err(StoreError::Conflict) if Instant::now() + pause < deadline => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(20));
+            }
+            Err(StoreError::Conflict) => return Err(StoreError::Busy),
+            other => return other,
+        }
+    }
 }

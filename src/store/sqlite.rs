@@ -2,20 +2,30 @@
 //!
 //! The database arrives holding only `account(acct_id, holder, balance)`;
 //! the first call creates `transfer` and `idem_key` and stamps
-//! `PRAGMA user_version`, so every later call checks one integer instead of
-//! the schema. WAL lets readers run beside the single writer, and the claim
-//! commits with `synchronous=NORMAL` (no fsync) while the money-moving commit
-//! uses `FULL` (see the protocol module for why that is safe).
+//! `PRAGMA user_version`. Every open, not only the first, checks what the
+//! engine's guarantees rest on and refuses the file otherwise: WAL (a FULL
+//! commit in rollback-journal mode is not power-safe, so a file switched
+//! away from WAL is switched back), a unique `acct_id` (or one transfer
+//! would update every duplicate row), and no triggers on the engine's tables
+//! (or a write could do more than the engine wrote).
+//!
+//! SQLite has one writer: `BEGIN IMMEDIATE` takes the write lock for the
+//! whole transaction, so every locking read and compare-and-set of the store
+//! contract holds trivially. The claim commits with `synchronous=NORMAL`
+//! (no fsync) and the money-moving commit with `FULL` (see the protocol
+//! module for why that is safe).
 
-use super::{Account, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx};
+use super::{
+    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
+};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::request::{AcctId, ScopedKey};
+use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
 use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
-use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, ToSql, TransactionBehavior};
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, ToSql, TransactionBehavior};
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// WAL pages between automatic checkpoints for one-request processes.
 const ONE_REQUEST_CHECKPOINT_PAGES: i64 = 64;
@@ -61,7 +71,7 @@ pub struct SqliteStore {
 
 impl SqliteStore {
     /// Opens an existing database file (never creates one) and makes sure it
-    /// has the engine's tables. For a long-lived process; a process that
+    /// is one the engine can use. For a long-lived process; a process that
     /// serves one request and exits should use [`SqliteStore::open_for_one_request`].
     pub fn open(path: &Path, policy: &Policy) -> Result<Self, StoreError> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
@@ -91,20 +101,23 @@ impl SqliteStore {
 
     /// Wraps a connection whose database already holds `account`.
     pub fn from_connection(conn: Connection, policy: &Policy) -> Result<Self, StoreError> {
+        // Defence in depth beside the trigger check below: no schema object
+        // may call functions with side effects, and no SQL may corrupt the
+        // file through writable_schema and the like.
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true).map_err(backend)?;
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false).map_err(backend)?;
         conn.busy_timeout(Duration::from_millis(u64::from(policy.busy_timeout_ms))).map_err(backend)?;
-        if user_version(&conn)? != SCHEMA_VERSION {
-            // Racing first calls can meet SQLite's deadlock-avoiding BUSY
-            // (returned at once, without waiting) while one of them switches
-            // the journal mode; retry within the same budget as any lock wait.
-            let budget = std::time::Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
-            let mut pause_ms = 1;
-            while let Err(e) = create_schema(&conn) {
-                if e != StoreError::Busy || std::time::Instant::now() >= budget {
-                    return Err(e);
-                }
-                std::thread::sleep(Duration::from_millis(pause_ms));
-                pause_ms = (pause_ms * 2).min(50);
+        // Racing first calls can meet SQLite's deadlock-avoiding BUSY
+        // (returned at once, without waiting) while one of them switches the
+        // journal mode; retry within the same budget as any lock wait.
+        let budget = Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
+        let mut pause_ms = 1;
+        while let Err(e) = prepare(&conn) {
+            if e != StoreError::Busy || Instant::now() >= budget {
+                return Err(e);
             }
+            std::thread::sleep(Duration::from_millis(pause_ms));
+            pause_ms = (pause_ms * 2).min(50);
         }
         Ok(SqliteStore { conn, synchronous: None })
     }
@@ -115,19 +128,11 @@ impl SqliteStore {
     }
 }
 
-fn user_version(conn: &Connection) -> Result<i64, StoreError> {
-    conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(backend)
-}
-
-/// Checks, before writing anything, that the file is one the engine may
-/// extend: version 0, an `account` table, and no `transfer`/`idem_key` tables
-/// of another shape. Then switches to WAL and creates what is missing.
-fn create_schema(conn: &Connection) -> Result<(), StoreError> {
+/// Everything checked on every open. Only the checks that read come first;
+/// a file refused by them is left exactly as it was.
+fn prepare(conn: &Connection) -> Result<(), StoreError> {
     let v = user_version(conn)?;
-    if v == SCHEMA_VERSION {
-        return Ok(()); // another first call got here first
-    }
-    if v != 0 {
+    if v != 0 && v != SCHEMA_VERSION {
         return Err(StoreError::Schema(format!(
             "database has schema version {v}; this idem understands version {SCHEMA_VERSION}"
         )));
@@ -135,6 +140,42 @@ fn create_schema(conn: &Connection) -> Result<(), StoreError> {
     if columns(conn, "account")?.is_empty() {
         return Err(StoreError::Schema("database has no account table".into()));
     }
+    if v == 0 {
+        check_shapes(conn)?;
+    }
+    check_account(conn)?;
+    ensure_wal(conn)?;
+    if v == 0 {
+        create_schema(conn)?;
+    }
+    Ok(())
+}
+
+fn user_version(conn: &Connection) -> Result<i64, StoreError> {
+    conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(backend)
+}
+
+/// Durability rests on WAL, so a file found in another journal mode (switched
+/// by hand, restored by `VACUUM INTO`) is switched back, or refused if it
+/// cannot be. An in-memory database has nothing to make durable.
+fn ensure_wal(conn: &Connection) -> Result<(), StoreError> {
+    let mode: String = conn.pragma_query_value(None, "journal_mode", |r| r.get(0)).map_err(backend)?;
+    if mode.eq_ignore_ascii_case("wal") || (mode == "memory" && conn.path().is_none_or(str::is_empty)) {
+        return Ok(());
+    }
+    let mode: String =
+        conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0)).map_err(backend)?;
+    match mode.eq_ignore_ascii_case("wal") {
+        true => Ok(()),
+        false => Err(StoreError::Schema(format!(
+            "database is in journal_mode={mode} and cannot be switched to WAL, which durability needs"
+        ))),
+    }
+}
+
+/// A file the engine has not stamped yet may hold `transfer`/`idem_key`
+/// tables of its own; the engine extends it only if they have its shape.
+fn check_shapes(conn: &Connection) -> Result<(), StoreError> {
     for (table, wanted) in [
         ("account", &ACCOUNT_COLUMNS[..]),
         ("transfer", &TRANSFER_COLUMNS[..]),
@@ -150,10 +191,12 @@ fn create_schema(conn: &Connection) -> Result<(), StoreError> {
             )));
         }
     }
-    let _mode: String =
-        conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0)).map_err(backend)?;
-    // Two first calls may race here; the version re-read under the write
-    // lock makes the loser a no-op.
+    Ok(())
+}
+
+/// Creates the engine's tables. Two first calls may race here; the version
+/// re-read under the write lock makes the loser a no-op.
+fn create_schema(conn: &Connection) -> Result<(), StoreError> {
     conn.execute_batch("BEGIN IMMEDIATE").map_err(backend)?;
     let created = (|| {
         if user_version(conn)? == 0 {
@@ -166,6 +209,42 @@ fn create_schema(conn: &Connection) -> Result<(), StoreError> {
         let _ = conn.execute_batch("ROLLBACK");
     }
     created
+}
+
+/// The account table must be a table whose `acct_id` is unique, and no
+/// trigger may act on the engine's tables.
+fn check_account(conn: &Connection) -> Result<(), StoreError> {
+    let (is_table, unique, triggers): (bool, bool, Option<String>) = conn
+        .query_row(
+            "SELECT
+               EXISTS (SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'account' COLLATE NOCASE),
+               (EXISTS (SELECT 1 FROM pragma_table_info('account') WHERE name = 'acct_id' AND pk = 1)
+                AND (SELECT COUNT(*) FROM pragma_table_info('account') WHERE pk > 0) = 1)
+               OR EXISTS (SELECT 1 FROM pragma_index_list('account') AS il
+                          WHERE il.\"unique\" AND NOT il.partial
+                            AND (SELECT group_concat(name) FROM pragma_index_info(il.name)) = 'acct_id'),
+               (SELECT group_concat(name, ', ') FROM sqlite_schema
+                WHERE type = 'trigger' AND lower(tbl_name) IN ('account', 'transfer', 'idem_key'))",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .map_err(backend)?;
+    if !is_table {
+        return Err(StoreError::Schema("account is not a table".into()));
+    }
+    if !unique {
+        return Err(StoreError::Schema(
+            "account.acct_id is not unique (no PRIMARY KEY or UNIQUE index on it alone): \
+             one transfer could move the balance of several rows"
+                .into(),
+        ));
+    }
+    match triggers {
+        Some(names) => Err(StoreError::Schema(format!(
+            "trigger(s) {names} act on the engine's tables: a transfer must write exactly what the engine writes"
+        ))),
+        None => Ok(()),
+    }
 }
 
 const ACCOUNT_COLUMNS: [&str; 2] = ["acct_id", "balance"];
@@ -209,10 +288,30 @@ impl ToSql for AcctId {
     }
 }
 
-impl Store for SqliteStore {
-    type Tx<'a> = SqliteTx<'a>;
+fn acct_id(value: Value) -> Result<AcctId, StoreError> {
+    match value {
+        Value::Integer(i) => Ok(AcctId::Int(i)),
+        Value::Text(s) => Ok(AcctId::Text(s)),
+        other => Err(StoreError::Schema(format!("account id {other:?} is neither text nor integer"))),
+    }
+}
 
-    fn begin(&mut self, durability: Durability) -> Result<SqliteTx<'_>, StoreError> {
+/// A balance as an exact integer. A `balance REAL` column holds whole
+/// amounts as 900.0: those are taken exactly up to 2^53 − 1, beyond which a
+/// double no longer holds every integer; anything else is refused.
+fn balance(id: &AcctId, value: Value) -> Result<i64, StoreError> {
+    match value {
+        Value::Integer(b) => Ok(b),
+        Value::Real(r) if r.fract() == 0.0 && r.abs() <= MAX_EXACT_INT as f64 => Ok(r as i64),
+        other => Err(StoreError::Schema(format!(
+            "balance of account {:?} is {other:?}, not an integer amount a double holds exactly",
+            id.to_string()
+        ))),
+    }
+}
+
+impl Store for SqliteStore {
+    fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
         if self.synchronous != Some(durability) {
             let pragma = match durability {
                 Durability::Lazy => "PRAGMA synchronous = NORMAL",
@@ -225,7 +324,42 @@ impl Store for SqliteStore {
         // IMMEDIATE takes the write lock now, so a claim never starts as a
         // reader and fails to upgrade later: it waits (busy_timeout) or fails.
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(backend)?;
-        Ok(SqliteTx { tx })
+        Ok(Box::new(SqliteTx { tx }))
+    }
+
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        let conn = &self.conn;
+        let count = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).map_err(backend);
+        let mut balances = Vec::new();
+        let mut stmt = conn.prepare("SELECT acct_id, balance FROM account").map_err(backend)?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, Value>(0)?, r.get::<_, Value>(1)?)));
+        for row in rows.and_then(|rows| rows.collect::<Result<Vec<_>, _>>()).map_err(backend)? {
+            let id = acct_id(row.0)?;
+            let b = balance(&id, row.1)?;
+            balances.push((id, b));
+        }
+        balances.sort();
+        let ids = |sql: &str| -> Result<Vec<(i64, i64)>, StoreError> {
+            let mut stmt = conn.prepare(sql).map_err(backend)?;
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)));
+            rows.and_then(|rows| rows.collect()).map_err(backend)
+        };
+        Ok(Audit {
+            balances,
+            transfers: ids("SELECT transfer_id, amount FROM transfer ORDER BY transfer_id")?,
+            orphans: ids("SELECT transfer_id, amount FROM transfer t WHERE NOT EXISTS
+                   (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')
+                 ORDER BY transfer_id")?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect(),
+            hollow: count(
+                "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
+                   AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))",
+            )?,
+            keys_in_progress: count("SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'")?,
+            keys_completed: count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed'")?,
+        })
     }
 }
 
@@ -233,104 +367,121 @@ pub struct SqliteTx<'a> {
     tx: rusqlite::Transaction<'a>,
 }
 
+const RECORD: &str = "fingerprint, created_at, token, state, lease_until, status, reason, body";
+
+/// A key row whose [`RECORD`] columns start at column `at`.
+fn record_at(r: &Row, at: usize) -> rusqlite::Result<KeyRecord> {
+    let time = |i: usize| -> rusqlite::Result<Timestamp> {
+        let text: String = r.get(at + i)?;
+        Timestamp::parse(&text).map_err(|e| corrupt(at + i, e.to_string()))
+    };
+    let state = match (r.get::<_, String>(at + 3)?.as_str(), r.get::<_, Option<u16>>(at + 5)?, r.get(at + 7)?)
+    {
+        ("in_progress", _, _) => KeyState::InProgress { lease_until: time(4)? },
+        ("completed", Some(status), Some(body)) => {
+            KeyState::Completed(Stored { status, reason: r.get(at + 6)?, body })
+        }
+        (other, ..) => return Err(corrupt(at + 3, format!("state {other:?} without its response"))),
+    };
+    Ok(KeyRecord { fingerprint: r.get(at)?, created_at: time(1)?, token: r.get(at + 2)?, state })
+}
+
+fn corrupt(column: usize, why: String) -> rusqlite::Error {
+    rusqlite::Error::FromSqlConversionFailure(column, rusqlite::types::Type::Text, why.into())
+}
+
 const KEY_WHERE: &str = "client_id = ?1 AND endpoint = ?2 AND idem_key = ?3";
 
 impl SqliteTx<'_> {
-    /// Runs `sql` with the key as ?1..?3 and the claim as ?4..?7.
-    fn write_claim(&mut self, sql: &str, key: &ScopedKey, claim: &Claim) -> rusqlite::Result<usize> {
-        self.tx.prepare_cached(sql)?.execute((
-            &key.client_id,
-            &key.endpoint,
-            &key.idem_key,
-            &claim.fingerprint,
-            &claim.token,
-            claim.created_at.to_string(),
-            claim.lease_until.to_string(),
-        ))
+    /// Runs `sql` with the key as ?1..?3, the claim as ?4..?7 and, for a
+    /// compare-and-set, the `(token, state)` seen as ?8, ?9.
+    fn write_claim(
+        &mut self,
+        sql: &str,
+        key: &ScopedKey,
+        claim: &Claim,
+        seen: Option<(&str, &str)>,
+    ) -> rusqlite::Result<usize> {
+        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
+        let mut params: Vec<&dyn ToSql> =
+            vec![&key.client_id, &key.endpoint, &key.idem_key, &claim.fingerprint, &claim.token];
+        params.extend([&created_at as &dyn ToSql, &lease_until]);
+        if let Some((token, state)) = &seen {
+            params.extend([token as &dyn ToSql, state]);
+        }
+        self.tx.prepare_cached(sql)?.execute(params.as_slice())
+    }
+
+    fn read_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        let sql = format!("SELECT {RECORD} FROM idem_key WHERE {KEY_WHERE}");
+        self.tx
+            .prepare_cached(&sql)
+            .and_then(|mut s| {
+                s.query_row((&key.client_id, &key.endpoint, &key.idem_key), |r| record_at(r, 0)).optional()
+            })
+            .map_err(backend)
     }
 }
 
 impl Tx for SqliteTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
-        let inserted = self.write_claim(
-            "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
-             VALUES (?1, ?2, ?3, ?4, 'in_progress', ?5, ?6, ?7)",
-            key,
-            claim,
-        );
+        let inserted = self
+            .write_claim(
+                "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
+                 VALUES (?1, ?2, ?3, ?4, 'in_progress', ?5, ?6, ?7)
+                 ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING",
+                key,
+                claim,
+                None,
+            )
+            .map_err(backend)?;
         match inserted {
-            Ok(_) => Ok(None),
-            // The primary key is the arbiter: a violation means the key exists.
-            Err(e) if e.sqlite_error_code() == Some(ErrorCode::ConstraintViolation) => self
-                .key(key)?
+            1 => Ok(None),
+            // The primary key is the arbiter: nothing inserted means the key exists.
+            _ => self
+                .read_key(key)?
                 .map(Some)
-                .ok_or_else(|| StoreError::Backend(format!("claim rejected by a constraint: {e}"))),
-            Err(e) => Err(backend(e)),
+                .ok_or_else(|| StoreError::Backend("claim neither inserted nor found".into())),
         }
     }
 
-    fn replace_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<(), StoreError> {
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        let state = match seen.state {
+            KeyState::InProgress { .. } => "in_progress",
+            KeyState::Completed(_) => "completed",
+        };
         let sql = format!(
             "UPDATE idem_key SET fingerprint = ?4, state = 'in_progress', token = ?5,
                     created_at = ?6, lease_until = ?7, status = NULL, reason = NULL,
                     body = NULL, transfer_id = NULL, completed_at = NULL
-             WHERE {KEY_WHERE}"
+             WHERE {KEY_WHERE} AND token = ?8 AND state = ?9"
         );
-        self.write_claim(&sql, key, claim).map(drop).map_err(backend)
+        self.write_claim(&sql, key, claim, Some((&seen.token, state))).map(|n| n == 1).map_err(backend)
     }
 
-    fn key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        let sql = format!(
-            "SELECT fingerprint, state, token, created_at, lease_until, status, reason, body
-             FROM idem_key WHERE {KEY_WHERE}"
-        );
-        type Row = (String, String, String, String, String, Option<u16>, Option<String>, Option<String>);
-        let row: Option<Row> = self
-            .tx
-            .prepare_cached(&sql)
-            .and_then(|mut s| {
-                s.query_row((&key.client_id, &key.endpoint, &key.idem_key), |r| {
-                    Ok((
-                        r.get(0)?,
-                        r.get(1)?,
-                        r.get(2)?,
-                        r.get(3)?,
-                        r.get(4)?,
-                        r.get(5)?,
-                        r.get(6)?,
-                        r.get(7)?,
-                    ))
-                })
-                .optional()
-            })
-            .map_err(backend)?;
-        let Some((fingerprint, state, token, created_at, lease_until, status, reason, body)) = row else {
-            return Ok(None);
-        };
-        let corrupt = || StoreError::Backend(format!("corrupt idem_key row for {key:?}"));
-        let time = |t: &str| Timestamp::parse(t).map_err(|_| corrupt());
-        let state = match (state.as_str(), status, body) {
-            ("in_progress", _, _) => KeyState::InProgress { token, lease_until: time(&lease_until)? },
-            ("completed", Some(status), Some(body)) => KeyState::Completed(Stored { status, reason, body }),
-            _ => return Err(corrupt()),
-        };
-        Ok(Some(KeyRecord { fingerprint, created_at: time(&created_at)?, state }))
+    fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        self.read_key(key) // the transaction already holds the write lock
     }
 
     fn complete(
         &mut self,
         key: &ScopedKey,
+        token: &str,
         response: &Stored,
         transfer_id: Option<i64>,
         at: Timestamp,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idem_key SET state = 'completed', status = ?4, reason = ?5, body = ?6,
                     transfer_id = ?7, completed_at = ?8
-             WHERE {KEY_WHERE} AND state = 'in_progress'"
+             WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?9"
         );
-        let changed = self
-            .tx
+        self.tx
             .prepare_cached(&sql)
             .and_then(|mut s| {
                 s.execute((
@@ -342,50 +493,53 @@ impl Tx for SqliteTx<'_> {
                     &response.body,
                     transfer_id,
                     at.to_string(),
+                    token,
                 ))
             })
-            .map_err(backend)?;
-        match changed {
-            1 => Ok(()),
-            _ => Err(StoreError::Backend(format!("completed a key that was not in progress: {key:?}"))),
-        }
+            .map(|n| n == 1)
+            .map_err(backend)
     }
 
-    fn account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
+    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        let sql = format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?4");
+        self.tx
+            .prepare_cached(&sql)
+            .and_then(|mut s| s.execute((&key.client_id, &key.endpoint, &key.idem_key, token)))
+            .map(|n| n == 1)
+            .map_err(backend)
+    }
+
+    fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
         let row: Option<(Value, Value)> = self
             .tx
-            .prepare_cached("SELECT acct_id, balance FROM account WHERE acct_id = ?1 LIMIT 1")
+            .prepare_cached("SELECT acct_id, balance FROM account WHERE acct_id = ?1")
             .and_then(|mut s| s.query_row([id], |r| Ok((r.get(0)?, r.get(1)?))).optional())
             .map_err(backend)?;
-        let Some((stored_id, balance)) = row else {
+        let Some((stored_id, stored_balance)) = row else {
             return Ok(None);
         };
-        let id = match stored_id {
-            Value::Integer(i) => AcctId::Int(i),
-            Value::Text(s) => AcctId::Text(s),
-            other => {
-                return Err(StoreError::Schema(format!("account id {other:?} is neither text nor integer")));
-            }
-        };
-        match balance {
-            Value::Integer(balance) => Ok(Some(Account { id, balance })),
-            // A `balance REAL` column holds whole amounts as 900.0; take them
-            // exactly, refuse anything with a fraction.
-            Value::Real(r) if r.fract() == 0.0 && r.abs() <= 9_007_199_254_740_991.0 => {
-                Ok(Some(Account { id, balance: r as i64 }))
-            }
-            other => Err(StoreError::Schema(format!(
-                "balance of account {id:?} is {other:?}, not an integer amount"
-            ))),
-        }
+        let id = acct_id(stored_id)?;
+        let balance = balance(&id, stored_balance)?;
+        Ok(Some(Account { id, balance }))
     }
 
-    fn set_balance(&mut self, id: &AcctId, balance: i64) -> Result<(), StoreError> {
-        self.tx
-            .prepare_cached("UPDATE account SET balance = ?2 WHERE acct_id = ?1")
-            .and_then(|mut s| s.execute((id, balance)))
-            .map(drop)
-            .map_err(backend)
+    fn add_to_balance(&mut self, id: &AcctId, delta: i64) -> Result<i64, StoreError> {
+        let rows: Vec<Value> = self
+            .tx
+            .prepare_cached(
+                "UPDATE account SET balance = balance + ?2
+                 WHERE acct_id = ?1 AND balance + ?2 >= 0 RETURNING balance",
+            )
+            .and_then(|mut s| s.query_map((id, delta), |r| r.get(0))?.collect())
+            .map_err(backend)?;
+        match <[Value; 1]>::try_from(rows) {
+            Ok([value]) => balance(id, value),
+            Err(rows) => Err(StoreError::Schema(format!(
+                "a balance update of account {:?} changed {} rows, not 1",
+                id.to_string(),
+                rows.len()
+            ))),
+        }
     }
 
     fn insert_transfer(&mut self, t: &NewTransfer) -> Result<i64, StoreError> {
@@ -400,47 +554,32 @@ impl Tx for SqliteTx<'_> {
             .map_err(backend)
     }
 
-    fn purge(&mut self, before: Timestamp) -> Result<u64, StoreError> {
+    fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
         self.tx
-            .prepare_cached("DELETE FROM idem_key WHERE created_at < ?1")
-            .and_then(|mut s| s.execute([before.to_string()]))
+            .prepare_cached(
+                "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
+                   (SELECT client_id, endpoint, idem_key FROM idem_key
+                    WHERE created_at < ?1 ORDER BY created_at LIMIT ?2)",
+            )
+            .and_then(|mut s| s.execute((before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX))))
             .map(|n| n as u64)
             .map_err(backend)
     }
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
-        let keys: Vec<ScopedKey> = self
-            .tx
-            .prepare_cached(
-                "SELECT client_id, endpoint, idem_key FROM idem_key
-                 WHERE state = 'in_progress' ORDER BY created_at, client_id, endpoint, idem_key",
-            )
-            .and_then(|mut s| {
-                s.query_map([], |r| {
-                    Ok(ScopedKey { client_id: r.get(0)?, endpoint: r.get(1)?, idem_key: r.get(2)? })
-                })?
-                .collect()
-            })
-            .map_err(backend)?;
-        let mut claims = Vec::new();
-        for key in keys {
-            if let Some(record) = self.key(&key)? {
-                claims.push((key, record));
-            }
-        }
-        Ok(claims)
+        let sql = format!(
+            "SELECT client_id, endpoint, idem_key, {RECORD} FROM idem_key WHERE state = 'in_progress'
+             ORDER BY created_at, client_id, endpoint, idem_key"
+        );
+        let mut stmt = self.tx.prepare_cached(&sql).map_err(backend)?;
+        let rows = stmt.query_map([], |r| {
+            let key = ScopedKey { client_id: r.get(0)?, endpoint: r.get(1)?, idem_key: r.get(2)? };
+            Ok((key, record_at(r, 3)?))
+        });
+        rows.and_then(|rows| rows.collect()).map_err(backend)
     }
 
-    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
-        let sql = format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?4");
-        self.tx
-            .prepare_cached(&sql)
-            .and_then(|mut s| s.execute((&key.client_id, &key.endpoint, &key.idem_key, token)))
-            .map(|n| n == 1)
-            .map_err(backend)
-    }
-
-    fn commit(self) -> Result<(), StoreError> {
+    fn commit(self: Box<Self>) -> Result<(), StoreError> {
         self.tx.commit().map_err(backend)
     }
 }

@@ -4,23 +4,24 @@
 
 use idem::clock::Timestamp;
 use idem::policy::Policy;
-use idem::protocol::{self, Ctx, Flow, Outcome, Point, Response};
-use idem::request::{self, AcctId, ScopedKey};
+use idem::protocol::{self, Ctx, Engine, Flow, Outcome, Point, Response};
+use idem::request::{AcctId, ScopedKey};
 use idem::store::{
-    Account, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
+    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
 };
 use loom::sync::{Arc, Mutex, MutexGuard};
 use std::collections::BTreeMap;
 
 #[derive(Clone, Default)]
-struct State {
-    keys: BTreeMap<ScopedKey, KeyRecord>,
+pub struct State {
+    /// Each key with the transfer its completion names.
+    keys: BTreeMap<ScopedKey, (KeyRecord, Option<i64>)>,
     balances: BTreeMap<AcctId, i64>,
     transfers: Vec<i64>,
 }
 
 #[derive(Clone)]
-struct MemStore(Arc<Mutex<State>>);
+pub struct MemStore(Arc<Mutex<State>>);
 
 struct MemTx<'a> {
     guard: MutexGuard<'a, State>,
@@ -28,74 +29,131 @@ struct MemTx<'a> {
 }
 
 impl Store for MemStore {
-    type Tx<'a> = MemTx<'a>;
-    fn begin(&mut self, _: Durability) -> Result<MemTx<'_>, StoreError> {
+    fn begin(&mut self, _: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
         let guard = self.0.lock().unwrap();
         let work = guard.clone();
-        Ok(MemTx { guard, work })
+        Ok(Box::new(MemTx { guard, work }))
     }
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        let state = self.0.lock().unwrap();
+        let named: Vec<i64> = state.keys.values().filter_map(|(_, t)| *t).collect();
+        Ok(Audit {
+            balances: state.balances.iter().map(|(a, b)| (a.clone(), *b)).collect(),
+            transfers: state.transfers.iter().enumerate().map(|(i, a)| (i as i64 + 1, *a)).collect(),
+            orphans: (1..=state.transfers.len() as i64).filter(|id| !named.contains(id)).collect(),
+            hollow: 0,
+            keys_in_progress: state
+                .keys
+                .values()
+                .filter(|(r, _)| matches!(r.state, KeyState::InProgress { .. }))
+                .count() as i64,
+            keys_completed: state
+                .keys
+                .values()
+                .filter(|(r, _)| matches!(r.state, KeyState::Completed(_)))
+                .count() as i64,
+        })
+    }
+}
+
+fn same_version(a: &KeyRecord, b: &KeyRecord) -> bool {
+    a.token == b.token
+        && matches!(a.state, KeyState::InProgress { .. }) == matches!(b.state, KeyState::InProgress { .. })
 }
 
 impl Tx for MemTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
-        if let Some(existing) = self.work.keys.get(key) {
+        if let Some((existing, _)) = self.work.keys.get(key) {
             return Ok(Some(existing.clone()));
         }
-        self.replace_claim(key, claim).map(|()| None)
+        self.work.keys.insert(key.clone(), (fresh(claim), None));
+        Ok(None)
     }
-    fn replace_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<(), StoreError> {
-        let state = KeyState::InProgress { token: claim.token.clone(), lease_until: claim.lease_until };
-        self.work.keys.insert(
-            key.clone(),
-            KeyRecord { fingerprint: claim.fingerprint.clone(), created_at: claim.created_at, state },
-        );
-        Ok(())
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        match self.work.keys.get_mut(key) {
+            Some(entry) if same_version(&entry.0, seen) => {
+                *entry = (fresh(claim), None);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
-    fn key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        Ok(self.work.keys.get(key).cloned())
+    fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        Ok(self.work.keys.get(key).map(|(r, _)| r.clone()))
     }
     fn complete(
         &mut self,
         key: &ScopedKey,
+        token: &str,
         response: &Stored,
-        _: Option<i64>,
+        transfer_id: Option<i64>,
         _: Timestamp,
-    ) -> Result<(), StoreError> {
-        let record = self.work.keys.get_mut(key).ok_or(StoreError::Backend("no key".into()))?;
-        assert!(matches!(record.state, KeyState::InProgress { .. }), "completed a key twice");
-        record.state = KeyState::Completed(response.clone());
-        Ok(())
-    }
-    fn account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
-        Ok(self.work.balances.get(id).map(|b| Account { id: id.clone(), balance: *b }))
-    }
-    fn set_balance(&mut self, id: &AcctId, balance: i64) -> Result<(), StoreError> {
-        self.work.balances.insert(id.clone(), balance);
-        Ok(())
-    }
-    fn insert_transfer(&mut self, t: &NewTransfer) -> Result<i64, StoreError> {
-        self.work.transfers.push(t.amount);
-        Ok(self.work.transfers.len() as i64)
-    }
-    fn purge(&mut self, before: Timestamp) -> Result<u64, StoreError> {
-        let n = self.work.keys.len();
-        self.work.keys.retain(|_, r| r.created_at >= before);
-        Ok((n - self.work.keys.len()) as u64)
-    }
-    fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
-        let open = self.work.keys.iter().filter(|(_, r)| matches!(r.state, KeyState::InProgress { .. }));
-        Ok(open.map(|(k, r)| (k.clone(), r.clone())).collect())
+    ) -> Result<bool, StoreError> {
+        match self.work.keys.get_mut(key) {
+            Some((record, named)) if record.held_by(token) => {
+                record.state = KeyState::Completed(response.clone());
+                *named = transfer_id;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
-        let held = matches!(self.work.keys.get(key), Some(KeyRecord { state: KeyState::InProgress { token: t, .. }, .. }) if t == token);
+        let held = self.work.keys.get(key).is_some_and(|(r, _)| r.held_by(token));
         if held {
             self.work.keys.remove(key);
         }
         Ok(held)
     }
-    fn commit(mut self) -> Result<(), StoreError> {
+    fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
+        Ok(self.work.balances.get(id).map(|b| Account { id: id.clone(), balance: *b }))
+    }
+    fn add_to_balance(&mut self, id: &AcctId, delta: i64) -> Result<i64, StoreError> {
+        let balance = self.work.balances.get_mut(id).ok_or(StoreError::Backend("no account".into()))?;
+        *balance += delta;
+        assert!(*balance >= 0, "a balance went negative");
+        Ok(*balance)
+    }
+    fn insert_transfer(&mut self, t: &NewTransfer) -> Result<i64, StoreError> {
+        self.work.transfers.push(t.amount);
+        Ok(self.work.transfers.len() as i64)
+    }
+    fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
+        let mut old: Vec<(Timestamp, ScopedKey)> = self
+            .work
+            .keys
+            .iter()
+            .filter(|(_, (r, _))| r.created_at < before)
+            .map(|(k, (r, _))| (r.created_at, k.clone()))
+            .collect();
+        old.sort();
+        old.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        for (_, k) in &old {
+            self.work.keys.remove(k);
+        }
+        Ok(old.len() as u64)
+    }
+    fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
+        let open = self.work.keys.iter().filter(|(_, (r, _))| matches!(r.state, KeyState::InProgress { .. }));
+        Ok(open.map(|(k, (r, _))| (k.clone(), r.clone())).collect())
+    }
+    fn commit(mut self: Box<Self>) -> Result<(), StoreError> {
         *self.guard = std::mem::take(&mut self.work);
         Ok(())
+    }
+}
+
+fn fresh(claim: &Claim) -> KeyRecord {
+    KeyRecord {
+        fingerprint: claim.fingerprint.clone(),
+        created_at: claim.created_at,
+        token: claim.token.clone(),
+        state: KeyState::InProgress { lease_until: claim.lease_until },
     }
 }
 
@@ -113,26 +171,35 @@ fn t0() -> Timestamp {
 }
 
 /// One racer: `Some(answer)`, or `None` if it died after its claim.
-fn racer(mut store: MemStore, name: &str, crash: bool) -> Option<Response> {
+fn racer<E: Engine>(engine: &mut E, name: &str, crash: bool) -> Option<Response> {
     let policy = Policy::embedded();
-    let req = request::parse(REQUEST.as_bytes(), policy).unwrap();
+    let req = engine.parse(REQUEST.as_bytes(), policy).unwrap();
     let mut faults = |p: Point| if crash && p == Point::AfterClaim { Flow::Crash } else { Flow::Continue };
-    match protocol::handle(&mut store, &req, Ctx { policy, now: t0(), token: name }, &mut faults).unwrap() {
+    match protocol::handle(engine, &req, Ctx { policy, now: t0(), token: name }, &mut faults).unwrap() {
         Outcome::Respond(r) => Some(r),
         Outcome::Crashed(_) => None,
     }
 }
 
-/// `crashes[i]`: whether racer i dies right after winning a claim.
+/// The real engine: `crashes[i]` says whether racer i dies right after
+/// winning a claim.
 pub fn race(crashes: &'static [bool]) {
+    race_with(crashes, |store| store)
+}
+
+/// [`race`] with each racer's engine made by `engine` over the shared store.
+pub fn race_with<E: Engine + Send + 'static>(
+    crashes: &'static [bool],
+    engine: impl Fn(MemStore) -> E + Send + Sync + 'static,
+) {
     loom::model(move || {
         let store = new_store();
         let handles: Vec<_> = crashes
             .iter()
             .enumerate()
             .map(|(i, &crash)| {
-                let store = store.clone();
-                loom::thread::spawn(move || racer(store, &format!("racer-{i}"), crash))
+                let mut racer_engine = engine(store.clone());
+                loom::thread::spawn(move || racer(&mut racer_engine, &format!("racer-{i}"), crash))
             })
             .collect();
         let answers: Vec<Option<Response>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -145,7 +212,7 @@ pub fn race(crashes: &'static [bool]) {
         assert_eq!(fresh.len(), state.transfers.len(), "every execution answered 201 exactly once");
         // A dead claimant never completes: the key is completed exactly when
         // the money moved, and is otherwise still held in progress.
-        match &state.keys.values().next().unwrap().state {
+        match &state.keys.values().next().unwrap().0.state {
             KeyState::Completed(stored) => {
                 assert_eq!((state.transfers.len(), stored.status), (1, 201));
                 for r in answers.iter().flatten().filter(|r| r.replay) {
@@ -166,14 +233,16 @@ pub fn race(crashes: &'static [bool]) {
         // After the lease, a retry finishes what a dead claimant started, and
         // nothing has been paid twice.
         let policy = Policy::embedded();
-        let req = request::parse(REQUEST.as_bytes(), policy).unwrap();
+        let mut retry_engine = engine(store.clone());
+        let req = retry_engine.parse(REQUEST.as_bytes(), policy).unwrap();
         let later = t0().plus_seconds(i64::from(policy.in_progress_lease_seconds));
-        let mut store = store;
-        let retry =
-            protocol::handle(&mut store, &req, Ctx { policy, now: later, token: "retry" }, &mut |_| {
-                Flow::Continue
-            })
-            .unwrap();
+        let retry = protocol::handle(
+            &mut retry_engine,
+            &req,
+            Ctx { policy, now: later, token: "retry" },
+            &mut |_| Flow::Continue,
+        )
+        .unwrap();
         assert!(matches!(retry, Outcome::Respond(Response { status: 201, .. })));
         assert_eq!(store.0.lock().unwrap().transfers.len(), 1);
     });

@@ -2,10 +2,11 @@
 //! accounts and balances, and a way to drive the real `idem_api` binary.
 #![allow(dead_code)] // each test file uses a different part
 
+pub mod broken;
 pub mod loom_model;
 pub mod storm;
 
-use idem::day::traffic::Rng;
+use idem::harness::day::traffic::Rng;
 use rusqlite::Connection;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};

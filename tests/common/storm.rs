@@ -2,10 +2,10 @@
 //! runs a day through the engine and the oracle side by side.
 
 use idem::clock::Timestamp;
+use idem::harness::{self, scenario::sqlite_bank};
 use idem::policy::Policy;
-use idem::protocol::{self, Ctx, Flow, Outcome, Point, Response};
-use idem::request::{self, ScopedKey};
-use idem::store::sqlite::SqliteStore;
+use idem::protocol::{Ctx, Engine, Point, Response};
+use idem::request::{AcctId, ScopedKey};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -203,22 +203,27 @@ impl Oracle {
     }
 }
 
-struct Engine {
-    store: SqliteStore,
+struct Run<'e> {
+    engine: &'e mut dyn Engine,
     start: Timestamp,
     /// The first answer seen per key (reset when the key is forgotten).
     first: BTreeMap<ScopedKey, Response>,
     tokens: u64,
 }
 
-impl Engine {
+impl Run<'_> {
     fn now(&self, oracle: &Oracle) -> Timestamp {
         self.start.plus_seconds(oracle.now)
+    }
+
+    fn token(&mut self) -> String {
+        self.tokens += 1;
+        format!("t{}", self.tokens)
     }
 }
 
 fn check_answer(
-    engine: &mut Engine,
+    engine: &mut Run,
     s: &Send,
     got: &Response,
     want: (u16, bool, Option<String>),
@@ -240,16 +245,24 @@ fn check_answer(
     Ok(())
 }
 
+/// A day on the real engine over a fresh in-memory SQLite database.
 pub fn run_day(balances: [i64; ACCOUNTS], ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let accounts: Vec<(AcctId, i64)> =
+        balances.iter().enumerate().map(|(i, b)| (AcctId::Text(acct(i)), *b)).collect();
+    let mut store = sqlite_bank(&accounts, Policy::embedded()).unwrap();
+    run_day_on(&mut store, balances, ops)
+}
+
+/// A day through `engine`, whose database holds exactly the accounts
+/// `acct-0..` with `balances`, against the oracle.
+pub fn run_day_on(
+    engine: &mut dyn Engine,
+    balances: [i64; ACCOUNTS],
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
     let policy = Policy::embedded();
-    let conn = rusqlite::Connection::open_in_memory().unwrap();
-    conn.execute_batch("CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance INTEGER)")
-        .unwrap();
-    for (i, b) in balances.iter().enumerate() {
-        conn.execute("INSERT INTO account VALUES (?1, 'h', ?2)", (acct(i), b)).unwrap();
-    }
-    let mut engine = Engine {
-        store: SqliteStore::from_connection(conn, policy).unwrap(),
+    let mut engine = Run {
+        engine,
         start: Timestamp::parse("2026-12-01T00:00:00Z").unwrap(),
         first: BTreeMap::new(),
         tokens: 0,
@@ -269,23 +282,10 @@ pub fn run_day(balances: [i64; ACCOUNTS], ops: Vec<Op>) -> Result<(), TestCaseEr
         let now = engine.now(&oracle);
         match op {
             Op::Send(s) => {
-                engine.tokens += 1;
-                let token = format!("t{}", engine.tokens);
-                let req = request::parse(raw(s).as_bytes(), policy);
-                let got = match &req {
-                    Err(e) => Response::refusal(400, e.to_string()),
-                    Ok(req) => match protocol::handle(
-                        &mut engine.store,
-                        req,
-                        Ctx { policy, now, token: &token },
-                        &mut |_| Flow::Continue,
-                    )
+                let token = engine.token();
+                let got = harness::send(engine.engine, &raw(s), Ctx { policy, now, token: &token }, None)
                     .unwrap()
-                    {
-                        Outcome::Respond(r) => r,
-                        Outcome::Crashed(p) => return Err(TestCaseError::fail(format!("crashed at {p:?}"))),
-                    },
-                };
+                    .ok_or_else(|| TestCaseError::fail("crashed unasked"))?;
                 let want = match oracle.claim(s) {
                     Expect::Answer(status, replay, reason) => (status, replay, reason),
                     Expect::Execute => {
@@ -296,24 +296,16 @@ pub fn run_day(balances: [i64; ACCOUNTS], ops: Vec<Op>) -> Result<(), TestCaseEr
                 check_answer(&mut engine, s, &got, want)?;
             }
             Op::Crash(s, point) => {
-                engine.tokens += 1;
-                let token = format!("t{}", engine.tokens);
-                let Ok(req) = request::parse(raw(s).as_bytes(), policy) else { continue };
-                let mut faults = |p: Point| if p == *point { Flow::Crash } else { Flow::Continue };
-                let got = protocol::handle(
-                    &mut engine.store,
-                    &req,
-                    Ctx { policy, now, token: &token },
-                    &mut faults,
-                )
-                .unwrap();
+                let token = engine.token();
+                let got =
+                    harness::send(engine.engine, &raw(s), Ctx { policy, now, token: &token }, Some(*point))
+                        .unwrap();
                 match (oracle.claim(s), got) {
-                    (Expect::Answer(status, replay, reason), Outcome::Respond(r)) => {
+                    (Expect::Answer(status, replay, reason), Some(r)) => {
                         check_answer(&mut engine, s, &r, (status, replay, reason))?
                     }
-                    (Expect::Execute, Outcome::Crashed(p)) => {
-                        prop_assert_eq!(p, *point);
-                        if p == Point::AfterCommit {
+                    (Expect::Execute, None) => {
+                        if *point == Point::AfterCommit {
                             oracle.execute(s);
                             engine.first.remove(&key_of(s.client, s.key));
                         }
@@ -326,20 +318,14 @@ pub fn run_day(balances: [i64; ACCOUNTS], ops: Vec<Op>) -> Result<(), TestCaseEr
                 }
             }
             Op::Together(sends) => {
-                let tokens: Vec<String> = sends
-                    .iter()
-                    .map(|_| {
-                        engine.tokens += 1;
-                        format!("t{}", engine.tokens)
-                    })
-                    .collect();
+                let tokens: Vec<String> = sends.iter().map(|_| engine.token()).collect();
                 let raws: Vec<String> = sends.iter().map(raw).collect();
                 let batch: Vec<_> = raws
                     .iter()
                     .zip(&tokens)
                     .map(|(r, token)| (r.as_str(), Ctx { policy, now, token }))
                     .collect();
-                let answers = protocol::together(&mut engine.store, &batch).unwrap();
+                let answers = harness::together(engine.engine, &batch).unwrap();
                 let verdicts: Vec<Expect> = sends.iter().map(|s| oracle.claim(s)).collect();
                 for ((s, got), verdict) in sends.iter().zip(answers).zip(verdicts) {
                     let want = match verdict {
@@ -358,19 +344,24 @@ pub fn run_day(balances: [i64; ACCOUNTS], ops: Vec<Op>) -> Result<(), TestCaseEr
                     r#"{{"client_id":"{}","endpoint":"{}","idem_key":"{}","body":{{"src":"acct-0","dst":"acct-1","amount":{amount},"currency":"KRW"}}}}"#,
                     k.client_id, k.endpoint, k.idem_key
                 );
-                // Refused before the store is touched: the key stays as it was.
-                let err = request::parse(text.as_bytes(), policy).map(|_| ());
+                // Through the engine like any request: refused, and the key
+                // stays as it was (the oracle's next verdicts check that).
+                let token = engine.token();
+                let got = harness::send(engine.engine, &text, Ctx { policy, now, token: &token }, None)
+                    .unwrap()
+                    .ok_or_else(|| TestCaseError::fail("crashed unasked"))?;
+                prop_assert_eq!(got.status, 400, "amount {}: {:?}", amount, got);
                 prop_assert!(
-                    err.as_ref().is_err_and(|e| e.to_string().starts_with("invalid_request: amount must be")),
+                    got.reason.as_deref().is_some_and(|r| r.starts_with("invalid_request: amount must be")),
                     "amount {}: {:?}",
                     amount,
-                    err
+                    got
                 );
             }
             Op::Wait(seconds) => oracle.now += seconds,
             Op::Purge(back) => {
                 let cut = oracle.now - back;
-                let got = protocol::purge(&mut engine.store, engine.start.plus_seconds(cut)).unwrap();
+                let got = engine.engine.purge(engine.start.plus_seconds(cut), policy).unwrap();
                 let want = oracle.purge(cut);
                 prop_assert_eq!(got, want, "purge before now-{}", back);
                 let forgotten: Vec<ScopedKey> =
@@ -380,31 +371,14 @@ pub fn run_day(balances: [i64; ACCOUNTS], ops: Vec<Op>) -> Result<(), TestCaseEr
                 }
             }
         }
-        let conn = engine.store.connection();
-        let q = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).unwrap();
-        let got_balances: Vec<i64> = (0..ACCOUNTS)
-            .map(|i| {
-                conn.query_row("SELECT balance FROM account WHERE acct_id = ?1", [acct(i)], |r| r.get(0))
-                    .unwrap()
-            })
-            .collect();
+        let audit = engine.engine.audit().unwrap();
+        let got_balances: Vec<i64> =
+            (0..ACCOUNTS).map(|i| audit.balance(&AcctId::Text(acct(i))).unwrap_or(i64::MIN)).collect();
         prop_assert_eq!(&got_balances[..], &oracle.balances[..], "balances after {:?}", op);
-        prop_assert_eq!(got_balances.iter().sum::<i64>(), total, "money not conserved");
-        prop_assert_eq!(q("SELECT COUNT(*) FROM transfer"), oracle.transfers, "transfers after {:?}", op);
-        prop_assert_eq!(
-            q(
-                "SELECT COUNT(*) FROM transfer t WHERE NOT EXISTS (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')"
-            ),
-            oracle.forgotten,
-            "transfers without a completed key"
-        );
-        prop_assert_eq!(
-            q(
-                "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201 AND transfer_id NOT IN (SELECT transfer_id FROM transfer)"
-            ),
-            0,
-            "a completed 201 key without its transfer"
-        );
+        prop_assert_eq!(audit.money(), total, "money not conserved");
+        prop_assert_eq!(audit.transfers.len() as i64, oracle.transfers, "transfers after {:?}", op);
+        prop_assert_eq!(audit.orphans.len() as i64, oracle.forgotten, "transfers without a completed key");
+        prop_assert_eq!(audit.hollow, 0, "a completed 201 key without its transfer");
     }
     Ok(())
 }

@@ -7,11 +7,12 @@
 //! lacks a completed key, and money is conserved.
 
 use crate::clock::Timestamp;
+use crate::harness;
 use crate::policy::Policy;
-use crate::protocol::{self, Ctx, Flow, Outcome, Point, Response};
+use crate::protocol::{Ctx, Engine, Point, Response};
 use crate::request::{self, AcctId, ScopedKey};
-use crate::store::StoreError;
 use crate::store::sqlite::SqliteStore;
+use crate::store::{Audit, StoreError};
 use rusqlite::Connection;
 use serde_json::json;
 use std::collections::{BTreeSet, HashMap};
@@ -222,9 +223,26 @@ fn parse_duration(text: &str) -> Option<i64> {
     Some(n * [("s", 1), ("m", 60), ("h", 3600)].iter().find(|(u, _)| *u == unit)?.1)
 }
 
-/// Runs a scenario on a fresh in-memory database; returns the transcript.
+/// Runs a scenario on a fresh in-memory SQLite database; returns the transcript.
 pub fn run(scenario: &Scenario, policy: &Policy) -> Result<String, Failure> {
-    let mut runner = Runner::new(scenario, policy).map_err(|e| fail(0, format!("setup: {e}")))?;
+    let mut store = sqlite_bank(&scenario.accounts, policy).map_err(|e| fail(0, format!("setup: {e}")))?;
+    run_on(scenario, policy, &mut store)
+}
+
+/// Runs a scenario through `engine`, whose database holds exactly the
+/// scenario's accounts and nothing else yet.
+pub fn run_on(scenario: &Scenario, policy: &Policy, engine: &mut dyn Engine) -> Result<String, Failure> {
+    let now = Timestamp::parse(DEFAULT_START).map_err(|e| fail(0, e.to_string()))?;
+    let money = scenario.accounts.iter().map(|(_, b)| b).sum();
+    let mut runner = Runner {
+        engine,
+        policy,
+        now,
+        first: HashMap::new(),
+        money,
+        forgotten: BTreeSet::new(),
+        transcript: String::new(),
+    };
     for (line, source, step) in &scenario.steps {
         if let Err(message) = runner.step(*line, source, step) {
             return Err(Failure { line: *line, message, transcript: runner.transcript });
@@ -233,9 +251,23 @@ pub fn run(scenario: &Scenario, policy: &Policy) -> Result<String, Failure> {
     Ok(runner.transcript)
 }
 
-struct Runner<'p> {
-    store: SqliteStore,
-    policy: &'p Policy,
+/// An in-memory SQLite database holding `accounts` and nothing else.
+pub fn sqlite_bank(accounts: &[(AcctId, i64)], policy: &Policy) -> Result<SqliteStore, StoreError> {
+    let conn = Connection::open_in_memory().map_err(|e| StoreError::Backend(e.to_string()))?;
+    let setup = || -> rusqlite::Result<()> {
+        conn.execute_batch("CREATE TABLE account (acct_id PRIMARY KEY, holder TEXT, balance INTEGER)")?;
+        for (id, balance) in accounts {
+            conn.execute("INSERT INTO account VALUES (?1, 'scenario', ?2)", (id, balance))?;
+        }
+        Ok(())
+    };
+    setup().map_err(|e| StoreError::Backend(e.to_string()))?;
+    SqliteStore::from_connection(conn, policy)
+}
+
+struct Runner<'a> {
+    engine: &'a mut dyn Engine,
+    policy: &'a Policy,
     now: Timestamp,
     /// The first (non-replay) answer per key, which every replay must repeat.
     first: HashMap<ScopedKey, Response>,
@@ -245,30 +277,7 @@ struct Runner<'p> {
     transcript: String,
 }
 
-impl<'p> Runner<'p> {
-    fn new(s: &Scenario, policy: &'p Policy) -> Result<Self, StoreError> {
-        let conn = Connection::open_in_memory().map_err(|e| StoreError::Backend(e.to_string()))?;
-        let setup = || -> rusqlite::Result<()> {
-            conn.execute_batch("CREATE TABLE account (acct_id PRIMARY KEY, holder TEXT, balance INTEGER)")?;
-            for (id, balance) in &s.accounts {
-                conn.execute("INSERT INTO account VALUES (?1, 'scenario', ?2)", (id, balance))?;
-            }
-            Ok(())
-        };
-        setup().map_err(|e| StoreError::Backend(e.to_string()))?;
-        let money = s.accounts.iter().map(|(_, b)| b).sum();
-        let now = Timestamp::parse(DEFAULT_START).map_err(|e| StoreError::Backend(e.to_string()))?;
-        Ok(Runner {
-            store: SqliteStore::from_connection(conn, policy)?,
-            policy,
-            now,
-            first: HashMap::new(),
-            money,
-            forgotten: BTreeSet::new(),
-            transcript: String::new(),
-        })
-    }
-
+impl Runner<'_> {
     fn log(&mut self, line: usize, source: &str, got: &str) {
         let _ = writeln!(self.transcript, "{line:>4}  {source}\n      {got}");
     }
@@ -297,7 +306,7 @@ impl<'p> Runner<'p> {
                 }
             }
             Step::Purge { before, purged } => {
-                let got = protocol::purge(&mut self.store, *before).map_err(|e| e.to_string())?;
+                let got = self.engine.purge(*before, self.policy).map_err(|e| e.to_string())?;
                 self.log(line, source, &format!("{{\"purged\": {got}}}"));
                 if got != *purged {
                     return Err(format!("expected {purged} purged, got {got}"));
@@ -309,22 +318,16 @@ impl<'p> Runner<'p> {
                 }
             }
             Step::Transfers(want) => {
-                let got = self.count("SELECT COUNT(*) FROM transfer")?;
+                let got = self.audit()?.transfers.len() as i64;
                 self.log(line, source, &format!("transfers {got}"));
                 if got != *want {
                     return Err(format!("expected {want} transfers, got {got}"));
                 }
             }
             Step::Balances(want) => {
-                let mut got = Vec::new();
-                for (id, _) in want {
-                    let balance: i64 = self
-                        .store
-                        .connection()
-                        .query_row("SELECT balance FROM account WHERE acct_id = ?1", [id], |r| r.get(0))
-                        .map_err(|e| format!("balance of {id:?}: {e}"))?;
-                    got.push((id.clone(), balance));
-                }
+                let audit = self.audit()?;
+                let got: Vec<(AcctId, i64)> =
+                    want.iter().map(|(id, _)| (id.clone(), audit.balance(id).unwrap_or(0))).collect();
                 let shown: Vec<String> = got.iter().map(|(id, b)| format!("{id}={b}")).collect();
                 self.log(line, source, &format!("balances {}", shown.join(" ")));
                 if got != *want {
@@ -337,18 +340,9 @@ impl<'p> Runner<'p> {
 
     /// One request; `None` when it crashed at `crash`.
     fn send(&mut self, raw: &str, line: usize, crash: Option<Point>) -> Result<Option<Response>, String> {
-        let req = match request::parse(raw.as_bytes(), self.policy) {
-            Ok(req) => req,
-            Err(e) => return Ok(Some(Response::refusal(self.policy.on_invalid_request, e.to_string()))),
-        };
         let token = format!("line-{line}");
-        let mut faults = |p: Point| if Some(p) == crash { Flow::Crash } else { Flow::Continue };
         let ctx = Ctx { policy: self.policy, now: self.now, token: &token };
-        match protocol::handle(&mut self.store, &req, ctx, &mut faults) {
-            Ok(Outcome::Respond(r)) => Ok(Some(r)),
-            Ok(Outcome::Crashed(_)) => Ok(None),
-            Err(e) => Err(format!("store error: {e}")),
-        }
+        harness::send(self.engine, raw, ctx, crash).map_err(|e| format!("store error: {e}"))
     }
 
     fn together(&mut self, members: &[Member]) -> Result<Vec<Response>, String> {
@@ -358,7 +352,7 @@ impl<'p> Runner<'p> {
             .zip(&tokens)
             .map(|((_, raw, _), token)| (raw.as_str(), Ctx { policy: self.policy, now: self.now, token }))
             .collect();
-        protocol::together(&mut self.store, &batch).map_err(|e| e.to_string())
+        harness::together(self.engine, &batch).map_err(|e| e.to_string())
     }
 
     fn check(&mut self, raw: &str, got: &Response, want: &Expect) -> Result<(), String> {
@@ -399,27 +393,20 @@ impl<'p> Runner<'p> {
         Ok(())
     }
 
-    fn count(&self, sql: &str) -> Result<i64, String> {
-        self.store.connection().query_row(sql, [], |r| r.get(0)).map_err(|e| e.to_string())
+    fn audit(&mut self) -> Result<Audit, String> {
+        self.engine.audit().map_err(|e| format!("audit: {e}"))
     }
 
-    fn invariants(&self) -> Result<(), String> {
-        let money = self.count("SELECT COALESCE(SUM(balance), 0) FROM account")?;
-        if money != self.money {
-            return Err(format!("money not conserved: {} before, {money} now", self.money));
+    fn invariants(&mut self) -> Result<(), String> {
+        let audit = self.audit()?;
+        if audit.money() != self.money {
+            return Err(format!("money not conserved: {} before, {} now", self.money, audit.money()));
         }
-        let mut stmt = self
-            .store
-            .connection()
-            .prepare(
-                "SELECT transfer_id FROM transfer t WHERE NOT EXISTS
-                   (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')",
-            )
-            .map_err(|e| e.to_string())?;
-        let orphans: Vec<i64> =
-            stmt.query_map([], |r| r.get(0)).and_then(|rows| rows.collect()).map_err(|e| e.to_string())?;
-        if let Some(id) = orphans.iter().find(|id| !self.forgotten.contains(id)) {
+        if let Some(id) = audit.orphans.iter().find(|id| !self.forgotten.contains(id)) {
             return Err(format!("transfer {id} has no completed key"));
+        }
+        if audit.hollow > 0 {
+            return Err(format!("{} completed 201 key(s) without their transfer", audit.hollow));
         }
         Ok(())
     }

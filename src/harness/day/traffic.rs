@@ -179,10 +179,13 @@ pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
     let tx = conn.transaction()?;
     tx.execute_batch(
         "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL);
+         -- raw is what the gateway received; src..currency are parsed from it
+         -- (NULL where it does not parse) so the log can be analysed in SQL
          CREATE TABLE req_log (
              seq INTEGER PRIMARY KEY, received_at TEXT NOT NULL,
              client_id TEXT NOT NULL, endpoint TEXT NOT NULL, idem_key TEXT NOT NULL,
-             kind TEXT NOT NULL, raw TEXT NOT NULL);
+             kind TEXT NOT NULL, raw TEXT NOT NULL,
+             src, dst, amount INTEGER, currency TEXT);
          CREATE TABLE transfer_v1 (
              transfer_id INTEGER PRIMARY KEY, seq INTEGER NOT NULL REFERENCES req_log(seq),
              client_id TEXT NOT NULL, endpoint TEXT NOT NULL, idem_key TEXT NOT NULL,
@@ -198,7 +201,12 @@ pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
         let seq = i as i64 + 1;
         let at = start.plus_millis(a.at_ms).to_string();
         tx.execute(
-            "INSERT INTO req_log VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT INTO req_log VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,
+                 CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.src') END,
+                 CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.dst') END,
+                 CASE WHEN json_valid(?7) AND json_type(?7, '$.body.amount') = 'integer'
+                      THEN json_extract(?7, '$.body.amount') END,
+                 CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.currency') END)",
             params![seq, at, a.client, ENDPOINT, a.key, a.kind.as_str(), raw(a, a.kind)],
         )?;
         // The naive system: every arrival is a new transfer.

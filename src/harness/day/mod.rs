@@ -84,12 +84,13 @@ pub fn replay_at(
     log_path: &Path,
     day_path: &Path,
     policy: &crate::policy::Policy,
-) -> Result<(replay::DayResult, Vec<replay::Answer>), DayError> {
+    racing: Option<&replay::Racing>,
+) -> Result<replay::Replayed, DayError> {
     if day_path.exists() {
         return Err(DayError(format!("{} exists; remove it or pick another path", day_path.display())));
     }
     let log = open_existing(log_path)?;
-    replay::replay(&log, rusqlite::Connection::open(day_path)?, policy)
+    replay::replay(&log, rusqlite::Connection::open(day_path)?, policy, racing)
 }
 
 /// Opens a database that must already exist (never creates an empty one).
@@ -100,7 +101,13 @@ pub fn open_existing(path: &Path) -> Result<rusqlite::Connection, DayError> {
 }
 
 /// The whole day into `dir`: the six files of [`PROVE_FILES`], from scratch.
-pub fn prove(dir: &Path, policy: &crate::policy::Policy) -> Result<replay::DayResult, DayError> {
+/// `engine` is the `idem_api` command that races the same-instant requests
+/// as real processes (see [`replay`]).
+pub fn prove(
+    dir: &Path,
+    policy: &crate::policy::Policy,
+    engine: &[String],
+) -> Result<replay::DayResult, DayError> {
     std::fs::create_dir_all(dir)?;
     for name in PROVE_FILES {
         remove_db(&dir.join(name))?;
@@ -109,11 +116,12 @@ pub fn prove(dir: &Path, policy: &crate::policy::Policy) -> Result<replay::DayRe
     generate_at(&log_path)?;
     let dup = report::dup_report(&open_existing(&log_path)?)?;
     write_file(&dir.join("dup_report.json"), &to_json(&dup)?)?;
-    let (result, answers) = replay_at(&log_path, &dir.join("day.db"), policy)?;
-    write_file(&dir.join("result.json"), &to_json(&result)?)?;
+    let racing = replay::Racing { engine: engine.to_vec(), scratch: dir.join("race.db") };
+    let day = replay_at(&log_path, &dir.join("day.db"), policy, Some(&racing))?;
+    write_file(&dir.join("result.json"), &to_json(&day.result)?)?;
     write_file(&dir.join("policy.json"), crate::policy::TEXT)?;
-    write_file(&dir.join("idem_report.md"), &report::markdown(&dup, &result, &answers, policy)?)?;
-    Ok(result)
+    write_file(&dir.join("idem_report.md"), &report::markdown(&dup, &day, policy)?)?;
+    Ok(day.result)
 }
 
 /// Pretty JSON for the files people read.

@@ -2,7 +2,7 @@
 //! and what the engine did about it. Every number is read from the data.
 
 use super::DayError;
-use super::replay::{Answer, DayResult};
+use super::replay::{RaceOutcome, Replayed};
 use crate::policy::Policy;
 use rusqlite::Connection;
 use serde::Serialize;
@@ -86,12 +86,8 @@ pub fn krw(amount: i64) -> String {
 }
 
 /// `idem_report.md`: the four sections the lab asks for.
-pub fn markdown(
-    dup: &DupReport,
-    day: &DayResult,
-    answers: &[Answer],
-    policy: &Policy,
-) -> Result<String, DayError> {
+pub fn markdown(dup: &DupReport, replayed: &Replayed, policy: &Policy) -> Result<String, DayError> {
+    let (day, answers) = (&replayed.result, &replayed.answers);
     let mut md = String::new();
     let w = &mut md;
     let fmt = |e: std::fmt::Error| DayError(e.to_string());
@@ -159,6 +155,7 @@ pub fn markdown(
         writeln!(w, "| {} | {} | {} replay={}{} |", a.seq, a.kind, a.status, a.replay, reason)
             .map_err(fmt)?;
     }
+    writeln!(w, "\n{}", race_line(replayed.race.as_ref())).map_err(fmt)?;
     writeln!(
         w,
         "\nBalances before and after sum to {} and {}: money was conserved. Transfers without a completed key: {}.\n",
@@ -210,4 +207,32 @@ pub fn markdown(
         writeln!(w, "- {rule}").map_err(fmt)?;
     }
     Ok(md)
+}
+
+/// The report's line on the same-instant requests raced by real processes.
+/// Which racer gets 201 and whether the other sees 409 or the replay is up to
+/// timing, so the line states what must hold, and says so if it did not.
+fn race_line(race: Option<&RaceOutcome>) -> String {
+    let Some(race) = race else {
+        return "**The same-instant requests were not raced** (no engine command was given).".into();
+    };
+    let seqs: Vec<String> = race.seqs.iter().map(|s| s.to_string()).collect();
+    let fresh = race.answers.iter().filter(|&&(status, replay)| status == 201 && !replay).count();
+    let expected = race.answers.iter().all(|a| matches!(a, (201, _) | (409, false)));
+    let verdict = if race.transfers == 1 && fresh == 1 && expected {
+        "1 transfer; one answered 201, the other(s) 409 `in_progress` or the stored answer, as timing decided"
+            .to_string()
+    } else {
+        format!(
+            "**{} transfers, {fresh} fresh 201s, answers {:?}: the race was lost**",
+            race.transfers, race.answers
+        )
+    };
+    format!(
+        "**The same-instant requests as a real race.** In `seq` order the later of seq {} finds the first completed \
+         and replays it. To show the race they really were, the day as it stood just before them was copied and \
+         they were sent to the copy by {} `idem_api` processes released together: {verdict}.",
+        seqs.join(" and "),
+        race.answers.len()
+    )
 }

@@ -1,0 +1,221 @@
+//! `idem replay`: every logged request through the engine, one at a time in
+//! `seq` order, each at its logged time, into a fresh `day.db`, as the lab
+//! says ("send all of req_log in seq order and count the results").
+//!
+//! In that order the second of two requests logged at the same instant finds
+//! the first completed and replays it. The race they really were is shown
+//! apart, and by real processes: just before the pair's turn, the day as it
+//! stands is copied, and the pair is sent to the copy by `idem_api`
+//! processes released together ([`Racing`]). That outcome goes into its own
+//! line of the report; the counts of `result.json` are the seq-order replay's.
+
+use super::DayError;
+use crate::clock::Timestamp;
+use crate::harness::{self, race};
+use crate::policy::Policy;
+use crate::protocol::Ctx;
+use crate::request::{self, ScopedKey};
+use crate::store::sqlite::SqliteStore;
+use rusqlite::Connection;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+/// How to race the same-instant requests: the engine command (the lab's
+/// contract) and a scratch path for the copy of the day it races on.
+#[derive(Debug, Clone)]
+pub struct Racing {
+    pub engine: Vec<String>,
+    pub scratch: PathBuf,
+}
+
+/// What the racing processes did on the copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RaceOutcome {
+    pub seqs: Vec<i64>,
+    /// `(status, replay)` of each process's answer, in `seq` order.
+    pub answers: Vec<(u16, bool)>,
+    /// Transfers the racers made between them: exactly one is right.
+    pub transfers: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DayResult {
+    pub requests: i64,
+    pub created: i64,
+    pub replayed: i64,
+    pub rejected: i64,
+    pub transfers: i64,
+    pub total_transferred: i64,
+    pub v1_total: i64,
+    pub double_paid_avoided: i64,
+    pub rejected_by_reason: BTreeMap<String, i64>,
+    /// Keys whose answers named more than one transfer_id: must be 0.
+    pub keys_paid_twice: i64,
+    /// Transfers no completed key points at: must be 0.
+    pub transfers_without_key: i64,
+    pub balance_total_before: i64,
+    pub balance_total_after: i64,
+}
+
+/// What the engine answered to one logged request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub seq: i64,
+    pub kind: String,
+    pub status: u16,
+    pub replay: bool,
+    pub reason: Option<String>,
+}
+
+struct Logged {
+    seq: i64,
+    at: Timestamp,
+    kind: String,
+    raw: String,
+}
+
+/// Everything one replay produced.
+pub struct Replayed {
+    pub result: DayResult,
+    pub answers: Vec<Answer>,
+    pub race: Option<RaceOutcome>,
+}
+
+/// Replays `log`'s `req_log` into `day` (a new, empty database).
+pub fn replay(
+    log: &Connection,
+    day: Connection,
+    policy: &Policy,
+    racing: Option<&Racing>,
+) -> Result<Replayed, DayError> {
+    day.execute_batch(
+        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)",
+    )?;
+    {
+        let mut read = log.prepare("SELECT acct_id, holder, balance FROM account ORDER BY acct_id")?;
+        let mut write = day.prepare("INSERT INTO account VALUES (?1, ?2, ?3)")?;
+        let mut rows = read.query([])?;
+        while let Some(r) = rows.next()? {
+            write.execute((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))?;
+        }
+    }
+    let balance_total_before = sum(&day, "SELECT COALESCE(SUM(balance), 0) FROM account")?;
+    let mut store = SqliteStore::from_connection(day, policy)?;
+
+    let mut logged = Vec::new();
+    let mut stmt = log.prepare("SELECT seq, received_at, kind, raw FROM req_log ORDER BY seq")?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        let at: String = r.get(1)?;
+        let at = Timestamp::parse(&at).map_err(|e| DayError(format!("req_log: {e}")))?;
+        logged.push(Logged { seq: r.get(0)?, at, kind: r.get(2)?, raw: r.get(3)? });
+    }
+
+    let mut race = None;
+    let mut answers = Vec::new();
+    let mut paid: BTreeMap<ScopedKey, BTreeSet<i64>> = BTreeMap::new();
+    for (i, entry) in logged.iter().enumerate() {
+        let instant: Vec<&Logged> = logged[i..].iter().take_while(|e| e.at == entry.at).collect();
+        if let (Some(racing), None, true) = (racing, &race, instant.len() > 1) {
+            race = Some(race_on_a_copy(&store, &instant, racing)?);
+        }
+        let token = format!("seq-{}", entry.seq);
+        let ctx = Ctx { policy, now: entry.at, token: &token };
+        let response = harness::send(&mut store, &entry.raw, ctx, None)?
+            .ok_or_else(|| DayError(format!("seq {} crashed unasked", entry.seq)))?;
+        if let (Some(key), Some(id)) = (key_of(&entry.raw, policy), response.transfer_id()) {
+            paid.entry(key).or_default().insert(id);
+        }
+        answers.push(Answer {
+            seq: entry.seq,
+            kind: entry.kind.clone(),
+            status: response.status,
+            replay: response.replay,
+            reason: response.reason,
+        });
+    }
+    let conn = store.connection();
+    let mut rejected_by_reason = BTreeMap::new();
+    for a in answers.iter().filter(|a| !a.replay && a.status != 201) {
+        *rejected_by_reason.entry(a.reason.clone().unwrap_or_default()).or_insert(0) += 1;
+    }
+    let total_transferred = sum(conn, "SELECT COALESCE(SUM(amount), 0) FROM transfer")?;
+    let v1_total = sum(log, "SELECT COALESCE(SUM(amount), 0) FROM transfer_v1")?;
+    let result = DayResult {
+        requests: answers.len() as i64,
+        created: answers.iter().filter(|a| a.status == 201 && !a.replay).count() as i64,
+        replayed: answers.iter().filter(|a| a.replay).count() as i64,
+        rejected: rejected_by_reason.values().sum(),
+        transfers: sum(conn, "SELECT COUNT(*) FROM transfer")?,
+        total_transferred,
+        v1_total,
+        double_paid_avoided: v1_total - total_transferred,
+        rejected_by_reason,
+        keys_paid_twice: paid.values().filter(|ids| ids.len() > 1).count() as i64,
+        transfers_without_key: sum(
+            conn,
+            "SELECT COUNT(*) FROM transfer t WHERE NOT EXISTS
+               (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')",
+        )?,
+        balance_total_before,
+        balance_total_after: sum(conn, "SELECT COALESCE(SUM(balance), 0) FROM account")?,
+    };
+    // Leave day.db as one self-contained file.
+    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); PRAGMA journal_mode = DELETE;")?;
+    Ok(Replayed { result, answers, race })
+}
+
+/// Copies the day as it stands to `racing.scratch` and sends the requests of
+/// one instant to the copy as processes released together.
+fn race_on_a_copy(
+    store: &SqliteStore,
+    instant: &[&Logged],
+    racing: &Racing,
+) -> Result<RaceOutcome, DayError> {
+    super::remove_db(&racing.scratch)?;
+    let scratch = racing.scratch.to_string_lossy().into_owned();
+    store.connection().execute("VACUUM INTO ?1", [&scratch])?;
+    let count = || -> Result<i64, DayError> {
+        Ok(super::open_existing(&racing.scratch)?
+            .query_row("SELECT COUNT(*) FROM transfer", [], |r| r.get(0))?)
+    };
+    let before = count()?;
+    let mut files = Vec::new();
+    for e in instant {
+        let file = racing.scratch.with_extension(format!("seq-{}.json", e.seq));
+        std::fs::write(&file, &e.raw)?;
+        files.push(file);
+    }
+    let now = instant[0].at.to_string();
+    let finished = race::release_together(&racing.engine, &racing.scratch, &files, &[("IDEM_NOW", now)]);
+    for file in &files {
+        std::fs::remove_file(file)?;
+    }
+    let mut answers = Vec::new();
+    for f in finished.map_err(|e| DayError(format!("racing {:?}: {e}", racing.engine)))? {
+        let answer = serde_json::from_str::<serde_json::Value>(&f.stdout)
+            .ok()
+            .and_then(|v| Some((u16::try_from(v["status"].as_u64()?).ok()?, v["replay"].as_bool()?)))
+            .ok_or_else(|| {
+                DayError(format!(
+                    "a racing process answered {:?} (exit {:?}): {}",
+                    f.stdout,
+                    f.code,
+                    f.stderr.trim()
+                ))
+            })?;
+        answers.push(answer);
+    }
+    let transfers = count()? - before;
+    super::remove_db(&racing.scratch)?;
+    Ok(RaceOutcome { seqs: instant.iter().map(|e| e.seq).collect(), answers, transfers })
+}
+
+fn key_of(raw: &str, policy: &Policy) -> Option<ScopedKey> {
+    request::parse(raw.as_bytes(), policy).ok().map(|r| r.key)
+}
+
+fn sum(conn: &Connection, sql: &str) -> Result<i64, DayError> {
+    Ok(conn.query_row(sql, [], |r| r.get(0))?)
+}

@@ -1,0 +1,142 @@
+//! Deliberately broken engines: each a classic mistake of this lab, written
+//! as an engine of its own and driven through the same seam
+//! ([`protocol::Engine`]) as the real one, so the production protocol carries
+//! no switch for them. `tests/teeth.rs` demands that the scenarios, the storm
+//! or the loom model catch every one.
+
+use idem::clock::Timestamp;
+use idem::policy::Policy;
+use idem::protocol::{self, Claimed, Ctx, Engine, Flow, Outcome, Point, Response};
+use idem::request::{self, Request, RequestError};
+use idem::store::{self, Audit, Claim, Durability, End, Store, StoreError, Stored};
+use sha2::{Digest, Sha256};
+
+/// The mistakes, as the lab names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mistake {
+    /// Look the key up, then insert it later: racers both pass.
+    LookupThenInsert,
+    /// Write the key as completed before the money moves.
+    CompletedBeforeExecute,
+    /// Fingerprint the raw request text, not its canonical form.
+    RawFingerprint,
+    /// Rebuild the replayed body instead of returning the stored bytes.
+    RecomputedReplay,
+    /// Key by `idem_key` alone, not `(client_id, endpoint, idem_key)`.
+    GlobalScope,
+    /// Purge every key, whatever the cut.
+    PurgeIgnoresCut,
+}
+
+impl Mistake {
+    pub const ALL: [Mistake; 6] = [
+        Mistake::LookupThenInsert,
+        Mistake::CompletedBeforeExecute,
+        Mistake::RawFingerprint,
+        Mistake::RecomputedReplay,
+        Mistake::GlobalScope,
+        Mistake::PurgeIgnoresCut,
+    ];
+}
+
+/// The real protocol over `store`, but for one `mistake`.
+pub struct Broken<S> {
+    pub store: S,
+    pub mistake: Mistake,
+}
+
+impl<S: Store> Broken<S> {
+    /// Writes a claim of `ctx.token` over whatever the key holds: no fence.
+    fn overwrite_claim(&mut self, req: &Request, ctx: Ctx) -> Result<(), StoreError> {
+        let claim = Claim {
+            fingerprint: req.fingerprint.clone(),
+            token: ctx.token.to_owned(),
+            created_at: ctx.now,
+            lease_until: ctx.now,
+        };
+        store::atomically(&mut self.store, Durability::Lazy, ctx.policy, |tx| {
+            if let Some(seen) = tx.insert_claim(&req.key, &claim)? {
+                tx.replace_claim(&req.key, &seen, &claim)?;
+            }
+            Ok(End::Commit(()))
+        })
+    }
+}
+
+impl<S: Store> Engine for Broken<S> {
+    fn parse(&self, raw: &[u8], policy: &Policy) -> Result<Request, RequestError> {
+        let mut req = request::parse(raw, policy)?;
+        match self.mistake {
+            Mistake::RawFingerprint => {
+                req.fingerprint = Sha256::digest(raw).iter().map(|b| format!("{b:02x}")).collect()
+            }
+            Mistake::GlobalScope => (req.key.client_id, req.key.endpoint) = (String::new(), String::new()),
+            _ => {}
+        }
+        Ok(req)
+    }
+
+    fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
+        match self.mistake {
+            Mistake::LookupThenInsert => {
+                let existing = store::atomically(&mut self.store, Durability::Lazy, ctx.policy, |tx| {
+                    tx.lock_key(&req.key).map(End::Rollback)
+                })?;
+                Ok(match existing {
+                    // the insert comes later, with the money
+                    None => Claimed::Mine,
+                    Some(rec) => Claimed::Answer(protocol::answer(
+                        protocol::decide(&rec, &req.fingerprint, ctx.now, ctx.policy),
+                        ctx.policy,
+                    )),
+                })
+            }
+            Mistake::CompletedBeforeExecute => {
+                let claimed = protocol::claim(&mut self.store, req, ctx)?;
+                if claimed == Claimed::Mine {
+                    let done = Stored { status: 201, reason: None, body: "{}".into() };
+                    store::atomically(&mut self.store, Durability::Lazy, ctx.policy, |tx| {
+                        tx.complete(&req.key, ctx.token, &done, None, ctx.now).map(End::Commit)
+                    })?;
+                }
+                Ok(claimed)
+            }
+            Mistake::RecomputedReplay => Ok(match protocol::claim(&mut self.store, req, ctx)? {
+                Claimed::Answer(r) if r.replay => {
+                    let rebuilt = serde_json::from_str::<serde_json::Value>(&r.body).map(|v| v.to_string());
+                    Claimed::Answer(Response { body: rebuilt.unwrap_or(r.body), ..r })
+                }
+                other => other,
+            }),
+            _ => protocol::claim(&mut self.store, req, ctx),
+        }
+    }
+
+    fn execute(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError> {
+        if matches!(self.mistake, Mistake::LookupThenInsert | Mistake::CompletedBeforeExecute) {
+            self.overwrite_claim(req, ctx)?;
+        }
+        protocol::execute(&mut self.store, req, ctx, faults)
+    }
+
+    fn release(&mut self, req: &Request, ctx: Ctx) -> Result<bool, StoreError> {
+        protocol::release(&mut self.store, &req.key, ctx)
+    }
+
+    fn purge(&mut self, before: Timestamp, policy: &Policy) -> Result<u64, StoreError> {
+        let before = match self.mistake {
+            Mistake::PurgeIgnoresCut => Timestamp::parse("9999-12-31T23:59:59Z").unwrap_or(before),
+            _ => before,
+        };
+        protocol::purge(&mut self.store, before, policy)
+    }
+
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        self.store.audit()
+    }
+}
