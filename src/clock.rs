@@ -77,6 +77,12 @@ impl Timestamp {
         Self(t.unwrap_or(if millis < 0 { MIN } else { MAX }).clamp(MIN, MAX))
     }
 
+    /// Whether this instant is at least `seconds` after `earlier`. Exact,
+    /// where adding to `earlier` would saturate at the end of the range.
+    pub fn is_at_least(self, seconds: i64, after: Timestamp) -> bool {
+        self.0 - after.0 >= Duration::seconds(seconds)
+    }
+
     fn truncated(t: OffsetDateTime) -> Self {
         let micros = t.microsecond();
         Self(t.replace_nanosecond(micros * 1_000).unwrap_or(t))

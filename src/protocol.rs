@@ -82,7 +82,7 @@ pub enum Decision {
 
 /// The pure core: no I/O, no clock but the one passed in.
 pub fn decide(existing: &KeyRecord, fingerprint: &str, now: Timestamp, policy: &Policy) -> Decision {
-    if existing.created_at.plus_seconds(policy.retention_seconds()) <= now {
+    if now.is_at_least(policy.retention_seconds(), existing.created_at) {
         return Decision::Expired;
     }
     if existing.fingerprint != fingerprint {

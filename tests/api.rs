@@ -219,16 +219,19 @@ fn keys_are_scoped_by_client_and_endpoint() {
     for (client, endpoint) in [("alice", EP), ("bob", EP), ("alice", "/v2/transfers")] {
         let r = bank.send(&request(client, endpoint, &k, s, d, 1));
         assert_eq!((r.status(), r.replay()), (201, false), "{client} {endpoint}");
-        ids.push(r.json["body"]["transfer_id"].clone());
+        ids.push(r.json["body"]["transfer_id"].as_i64().unwrap());
     }
-    ids.dedup();
-    assert_eq!(ids.len(), 3);
+    let distinct: std::collections::BTreeSet<i64> = ids.iter().copied().collect();
+    assert_eq!(distinct.len(), 3, "two scopes shared a transfer: {ids:?}");
     // bob's retry gets bob's response, not alice's
     let bob = bank.send(&request("bob", EP, &k, s, d, 1));
-    assert_eq!((bob.replay(), &bob.json["body"]["transfer_id"]), (true, &ids[1]));
-    // and bob's body cannot make alice's key fail
-    let bob_other = bank.send(&request("bob", "/other", &k, s, d, 2));
-    assert_eq!(bob_other.status(), 201);
+    assert_eq!((bob.replay(), bob.json["body"]["transfer_id"].as_i64()), (true, Some(ids[1])));
+    // carol's other body on the same key string is her own new key, not a
+    // mismatch against alice's fingerprint, and leaves alice's answer alone
+    let carol = bank.send(&request("carol", EP, &k, s, d, 2));
+    assert_eq!((carol.status(), carol.replay()), (201, false));
+    let alice = bank.send(&request("alice", EP, &k, s, d, 1));
+    assert_eq!((alice.replay(), alice.json["body"]["transfer_id"].as_i64()), (true, Some(ids[0])));
     assert_eq!(bank.balances(), vec![before[0] - 5, before[1] + 5]);
 }
 
@@ -240,17 +243,10 @@ fn simultaneous_pair_with_the_same_key_executes_exactly_once() {
     let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
     for round in 0..20 {
         let file = bank.request_file(&request("c", EP, &key(&mut rng), s, d, 1));
-        let children: Vec<_> = (0..2)
-            .map(|_| {
-                bank.command(&file)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let replies: Vec<Reply> =
-            children.into_iter().map(|c| Reply::from_output(c.wait_with_output().unwrap())).collect();
+        // both released from one barrier, so the two processes truly overlap
+        let finished =
+            idem::harness::race::release_together(&[API.into()], &bank.db, &[file.clone(), file], &[]);
+        let replies: Vec<Reply> = finished.unwrap().into_iter().map(Reply::from_finished).collect();
         let fresh: Vec<&Reply> = replies.iter().filter(|r| r.status() == 201 && !r.replay()).collect();
         assert_eq!(fresh.len(), 1, "round {round}: {replies:?}");
         for other in replies.iter().filter(|r| r.replay() || r.status() != 201) {
@@ -360,4 +356,49 @@ fn bad_command_lines_exit_2() {
     ] {
         assert_cmd::Command::new(API).args(&args).assert().code(2).stdout("");
     }
+}
+
+#[test]
+fn a_credit_that_would_overflow_the_balance_is_a_stored_402() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("rich.db");
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute_batch(&format!(
+            "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance INTEGER);
+             INSERT INTO account VALUES ('A', 'a', 100), ('B', 'b', {});",
+            i64::MAX - 5
+        ))
+        .unwrap();
+    let bank = Bank::at(dir, db);
+    let text = request("c", EP, "k", &json!("A"), &json!("B"), 10);
+    let first = bank.send(&text);
+    assert_eq!((first.status(), first.replay(), first.reason()), (402, false, Some("balance_overflow")));
+    let again = bank.send(&text);
+    assert_eq!((again.status(), again.replay(), again.reason()), (402, true, Some("balance_overflow")));
+    assert_eq!(bank.balances(), vec![100, i64::MAX - 5]);
+    assert!(bank.transfers().is_empty());
+}
+
+#[test]
+fn src_and_dst_naming_one_row_in_two_spellings_is_a_stored_400() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ints.db");
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE account (acct_id INTEGER PRIMARY KEY, holder TEXT, balance INTEGER);
+             INSERT INTO account VALUES (1, 'a', 100), (2, 'b', 0);",
+        )
+        .unwrap();
+    let bank = Bank::at(dir, db);
+    let text = request("c", EP, "k", &json!(1), &json!("1"), 10);
+    let first = bank.send(&text);
+    let reason = Some("invalid_request: src and dst must be different accounts");
+    assert_eq!((first.status(), first.replay(), first.reason()), (400, false, reason));
+    // only the ledger could tell, so the answer is stored: the retry replays it
+    let again = bank.send(&text);
+    assert_eq!((again.status(), again.replay(), again.reason()), (400, true, reason));
+    assert_eq!(bank.balances(), vec![100, 0]);
+    assert!(bank.transfers().is_empty());
 }

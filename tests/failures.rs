@@ -287,3 +287,46 @@ fn whole_amounts_in_a_real_balance_column_work_and_fractions_are_refused() {
     assert_eq!(refused.status.code(), Some(5));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("not an integer amount"));
 }
+
+/// A lock held past the busy budget after the claim committed: the
+/// execution answers 503 without moving money, and the claim is released
+/// as soon as the lock is gone, instead of blocking the key for its lease.
+#[test]
+fn a_busy_execution_answers_503_and_frees_its_key() {
+    let policy = Policy::embedded();
+    let mut rng = rng();
+    let bank = Bank::new(&mut rng, 2, false);
+    let before = bank.balances();
+    let text = request("c", "/t", "k", &bank.accounts[0], &bank.accounts[1], 7);
+    let req = idem::request::parse(text.as_bytes(), policy).unwrap();
+    let mut store = SqliteStore::open(&bank.db, policy).unwrap();
+    let hold = std::time::Duration::from_millis(u64::from(policy.busy_timeout_ms) + 300);
+    let db = bank.db.clone();
+    let mut holder = None;
+    // Right after the claim commits, another writer takes the lock and keeps
+    // it a little longer than the budget.
+    let mut faults = |p: protocol::Point| {
+        if p == protocol::Point::AfterClaim {
+            let (locked, wait) = std::sync::mpsc::channel();
+            let db = db.clone();
+            holder = Some(std::thread::spawn(move || {
+                let conn = Connection::open(&db).unwrap();
+                conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+                locked.send(()).unwrap();
+                std::thread::sleep(hold);
+                conn.execute_batch("COMMIT").unwrap();
+            }));
+            wait.recv().unwrap();
+        }
+        Flow::Continue
+    };
+    let ctx = Ctx { policy, now: Timestamp::parse(T0).unwrap(), token: "slow" };
+    let outcome = protocol::handle(&mut store, &req, ctx, &mut faults).unwrap();
+    holder.unwrap().join().unwrap();
+    let Outcome::Respond(r) = outcome else { panic!("{outcome:?}") };
+    assert_eq!((r.status, r.reason.as_deref()), (policy.on_busy, Some("busy")));
+    assert_eq!((bank.balances(), bank.transfers().len()), (before.clone(), 0));
+    assert_eq!(keys(&bank), vec![], "the busy execution left its claim behind");
+    let retry = bank.send_with(&text, &[("IDEM_NOW", &at(1))]);
+    assert_eq!((retry.status(), retry.replay()), (201, false));
+}

@@ -89,6 +89,10 @@ fn sigkill_at_random_moments_loses_nothing_and_pays_nothing_twice() {
          before the retries {completed} of {keys} keys completed, {claimed} left claimed by a dead process"
     );
     assert!(killed > 0, "no run was killed: the delays are too long for this machine");
+    // Kills landed after a claim committed and before its execution did (the
+    // claims the dead left behind), and keys completed between kills.
+    assert!(claimed > 0, "no kill landed inside a claimed execution");
+    assert!(completed > 0, "no key completed before the retries");
 
     // Retry every key after the lease: stale claims are taken over, the rest replay.
     let later = Timestamp::parse(T0)

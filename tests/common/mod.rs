@@ -64,6 +64,25 @@ impl Bank {
         Bank { dir, db, accounts, requests: std::cell::Cell::new(0) }
     }
 
+    /// A bank over a database the caller built in `dir`.
+    pub fn at(dir: tempfile::TempDir, db: PathBuf) -> Bank {
+        let conn = Connection::open(&db).unwrap();
+        let mut stmt = conn.prepare("SELECT acct_id FROM account ORDER BY rowid").unwrap();
+        let accounts = stmt
+            .query_map([], |r| {
+                Ok(match r.get::<_, rusqlite::types::Value>(0)? {
+                    rusqlite::types::Value::Integer(i) => json!(i),
+                    rusqlite::types::Value::Text(s) => json!(s),
+                    other => panic!("unexpected acct id {other:?}"),
+                })
+            })
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        drop(stmt);
+        Bank { dir, db, accounts, requests: std::cell::Cell::new(0) }
+    }
+
     /// Writes `text` to a new request file and returns its path.
     pub fn request_file(&self, text: &str) -> PathBuf {
         self.requests.set(self.requests.get() + 1);
@@ -161,13 +180,15 @@ pub struct Reply {
 impl Reply {
     pub fn from_output(out: Output) -> Reply {
         let stdout = String::from_utf8(out.stdout).unwrap();
-        assert!(
-            out.status.success(),
-            "idem_api exited {:?}: {}{}",
-            out.status.code(),
-            stdout,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        Reply::checked(out.status.code(), stdout, &String::from_utf8_lossy(&out.stderr))
+    }
+
+    pub fn from_finished(f: idem::harness::race::Finished) -> Reply {
+        Reply::checked(f.code, f.stdout, &f.stderr)
+    }
+
+    fn checked(code: Option<i32>, stdout: String, stderr: &str) -> Reply {
+        assert_eq!(code, Some(0), "idem_api exited {code:?}: {stdout}{stderr}");
         assert_eq!(stdout.lines().count(), 1, "one JSON line: {stdout:?}");
         let json: Value = serde_json::from_str(&stdout).unwrap();
         let keys: Vec<&str> = json.as_object().unwrap().keys().map(String::as_str).collect();

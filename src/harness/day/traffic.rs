@@ -174,6 +174,16 @@ fn arrivals(rng: &mut Rng) -> Vec<Arrival> {
     all
 }
 
+/// Logs one arrival: `(seq, received_at, client_id, endpoint, idem_key,
+/// kind, raw)`; the transfer's fields are parsed out of `raw` by SQLite,
+/// NULL where it does not parse.
+pub const LOG_REQUEST: &str = "INSERT INTO req_log VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,
+     CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.src') END,
+     CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.dst') END,
+     CASE WHEN json_valid(?7) AND json_type(?7, '$.body.amount') = 'integer'
+          THEN json_extract(?7, '$.body.amount') END,
+     CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.currency') END)";
+
 /// Creates `idem.db` at `conn` (an empty database).
 pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
     let tx = conn.transaction()?;
@@ -201,12 +211,7 @@ pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
         let seq = i as i64 + 1;
         let at = start.plus_millis(a.at_ms).to_string();
         tx.execute(
-            "INSERT INTO req_log VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,
-                 CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.src') END,
-                 CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.dst') END,
-                 CASE WHEN json_valid(?7) AND json_type(?7, '$.body.amount') = 'integer'
-                      THEN json_extract(?7, '$.body.amount') END,
-                 CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.currency') END)",
+            LOG_REQUEST,
             params![seq, at, a.client, ENDPOINT, a.key, a.kind.as_str(), raw(a, a.kind)],
         )?;
         // The naive system: every arrival is a new transfer.
