@@ -12,7 +12,7 @@ use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::protocol::{self, Ctx, Flow, Outcome, Point, Response};
 use crate::request;
-use crate::store::sqlite::SqliteStore;
+use crate::store::{self, Usage};
 use clap::{Parser, ValueEnum};
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -32,9 +32,10 @@ const EXIT_DATABASE: u8 = 5;
 #[derive(Parser, Debug)]
 #[command(name = "idem_api", version)]
 struct Args {
-    /// SQLite database holding at least account(acct_id, holder, balance).
+    /// SQLite file holding at least account(acct_id, holder, balance), or a
+    /// PostgreSQL connection string (postgres://…, postgresql://…, host=… dbname=…).
     #[arg(long, value_name = "DB")]
-    db: PathBuf,
+    db: String,
     /// Request JSON: {"client_id","endpoint","idem_key","body":{"src","dst","amount","currency"}}.
     #[arg(long, value_name = "FILE", required_unless_present = "purge_before")]
     request: Option<PathBuf>,
@@ -75,7 +76,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
                 policy.retention_hours
             );
         }
-        let purged = SqliteStore::open_for_one_request(&args.db, policy)
+        let purged = store::open(&args.db, policy, Usage::OneRequest)
             .and_then(|mut s| protocol::purge(&mut s, before, policy));
         return match purged {
             Ok(n) => print(&format!("{{\"purged\": {n}}}")),
@@ -97,7 +98,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             return print(&Response::refusal(policy.on_invalid_request, e.to_string()).to_json());
         }
     };
-    let mut store = match SqliteStore::open_for_one_request(&args.db, policy) {
+    let mut store = match store::open(&args.db, policy, Usage::OneRequest) {
         Ok(store) => store,
         Err(e) => return fail(EXIT_DATABASE, &e.to_string()),
     };

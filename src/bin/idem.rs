@@ -7,7 +7,7 @@ use idem::harness::day::{self, DayError};
 use idem::policy::Policy;
 use idem::protocol;
 use idem::request::ScopedKey;
-use idem::store::sqlite::SqliteStore;
+use idem::store::{self, Usage};
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -68,8 +68,9 @@ enum Command {
     /// moving money, so releasing it lets the next retry start afresh.
     /// IDEM_NOW=<RFC 3339> fixes the clock.
     Recover {
+        /// SQLite file or PostgreSQL connection string.
         #[arg(long)]
-        db: PathBuf,
+        db: String,
         /// Delete the stale claims: a line per released key, then {"released": N}.
         #[arg(long)]
         release: bool,
@@ -81,8 +82,9 @@ enum Command {
     /// traffic waits for the write lock at most one batch at a time.
     /// IDEM_NOW=<RFC 3339> fixes the clock.
     Purge {
+        /// SQLite file or PostgreSQL connection string.
         #[arg(long)]
-        db: PathBuf,
+        db: String,
         /// Keys deleted per transaction.
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
         batch: u64,
@@ -144,7 +146,7 @@ fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
         }
         Command::Recover { db, release } => {
             let now = now()?;
-            let mut store = SqliteStore::open(&db, policy)?;
+            let mut store = store::open(&db, policy, Usage::LongLived)?;
             let line = |state: &str, k: &ScopedKey, created_at: Timestamp, lease_until: Timestamp| {
                 let (created_at, lease_until) = (created_at.to_string(), lease_until.to_string());
                 json!({"state": state, "client_id": k.client_id, "endpoint": k.endpoint, "idem_key": k.idem_key,
@@ -168,7 +170,7 @@ fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
         }
         Command::Purge { db, batch } => {
             let now = now()?;
-            let mut store = SqliteStore::open(&db, policy)?;
+            let mut store = store::open(&db, policy, Usage::LongLived)?;
             let purged = protocol::purge_expired(&mut store, now, batch, policy)?;
             println!("{}", json!({"purged": purged}));
         }

@@ -27,12 +27,14 @@
 //! Nothing is visible to anyone else until commit; a dropped transaction rolls
 //! back. All SQL lives below this module.
 
+pub mod pg;
 pub mod sqlite;
 
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::request::{AcctId, ScopedKey};
 use std::fmt;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// Whether a commit must reach the disk before it returns.
@@ -160,6 +162,38 @@ pub trait Store {
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError>;
     /// Reads back the ledger and the keys (outside any request).
     fn audit(&mut self) -> Result<Audit, StoreError>;
+}
+
+impl<S: Store + ?Sized> Store for Box<S> {
+    fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
+        (**self).begin(durability)
+    }
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        (**self).audit()
+    }
+}
+
+/// How long a process keeps its store: SQLite tunes checkpoints for each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Usage {
+    /// One request, then exit (`idem_api`).
+    OneRequest,
+    /// Many requests (`idem serve`, the harness).
+    LongLived,
+}
+
+/// Opens the database `spec` names: a PostgreSQL connection string
+/// (`postgres://…`, `postgresql://…`, or libpq's `host=… dbname=…`), else a
+/// SQLite file, which must exist.
+pub fn open(spec: &str, policy: &Policy, usage: Usage) -> Result<Box<dyn Store + Send>, StoreError> {
+    if pg::is_postgres(spec) {
+        return Ok(Box::new(pg::PgStore::connect(spec, policy)?));
+    }
+    let path = Path::new(spec);
+    Ok(Box::new(match usage {
+        Usage::OneRequest => sqlite::SqliteStore::open_for_one_request(path, policy)?,
+        Usage::LongLived => sqlite::SqliteStore::open(path, policy)?,
+    }))
 }
 
 pub trait Tx {

@@ -4,6 +4,7 @@
 
 pub mod broken;
 pub mod loom_model;
+pub mod pg;
 pub mod storm;
 
 use idem::harness::day::traffic::Rng;
@@ -24,47 +25,70 @@ pub fn rng() -> Rng {
     Rng::new(seed)
 }
 
+/// Where a bank's tables live: the conformance suite runs on each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+    /// PostgreSQL with `default_transaction_isolation = serializable`, as
+    /// CockroachDB runs every transaction.
+    PostgresSerializable,
+}
+
+/// SQLite, and PostgreSQL under both isolation levels when a server is
+/// available (always in CI).
+pub fn backends() -> Vec<Backend> {
+    let mut all = vec![Backend::Sqlite];
+    if pg::server().is_some() {
+        all.extend([Backend::Postgres, Backend::PostgresSerializable]);
+    }
+    all
+}
+
 pub struct Bank {
     pub dir: tempfile::TempDir,
+    /// The `--db` argument: a SQLite file, or a PostgreSQL connection string.
     pub db: PathBuf,
+    pub backend: Backend,
     /// Account ids as JSON values (strings or integers, as the table has them).
     pub accounts: Vec<Value>,
     requests: std::cell::Cell<u32>,
 }
 
 impl Bank {
-    /// `n` accounts with random ids (text, or integer when `int_ids`) and
-    /// random balances in 1_000..1_000_000.
+    /// `n` accounts on SQLite with random ids (text, or integer when
+    /// `int_ids`) and random balances in 1_000..1_000_000.
     pub fn new(rng: &mut Rng, n: usize, int_ids: bool) -> Bank {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("bank.db");
-        let conn = Connection::open(&db).unwrap();
-        let ty = if int_ids { "INTEGER" } else { "TEXT" };
-        conn.execute_batch(&format!(
-            "CREATE TABLE account (acct_id {ty} PRIMARY KEY, holder TEXT, balance INTEGER)"
-        ))
-        .unwrap();
-        let base = rng.below(1_000_000) as i64;
-        let mut accounts = Vec::new();
-        for i in 0..n as i64 {
-            let id = if int_ids {
-                json!(base + i * 7)
-            } else {
-                json!(format!("acct-{:x}-{i}", rng.next_u64() % 65536))
-            };
-            let balance = 1_000 + rng.below(999_000) as i64;
-            let sql_id: rusqlite::types::Value = match &id {
-                Value::String(s) => s.clone().into(),
-                v => v.as_i64().unwrap().into(),
-            };
-            conn.execute("INSERT INTO account VALUES (?1, ?2, ?3)", (sql_id, format!("holder {i}"), balance))
-                .unwrap();
-            accounts.push(id);
-        }
-        Bank { dir, db, accounts, requests: std::cell::Cell::new(0) }
+        Bank::on(Backend::Sqlite, rng, n, int_ids)
     }
 
-    /// A bank over a database the caller built in `dir`.
+    /// [`Bank::new`] on `backend`.
+    pub fn on(backend: Backend, rng: &mut Rng, n: usize, int_ids: bool) -> Bank {
+        let base = rng.below(1_000_000) as i64;
+        let ids: Vec<Value> = (0..n as i64)
+            .map(|i| {
+                if int_ids {
+                    json!(base + i * 7)
+                } else {
+                    json!(format!("acct-{:x}-{i}", rng.next_u64() % 65536))
+                }
+            })
+            .collect();
+        let rows: Vec<(Value, i64)> =
+            ids.iter().map(|id| (id.clone(), 1_000 + rng.below(999_000) as i64)).collect();
+        Bank::with(backend, &rows)
+    }
+
+    /// A bank on `backend` holding exactly `rows` (ids all text or all integers).
+    pub fn with(backend: Backend, rows: &[(Value, i64)]) -> Bank {
+        let dir = tempfile::tempdir().unwrap();
+        let int_ids = rows.first().is_some_and(|(id, _)| id.is_i64());
+        let db = make_bank(backend, dir.path(), rows, int_ids);
+        let accounts = rows.iter().map(|(id, _)| id.clone()).collect();
+        Bank { dir, db, backend, accounts, requests: std::cell::Cell::new(0) }
+    }
+
+    /// A bank over a SQLite database the caller built in `dir`.
     pub fn at(dir: tempfile::TempDir, db: PathBuf) -> Bank {
         let conn = Connection::open(&db).unwrap();
         let mut stmt = conn.prepare("SELECT acct_id FROM account ORDER BY rowid").unwrap();
@@ -80,7 +104,12 @@ impl Bank {
             .collect::<Result<_, _>>()
             .unwrap();
         drop(stmt);
-        Bank { dir, db, accounts, requests: std::cell::Cell::new(0) }
+        Bank { dir, db, backend: Backend::Sqlite, accounts, requests: std::cell::Cell::new(0) }
+    }
+
+    /// The connection string or path, as text.
+    pub fn spec(&self) -> String {
+        self.db.to_string_lossy().into_owned()
     }
 
     /// Writes `text` to a new request file and returns its path.
@@ -108,10 +137,22 @@ impl Bank {
         Reply::from_output(cmd.output().unwrap())
     }
 
+    /// The balance of each account, in the order of `accounts`.
     pub fn balances(&self) -> Vec<i64> {
-        let conn = Connection::open(&self.db).unwrap();
-        let mut stmt = conn.prepare("SELECT balance FROM account ORDER BY rowid").unwrap();
-        stmt.query_map([], |r| r.get(0)).unwrap().collect::<Result<_, _>>().unwrap()
+        let ids: Vec<String> = self.accounts.iter().map(id_text).collect();
+        match self.backend {
+            Backend::Sqlite => {
+                let conn = Connection::open(&self.db).unwrap();
+                let mut stmt =
+                    conn.prepare("SELECT balance FROM account WHERE CAST(acct_id AS TEXT) = ?1").unwrap();
+                ids.iter().map(|id| stmt.query_row([id], |r| r.get(0)).unwrap()).collect()
+            }
+            _ => {
+                let mut c = pg::client(&self.spec());
+                let sql = "SELECT balance::bigint FROM account WHERE acct_id::text = $1";
+                ids.iter().map(|id| c.query_one(sql, &[id]).unwrap().get(0)).collect()
+            }
+        }
     }
 
     pub fn balance(&self, account: usize) -> i64 {
@@ -120,21 +161,83 @@ impl Bank {
 
     /// `(src, dst, amount, currency)` of every transfer row, as JSON values.
     pub fn transfers(&self) -> Vec<(Value, Value, i64, String)> {
-        let conn = Connection::open(&self.db).unwrap();
-        let Ok(mut stmt) =
-            conn.prepare("SELECT src, dst, amount, currency FROM transfer ORDER BY transfer_id")
-        else {
-            return Vec::new(); // the engine has not created the table yet
+        let sql = "SELECT CAST(src AS TEXT), CAST(dst AS TEXT), amount, currency FROM transfer ORDER BY transfer_id";
+        let rows: Vec<(String, String, i64, String)> = match self.backend {
+            Backend::Sqlite => {
+                let conn = Connection::open(&self.db).unwrap();
+                let Ok(mut stmt) = conn.prepare(sql) else {
+                    return Vec::new(); // the engine has not created the table yet
+                };
+                stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                    .unwrap()
+                    .collect::<Result<_, _>>()
+                    .unwrap()
+            }
+            _ => match pg::client(&self.spec()).query(sql, &[]) {
+                Ok(rows) => rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect(),
+                Err(_) => return Vec::new(),
+            },
         };
-        let as_json = |v: rusqlite::types::Value| match v {
-            rusqlite::types::Value::Integer(i) => json!(i),
-            rusqlite::types::Value::Text(s) => json!(s),
-            other => panic!("unexpected acct id {other:?}"),
-        };
-        stmt.query_map([], |r| Ok((as_json(r.get(0)?), as_json(r.get(1)?), r.get(2)?, r.get(3)?)))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap()
+        let int_ids = self.accounts.first().is_some_and(Value::is_i64);
+        let as_json = |s: String| if int_ids { json!(s.parse::<i64>().unwrap()) } else { json!(s) };
+        rows.into_iter().map(|(s, d, a, c)| (as_json(s), as_json(d), a, c)).collect()
+    }
+
+    /// One integer from `sql`, which must read the same on both backends.
+    pub fn count(&self, sql: &str) -> i64 {
+        match self.backend {
+            Backend::Sqlite => Connection::open(&self.db).unwrap().query_row(sql, [], |r| r.get(0)).unwrap(),
+            _ => pg::client(&self.spec()).query_one(sql, &[]).unwrap().get(0),
+        }
+    }
+}
+
+fn id_text(id: &Value) -> String {
+    match id {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Creates the account table with `rows` on `backend`; returns the `--db` argument.
+pub fn make_bank(backend: Backend, dir: &Path, rows: &[(Value, i64)], int_ids: bool) -> PathBuf {
+    let ty = if int_ids { "INTEGER" } else { "TEXT" };
+    let create = format!("CREATE TABLE account (acct_id {ty} PRIMARY KEY, holder TEXT, balance BIGINT)");
+    match backend {
+        Backend::Sqlite => {
+            let db = dir.join("bank.db");
+            let conn = Connection::open(&db).unwrap();
+            conn.execute_batch(&create).unwrap();
+            for (i, (id, balance)) in rows.iter().enumerate() {
+                let sql_id: rusqlite::types::Value = match id {
+                    Value::String(s) => s.clone().into(),
+                    v => v.as_i64().unwrap().into(),
+                };
+                conn.execute(
+                    "INSERT INTO account VALUES (?1, ?2, ?3)",
+                    (sql_id, format!("holder {i}"), balance),
+                )
+                .unwrap();
+            }
+            db
+        }
+        _ => {
+            let server = pg::server().expect("a PostgreSQL backend without a server");
+            let spec = server.fresh_schema(backend == Backend::PostgresSerializable);
+            let mut c = pg::client(&spec);
+            c.batch_execute(&create.replace("INTEGER", "BIGINT")).unwrap();
+            for (i, (id, balance)) in rows.iter().enumerate() {
+                c.execute(
+                    &format!(
+                        "INSERT INTO account VALUES ($1::text::{}, $2, $3)",
+                        if int_ids { "bigint" } else { "text" }
+                    ),
+                    &[&id_text(id), &format!("holder {i}"), balance],
+                )
+                .unwrap();
+            }
+            PathBuf::from(spec)
+        }
     }
 }
 
@@ -212,4 +315,32 @@ impl Reply {
         let start = self.stdout.find(r#""body":"#).unwrap() + 7;
         self.stdout.trim_end()[start..].strip_suffix('}').unwrap()
     }
+}
+
+/// A store on `backend` holding exactly `accounts`, as the in-process
+/// harness (scenarios, storms) drives it.
+pub fn store_with(
+    backend: Backend,
+    accounts: &[(idem::request::AcctId, i64)],
+) -> Box<dyn idem::store::Store + Send> {
+    use idem::request::AcctId;
+    let policy = idem::policy::Policy::embedded();
+    if backend == Backend::Sqlite {
+        return Box::new(idem::harness::scenario::sqlite_bank(accounts, policy).unwrap());
+    }
+    let rows: Vec<(Value, i64)> = accounts
+        .iter()
+        .map(|(id, b)| {
+            (
+                match id {
+                    AcctId::Int(i) => json!(i),
+                    AcctId::Text(s) => json!(s),
+                },
+                *b,
+            )
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = make_bank(backend, dir.path(), &rows, rows.first().is_some_and(|(id, _)| id.is_i64()));
+    Box::new(idem::store::pg::PgStore::connect(&spec.to_string_lossy(), policy).unwrap())
 }

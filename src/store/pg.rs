@@ -1,0 +1,650 @@
+//! The PostgreSQL store: the same contract as SQLite, with many writers.
+//!
+//! The database arrives holding `account(acct_id, holder, balance)`; the
+//! first connection creates `transfer` and `idem_key` (serialised by an
+//! advisory lock, so racing first calls do not trip over each other) and
+//! marks `idem_key` with its schema version. Every connection checks, as the
+//! SQLite store does, that `acct_id` is unique and that no trigger or rule
+//! acts on the engine's tables.
+//!
+//! Unlike SQLite, PostgreSQL runs transactions side by side, so every clause
+//! of the store contract is carried by SQL here, and it holds under READ
+//! COMMITTED and SERIALIZABLE alike:
+//! - the claim is `INSERT … ON CONFLICT DO NOTHING`; a racer's uncommitted
+//!   insert makes it wait for that racer's outcome, never pass beside it;
+//! - a takeover first locks the row `FOR UPDATE NOWAIT`: a key whose
+//!   execution holds the row is in flight (409 at once, never a wait); then
+//!   it updates only the version seen (token and state);
+//! - the execution locks the key and both accounts `FOR UPDATE` (accounts
+//!   in ascending order, by the ledger) until its commit;
+//! - balances move by `balance = balance + $2 … RETURNING`;
+//! - serialization failures (40001) and deadlocks (40P01) are
+//!   [`StoreError::Conflict`], retried by `store::atomically`; a lock wait
+//!   past `lock_timeout` (the policy's `busy_timeout_ms`) is [`StoreError::Busy`].
+//!
+//! Durability: a claim commits with `SET LOCAL synchronous_commit = off` (a
+//! claim lost in a crash moved no money; the retry claims again) and the
+//! execution with it on, so a transfer costs one WAL flush; the claim's WAL
+//! record precedes the execution's commit record and is flushed with it.
+//!
+//! No error produced here carries the connection string or its password.
+
+use super::{
+    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
+};
+use crate::clock::Timestamp;
+use crate::policy::Policy;
+use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
+use postgres::error::SqlState;
+use postgres::{Client, Config, NoTls, Row, Statement};
+use std::str::FromStr;
+
+/// The comment that marks `idem_key` as this schema version.
+const SCHEMA_MARK: &str = "idem schema 1";
+
+/// Any constant: serialises schema creation across racing first calls.
+const SCHEMA_LOCK: i64 = 0x1de3_5c4e_3a00_0001;
+
+pub struct PgStore {
+    client: Client,
+    shape: Shape,
+    sql: Statements,
+}
+
+/// How `account.acct_id` is typed: ids are bound as text and cast to it.
+#[derive(Debug, Clone)]
+struct Shape {
+    /// The column's type as SQL spells it (`text`, `bigint`, …).
+    acct_type: String,
+    /// Whether that type is an integer type (else a string type).
+    int_ids: bool,
+}
+
+/// Every statement a request runs, prepared once per connection.
+struct Statements {
+    insert_claim: Statement,
+    read_key: Statement,
+    lock_key: Statement,
+    lock_key_nowait: Statement,
+    replace_claim: Statement,
+    complete: Statement,
+    release: Statement,
+    lock_account: Statement,
+    add_to_balance: Statement,
+    insert_transfer: Statement,
+}
+
+/// Whether `spec` names a PostgreSQL database: a `postgres://` or
+/// `postgresql://` URL, or libpq's `key=value` form (`host=/run/pg dbname=x`).
+pub fn is_postgres(spec: &str) -> bool {
+    let s = spec.trim_start();
+    s.starts_with("postgres://")
+        || s.starts_with("postgresql://")
+        || s.split_whitespace().next().is_some_and(|w| {
+            w.split_once('=').is_some_and(|(k, _)| {
+                ["host", "hostaddr", "dbname", "user", "port", "password", "options"].contains(&k)
+            })
+        })
+}
+
+impl PgStore {
+    /// Connects to the database `spec` names and makes sure it is one the
+    /// engine can use. The error never quotes `spec`.
+    pub fn connect(spec: &str, policy: &Policy) -> Result<Self, StoreError> {
+        let mut config =
+            Config::from_str(spec).map_err(|e| redacted("invalid connection string", &e, spec))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(std::time::Duration::from_millis(u64::from(policy.busy_timeout_ms)));
+        }
+        config.application_name("idem");
+        let mut client =
+            config.connect(NoTls).map_err(|e| redacted("cannot connect to PostgreSQL", &e, spec))?;
+        // Lock waits end at the busy budget and become 503s. The money commit
+        // must be durable even if the server's default says otherwise.
+        client
+            .batch_execute(&format!(
+                "SET lock_timeout = {}; SET synchronous_commit = on",
+                policy.busy_timeout_ms
+            ))
+            .map_err(|e| redacted("cannot configure the session", &e, spec))?;
+        let shape = prepare_schema(&mut client)?;
+        let sql = Statements::prepare(&mut client, &shape).map_err(pg)?;
+        Ok(PgStore { client, shape, sql })
+    }
+}
+
+/// A connection error as one line, with every trace of `spec` (and the
+/// password in it) removed, in case a driver message ever echoes it.
+fn redacted(what: &str, e: &postgres::Error, spec: &str) -> StoreError {
+    let mut line = format!("{what}: {}", describe(e));
+    let password = Config::from_str(spec)
+        .ok()
+        .and_then(|c| c.get_password().map(|p| String::from_utf8_lossy(p).into_owned()));
+    for secret in password.into_iter().chain([spec.to_owned()]).filter(|s| !s.is_empty()) {
+        line = line.replace(&secret, "***");
+    }
+    StoreError::Backend(line)
+}
+
+/// A driver error as one line: its kind and the server's primary message,
+/// never the DETAIL (which may quote row data).
+fn describe(e: &postgres::Error) -> String {
+    let cause = match e.as_db_error() {
+        Some(db) => Some(format!("{}: {}", db.severity(), db.message())),
+        None => std::error::Error::source(e).map(|s| s.to_string()),
+    };
+    match cause {
+        Some(cause) => format!("{e}: {}", cause.lines().next().unwrap_or("")),
+        None => e.to_string(),
+    }
+}
+
+fn pg(e: postgres::Error) -> StoreError {
+    match e.code() {
+        Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE || *c == SqlState::T_R_DEADLOCK_DETECTED => {
+            StoreError::Conflict
+        }
+        Some(c) if *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::QUERY_CANCELED => StoreError::Busy,
+        _ => StoreError::Backend(format!("PostgreSQL: {}", describe(&e))),
+    }
+}
+
+/// Checks the account table, creates the engine's tables if missing, and
+/// returns how `acct_id` is typed.
+fn prepare_schema(client: &mut Client) -> Result<Shape, StoreError> {
+    let row = client
+        .query_opt(
+            "SELECT format_type(a.atttypid, a.atttypmod), t.typname, c.relkind::text
+             FROM pg_class c
+             JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'acct_id' AND NOT a.attisdropped
+             JOIN pg_type t ON t.oid = a.atttypid
+             WHERE c.oid = to_regclass('account')",
+            &[],
+        )
+        .map_err(pg)?
+        .ok_or_else(|| StoreError::Schema("database has no account table with an acct_id column".into()))?;
+    let (acct_type, typname, relkind): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+    if !["r", "p"].contains(&relkind.as_str()) {
+        return Err(StoreError::Schema("account is not a table".into()));
+    }
+    let int_ids = match typname.as_str() {
+        "int2" | "int4" | "int8" => true,
+        "text" | "varchar" | "bpchar" | "name" | "citext" => false,
+        other => {
+            return Err(StoreError::Schema(format!(
+                "account.acct_id is of type {other}, neither text nor integer"
+            )));
+        }
+    };
+    let shape = Shape { acct_type, int_ids };
+    check_account(client)?;
+    let mark: Option<String> = client
+        .query_one("SELECT obj_description(to_regclass('idem_key'), 'pg_class')", &[])
+        .map_err(pg)?
+        .get(0);
+    if mark.as_deref() != Some(SCHEMA_MARK) {
+        create_schema(client, &shape)?;
+    }
+    Ok(shape)
+}
+
+fn check_account(client: &mut Client) -> Result<(), StoreError> {
+    let row = client
+        .query_one(
+            "SELECT
+               EXISTS (SELECT 1 FROM pg_index i
+                       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                       WHERE i.indrelid = to_regclass('account') AND i.indisunique AND i.indnkeyatts = 1
+                         AND i.indpred IS NULL AND i.indexprs IS NULL AND a.attname = 'acct_id'),
+               (SELECT string_agg(name, ', ' ORDER BY name) FROM (
+                  SELECT tgname::text AS name FROM pg_trigger
+                  WHERE NOT tgisinternal
+                    AND tgrelid IN (to_regclass('account'), to_regclass('transfer'), to_regclass('idem_key'))
+                  UNION ALL
+                  SELECT rulename::text FROM pg_rewrite
+                  WHERE ev_class IN (to_regclass('account'), to_regclass('transfer'), to_regclass('idem_key'))
+                    AND rulename <> '_RETURN') AS acting)",
+            &[],
+        )
+        .map_err(pg)?;
+    if !row.get::<_, bool>(0) {
+        return Err(StoreError::Schema(
+            "account.acct_id is not unique (no PRIMARY KEY or UNIQUE index on it alone): \
+             one transfer could move the balance of several rows"
+                .into(),
+        ));
+    }
+    match row.get::<_, Option<String>>(1) {
+        Some(names) => Err(StoreError::Schema(format!(
+            "trigger(s) or rule(s) {names} act on the engine's tables: a transfer must write exactly what the engine writes"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The columns an existing `transfer` or `idem_key` must have to be reused.
+const SHAPES: [(&str, &[&str]); 2] = [
+    ("transfer", &["transfer_id", "src", "dst", "amount", "currency", "created_at"]),
+    (
+        "idem_key",
+        &[
+            "client_id",
+            "endpoint",
+            "idem_key",
+            "fingerprint",
+            "state",
+            "token",
+            "created_at",
+            "lease_until",
+            "status",
+            "reason",
+            "body",
+            "transfer_id",
+            "completed_at",
+        ],
+    ),
+];
+
+fn create_schema(client: &mut Client, shape: &Shape) -> Result<(), StoreError> {
+    let mut tx = client.transaction().map_err(pg)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).map_err(pg)?;
+    for (table, wanted) in SHAPES {
+        let have: Vec<String> = tx
+            .query(
+                "SELECT attname::text FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+                &[&table],
+            )
+            .map_err(pg)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let missing: Vec<&str> =
+            wanted.iter().copied().filter(|c| !have.is_empty() && !have.iter().any(|h| h == c)).collect();
+        if !missing.is_empty() {
+            return Err(StoreError::Schema(format!(
+                "table {table} exists without column(s) {}: not a schema this idem can use",
+                missing.join(", ")
+            )));
+        }
+    }
+    let mark: Option<String> =
+        tx.query_one("SELECT obj_description(to_regclass('idem_key'), 'pg_class')", &[]).map_err(pg)?.get(0);
+    match mark.as_deref() {
+        Some(SCHEMA_MARK) => return Ok(()), // another first call got here first
+        Some(other) if !other.is_empty() => {
+            return Err(StoreError::Schema(format!(
+                "idem_key is marked {other:?}; this idem understands {SCHEMA_MARK:?}"
+            )));
+        }
+        _ => {}
+    }
+    let t = &shape.acct_type;
+    // Times are RFC 3339 UTC text of fixed width in the C collation, so text
+    // order is time order, and the same bytes as on SQLite.
+    tx.batch_execute(&format!(
+        "CREATE TABLE IF NOT EXISTS transfer (
+             transfer_id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+             src         {t} NOT NULL,
+             dst         {t} NOT NULL,
+             amount      bigint NOT NULL CHECK (amount > 0),
+             currency    text NOT NULL,
+             created_at  text COLLATE \"C\" NOT NULL);
+         CREATE TABLE IF NOT EXISTS idem_key (
+             client_id    text NOT NULL,
+             endpoint     text NOT NULL,
+             idem_key     text NOT NULL,
+             fingerprint  text NOT NULL,
+             state        text NOT NULL CHECK (state IN ('in_progress', 'completed')),
+             token        text NOT NULL,
+             created_at   text COLLATE \"C\" NOT NULL,
+             lease_until  text COLLATE \"C\" NOT NULL,
+             status       integer,
+             reason       text,
+             body         text,
+             transfer_id  bigint UNIQUE,
+             completed_at text,
+             PRIMARY KEY (client_id, endpoint, idem_key),
+             CHECK ((state = 'completed') = (status IS NOT NULL AND body IS NOT NULL AND completed_at IS NOT NULL)),
+             CHECK (transfer_id IS NULL OR state = 'completed'));
+         CREATE INDEX IF NOT EXISTS idem_key_created_at ON idem_key (created_at);
+         COMMENT ON TABLE idem_key IS '{SCHEMA_MARK}';"
+    ))
+    .map_err(pg)?;
+    tx.commit().map_err(pg)
+}
+
+const KEY_COLUMNS: &str = "fingerprint, created_at, token, state, lease_until, status, reason, body";
+const KEY_WHERE: &str = "client_id = $1 AND endpoint = $2 AND idem_key = $3";
+
+impl Statements {
+    fn prepare(client: &mut Client, shape: &Shape) -> Result<Self, postgres::Error> {
+        let t = &shape.acct_type;
+        let mut p = |sql: &str| client.prepare(sql);
+        Ok(Statements {
+            insert_claim: p(
+                "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
+                 VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
+                 ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING",
+            )?,
+            read_key: p(&format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE}"))?,
+            lock_key: p(&format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE} FOR UPDATE"))?,
+            lock_key_nowait: p(&format!("SELECT 1 FROM idem_key WHERE {KEY_WHERE} FOR UPDATE NOWAIT"))?,
+            replace_claim: p(&format!(
+                "UPDATE idem_key SET fingerprint = $4, state = 'in_progress', token = $5,
+                        created_at = $6, lease_until = $7, status = NULL, reason = NULL,
+                        body = NULL, transfer_id = NULL, completed_at = NULL
+                 WHERE {KEY_WHERE} AND token = $8 AND state = $9"
+            ))?,
+            complete: p(&format!(
+                "UPDATE idem_key SET state = 'completed', status = $4, reason = $5, body = $6,
+                        transfer_id = $7, completed_at = $8
+                 WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $9"
+            ))?,
+            release: p(&format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $4"))?,
+            lock_account: p(&format!(
+                "SELECT acct_id::text, balance::text FROM account WHERE acct_id = $1::text::{t} FOR UPDATE"
+            ))?,
+            add_to_balance: p(&format!(
+                "UPDATE account SET balance = balance + $2::bigint
+                 WHERE acct_id = $1::text::{t} AND balance + $2::bigint >= 0 RETURNING balance::text"
+            ))?,
+            insert_transfer: p(&format!(
+                "INSERT INTO transfer (src, dst, amount, currency, created_at)
+                 VALUES ($1::text::{t}, $2::text::{t}, $3, $4, $5) RETURNING transfer_id"
+            ))?,
+        })
+    }
+}
+
+impl Shape {
+    /// The text to bind for `id`, or `None` if no row of this column's type
+    /// can match it (text that is not an integer, against integer ids).
+    fn bind(&self, id: &AcctId) -> Option<String> {
+        match (id, self.int_ids) {
+            (AcctId::Int(i), _) => Some(i.to_string()),
+            (AcctId::Text(s), true) => s.trim().parse::<i64>().ok().map(|i| i.to_string()),
+            (AcctId::Text(s), false) => Some(s.clone()),
+        }
+    }
+
+    /// An id as read back from the column (as text).
+    fn id(&self, text: String) -> Result<AcctId, StoreError> {
+        match self.int_ids {
+            true => text
+                .parse()
+                .map(AcctId::Int)
+                .map_err(|_| StoreError::Schema(format!("account id {text:?} is not an integer"))),
+            false => Ok(AcctId::Text(text)),
+        }
+    }
+}
+
+/// A balance as an exact integer, from its text form: an integer, or a
+/// whole number a double holds exactly (float and numeric columns).
+fn balance(id: &AcctId, text: &str) -> Result<i64, StoreError> {
+    if let Ok(b) = text.parse::<i64>() {
+        return Ok(b);
+    }
+    match text.parse::<f64>() {
+        Ok(r) if r.fract() == 0.0 && r.abs() <= MAX_EXACT_INT as f64 => Ok(r as i64),
+        _ => Err(StoreError::Schema(format!(
+            "balance of account {:?} is {text}, not an integer amount a double holds exactly",
+            id.to_string()
+        ))),
+    }
+}
+
+fn record(row: &Row) -> Result<KeyRecord, StoreError> {
+    let corrupt = |why: String| StoreError::Backend(format!("corrupt idem_key row: {why}"));
+    let time = |i: usize| Timestamp::parse(row.get::<_, &str>(i)).map_err(|e| corrupt(e.to_string()));
+    let state = match (row.get::<_, &str>(3), row.get::<_, Option<i32>>(5), row.get::<_, Option<String>>(7)) {
+        ("in_progress", _, _) => KeyState::InProgress { lease_until: time(4)? },
+        ("completed", Some(status), Some(body)) => KeyState::Completed(Stored {
+            status: u16::try_from(status).map_err(|_| corrupt(format!("status {status}")))?,
+            reason: row.get(6),
+            body,
+        }),
+        (other, ..) => return Err(corrupt(format!("state {other:?} without its response"))),
+    };
+    Ok(KeyRecord { fingerprint: row.get(0), created_at: time(1)?, token: row.get(2), state })
+}
+
+impl Store for PgStore {
+    fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
+        let mut tx = self.client.transaction().map_err(pg)?;
+        if durability == Durability::Lazy {
+            tx.batch_execute("SET LOCAL synchronous_commit = off").map_err(pg)?;
+        }
+        Ok(Box::new(PgTx { tx, shape: &self.shape, sql: &self.sql }))
+    }
+
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        let c = &mut self.client;
+        let mut balances = Vec::new();
+        for row in c.query("SELECT acct_id::text, balance::text FROM account", &[]).map_err(pg)? {
+            let id = self.shape.id(row.get(0))?;
+            let b = balance(&id, row.get(1))?;
+            balances.push((id, b));
+        }
+        balances.sort();
+        let pairs = |c: &mut Client, sql: &str| -> Result<Vec<(i64, i64)>, StoreError> {
+            Ok(c.query(sql, &[]).map_err(pg)?.iter().map(|r| (r.get(0), r.get(1))).collect())
+        };
+        let count = |c: &mut Client, sql: &str| -> Result<i64, StoreError> {
+            Ok(c.query_one(sql, &[]).map_err(pg)?.get(0))
+        };
+        Ok(Audit {
+            balances,
+            transfers: pairs(c, "SELECT transfer_id, amount FROM transfer ORDER BY transfer_id")?,
+            orphans: pairs(
+                c,
+                "SELECT transfer_id, amount FROM transfer t WHERE NOT EXISTS
+                   (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')
+                 ORDER BY transfer_id",
+            )?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect(),
+            hollow: count(
+                c,
+                "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
+                   AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))",
+            )?,
+            keys_in_progress: count(c, "SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'")?,
+            keys_completed: count(c, "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'")?,
+        })
+    }
+}
+
+pub struct PgTx<'a> {
+    tx: postgres::Transaction<'a>,
+    shape: &'a Shape,
+    sql: &'a Statements,
+}
+
+impl PgTx<'_> {
+    fn key_row(&mut self, statement: &Statement, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        let row =
+            self.tx.query_opt(statement, &[&key.client_id, &key.endpoint, &key.idem_key]).map_err(pg)?;
+        row.as_ref().map(record).transpose()
+    }
+}
+
+impl Tx for PgTx<'_> {
+    fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
+        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
+        let inserted = self
+            .tx
+            .execute(
+                &self.sql.insert_claim,
+                &[
+                    &key.client_id,
+                    &key.endpoint,
+                    &key.idem_key,
+                    &claim.fingerprint,
+                    &claim.token,
+                    &created_at,
+                    &lease_until,
+                ],
+            )
+            .map_err(pg)?;
+        if inserted == 1 {
+            return Ok(None);
+        }
+        // The primary key is the arbiter. If the row it saw is gone already
+        // (purged in between), run the claim again.
+        let read_key = &self.sql.read_key;
+        self.key_row(read_key, key)?.map(Some).ok_or(StoreError::Conflict)
+    }
+
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        match self.tx.query_opt(&self.sql.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key]) {
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(false),
+            // The row is locked: its execution is running. The transaction
+            // is aborted by the error; the caller ends it without another
+            // statement.
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(false),
+            Err(e) => return Err(pg(e)),
+        }
+        let state = match seen.state {
+            KeyState::InProgress { .. } => "in_progress",
+            KeyState::Completed(_) => "completed",
+        };
+        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
+        let changed = self
+            .tx
+            .execute(
+                &self.sql.replace_claim,
+                &[
+                    &key.client_id,
+                    &key.endpoint,
+                    &key.idem_key,
+                    &claim.fingerprint,
+                    &claim.token,
+                    &created_at,
+                    &lease_until,
+                    &seen.token,
+                    &state,
+                ],
+            )
+            .map_err(pg)?;
+        Ok(changed == 1)
+    }
+
+    fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        let lock_key = &self.sql.lock_key;
+        self.key_row(lock_key, key)
+    }
+
+    fn complete(
+        &mut self,
+        key: &ScopedKey,
+        token: &str,
+        response: &Stored,
+        transfer_id: Option<i64>,
+        at: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let (status, at) = (i32::from(response.status), at.to_string());
+        let changed = self
+            .tx
+            .execute(
+                &self.sql.complete,
+                &[
+                    &key.client_id,
+                    &key.endpoint,
+                    &key.idem_key,
+                    &status,
+                    &response.reason,
+                    &response.body,
+                    &transfer_id,
+                    &at,
+                    &token,
+                ],
+            )
+            .map_err(pg)?;
+        Ok(changed == 1)
+    }
+
+    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        let n = self
+            .tx
+            .execute(&self.sql.release, &[&key.client_id, &key.endpoint, &key.idem_key, &token])
+            .map_err(pg)?;
+        Ok(n == 1)
+    }
+
+    fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
+        let Some(bound) = self.shape.bind(id) else { return Ok(None) };
+        let Some(row) = self.tx.query_opt(&self.sql.lock_account, &[&bound]).map_err(pg)? else {
+            return Ok(None);
+        };
+        let id = self.shape.id(row.get(0))?;
+        let balance = balance(&id, row.get(1))?;
+        Ok(Some(Account { id, balance }))
+    }
+
+    fn add_to_balance(&mut self, id: &AcctId, delta: i64) -> Result<i64, StoreError> {
+        let bound = self.shape.bind(id).unwrap_or_default();
+        let rows = self.tx.query(&self.sql.add_to_balance, &[&bound, &delta]).map_err(pg)?;
+        match rows.as_slice() {
+            [row] => balance(id, row.get(0)),
+            rows => Err(StoreError::Schema(format!(
+                "a balance update of account {:?} changed {} rows, not 1",
+                id.to_string(),
+                rows.len()
+            ))),
+        }
+    }
+
+    fn insert_transfer(&mut self, t: &NewTransfer) -> Result<i64, StoreError> {
+        let (src, dst) =
+            (self.shape.bind(t.src).unwrap_or_default(), self.shape.bind(t.dst).unwrap_or_default());
+        let at = t.created_at.to_string();
+        let row = self
+            .tx
+            .query_one(&self.sql.insert_transfer, &[&src, &dst, &t.amount, &t.currency, &at])
+            .map_err(pg)?;
+        Ok(row.get(0))
+    }
+
+    fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
+        let (before, limit) = (before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX));
+        self.tx
+            .execute(
+                "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
+                   (SELECT client_id, endpoint, idem_key FROM idem_key
+                    WHERE created_at < $1 ORDER BY created_at LIMIT $2)",
+                &[&before, &limit],
+            )
+            .map_err(pg)
+    }
+
+    fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
+        let rows = self
+            .tx
+            .query(
+                &format!(
+                    "SELECT {KEY_COLUMNS}, client_id, endpoint, idem_key FROM idem_key WHERE state = 'in_progress'
+                     ORDER BY created_at, client_id, endpoint, idem_key"
+                ),
+                &[],
+            )
+            .map_err(pg)?;
+        rows.iter()
+            .map(|r| {
+                let key = ScopedKey { client_id: r.get(8), endpoint: r.get(9), idem_key: r.get(10) };
+                Ok((key, record(r)?))
+            })
+            .collect()
+    }
+
+    fn commit(self: Box<Self>) -> Result<(), StoreError> {
+        self.tx.commit().map_err(pg)
+    }
+}
