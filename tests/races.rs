@@ -1,7 +1,8 @@
-//! Races across real processes: K `idem_api` processes on one SQLite file,
-//! started together, sending overlapping keys in different orders. Afterwards
-//! every key has paid at most once, every 201 for a key names the same
-//! transfer, and the balances are what paying each key once gives.
+//! Races across real processes: K `idem_api` processes on one database
+//! (SQLite, and PostgreSQL under both isolation levels), released together,
+//! sending overlapping keys in different orders. Afterwards every key has
+//! paid at most once, every 201 for a key names the same transfer, and the
+//! balances are what paying each key once gives.
 
 mod common;
 
@@ -9,13 +10,19 @@ use common::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Barrier};
 
-const PROCESSES: usize = 6;
+const PROCESSES: usize = 8;
 const KEYS: usize = 12;
 
 #[test]
 fn processes_racing_on_overlapping_keys_pay_each_key_once() {
+    for backend in backends() {
+        race_on(backend);
+    }
+}
+
+fn race_on(backend: Backend) {
     let mut rng = rng();
-    let bank = Bank::new(&mut rng, 3, false);
+    let bank = Bank::on(backend, &mut rng, 3, false);
     let before = bank.balances();
     let amounts: Vec<i64> = (0..KEYS).map(|_| 1 + rng.below(50) as i64).collect();
     let files = ring_requests(&bank, "race", &amounts);
