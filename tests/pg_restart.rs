@@ -35,7 +35,7 @@ fn an_immediate_restart_mid_traffic_loses_no_acknowledged_transfer_and_pays_noth
             std::thread::spawn(move || {
                 let mut acknowledged = BTreeMap::new();
                 let mut failures_seen = 0;
-                for i in (c * KEYS_PER_CLIENT)..((c + 1) * KEYS_PER_CLIENT) {
+                for (i, file) in files.iter().enumerate().skip(c * KEYS_PER_CLIENT).take(KEYS_PER_CLIENT) {
                     let deadline = Instant::now() + Duration::from_secs(60);
                     loop {
                         // A claim whose process the restart cut off blocks its key
@@ -43,7 +43,7 @@ fn an_immediate_restart_mid_traffic_loses_no_acknowledged_transfer_and_pays_noth
                         // past it, as a patient client's would be.
                         let now = if restarted.load(Ordering::Relaxed) { after.as_str() } else { T0 };
                         let mut cmd = std::process::Command::new(API);
-                        cmd.arg("--db").arg(&db).arg("--request").arg(&files[i]).env("IDEM_NOW", now);
+                        cmd.arg("--db").arg(&db).arg("--request").arg(file).env("IDEM_NOW", now);
                         let out = cmd.output().unwrap();
                         let answer: Option<serde_json::Value> = serde_json::from_slice(&out.stdout).ok();
                         match answer.as_ref().and_then(|a| a["status"].as_i64()) {
