@@ -22,6 +22,17 @@ kill runs="3000":
 teeth:
     cargo test --release --test teeth -- --nocapture
 
+# Mutation testing (slow: about an hour each). Settings in .cargo/mutants.toml.
+mutants:
+    IDEM_BACKENDS=sqlite cargo mutants
+
+# The PostgreSQL store's mutants, against the suites on PostgreSQL.
+mutants-pg:
+    IDEM_BACKENDS=postgres,serializable cargo mutants --no-config --profile mutants --timeout-multiplier 3 \
+        --file src/store/pg.rs --cargo-test-arg=--test=api --cargo-test-arg=--test=scenarios \
+        --cargo-test-arg=--test=storm --cargo-test-arg=--test=races --cargo-test-arg=--test=opposite \
+        --cargo-test-arg=--test=secrets --cargo-test-arg=--test=kill
+
 # Benchmarks: medians and ratios against the Python peer and the disk's fsync rate.
 bench:
     cargo bench --bench idem

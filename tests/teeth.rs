@@ -7,6 +7,7 @@ mod common;
 
 use common::broken::{Broken, Mistake};
 use common::loom_model::{race, race_with};
+use common::loom_rows::race_rows;
 use common::storm::{ACCOUNTS, op, run_day, run_day_on};
 use idem::harness::scenario::{self, sqlite_bank};
 use idem::policy::Policy;
@@ -82,29 +83,60 @@ fn loom_catches(mistake: Option<Mistake>) -> bool {
     caught
 }
 
+/// Whether the row-lock model (one key raced; opposite transfers) fails.
+/// A deadlock makes loom abort the process rather than unwind, so the model
+/// runs in a child process: this test binary, filtered to [`row_locks_probe`].
+fn row_locks_catch(mistake: Option<Mistake>) -> bool {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["row_locks_probe", "--exact", "--quiet", "--test-threads=1"])
+        .env("IDEM_ROW_LOCKS_PROBE", mistake.map_or("real".into(), |m| format!("{m:?}")))
+        .output()
+        .unwrap();
+    !out.status.success()
+}
+
+/// Runs the row-lock model on the engine `IDEM_ROW_LOCKS_PROBE` names; a
+/// no-op without it (so a plain `cargo test` passes through).
+#[test]
+fn row_locks_probe() {
+    let Ok(name) = std::env::var("IDEM_ROW_LOCKS_PROBE") else { return };
+    let mistake = Mistake::ALL.into_iter().find(|m| format!("{m:?}") == name);
+    for racers in [&[("k", "A", "B", 30), ("k", "A", "B", 30)], &[("k1", "A", "B", 30), ("k2", "B", "A", 20)]]
+    {
+        match mistake {
+            None => race_rows(racers, |store| store),
+            Some(mistake) => race_rows(racers, move |store| Broken { store, mistake }),
+        }
+    }
+}
+
 #[test]
 fn every_broken_engine_is_caught() {
     assert_eq!(failing_scenarios(None), Vec::<String>::new(), "the real engine must pass");
     assert_eq!(storm_catches(None, 64), None, "the real engine must pass");
     assert!(!loom_catches(None), "the real engine must pass");
+    assert!(!row_locks_catch(None), "the real engine must pass");
 
     let mut caught = 0;
-    let mut table =
-        String::from("| broken engine | scenarios that fail | storm | loom |\n|---|---|---|---|\n");
+    let mut table = String::from(
+        "| broken engine | scenarios that fail | storm | loom | loom, row locks |\n|---|---|---|---|---|\n",
+    );
     for mistake in Mistake::ALL {
         let scenarios = failing_scenarios(Some(mistake));
         let storm = storm_catches(Some(mistake), 2_000);
         let loom = loom_catches(Some(mistake));
-        if !scenarios.is_empty() || storm.is_some() || loom {
+        let rows = row_locks_catch(Some(mistake));
+        if !scenarios.is_empty() || storm.is_some() || loom || rows {
             caught += 1;
         }
         let word = |hit: bool| if hit { "caught" } else { "missed" };
         table.push_str(&format!(
-            "| {mistake:?} | {} ({}) | {} | {} |\n",
+            "| {mistake:?} | {} ({}) | {} | {} | {} |\n",
             scenarios.len(),
             scenarios.join(", "),
             word(storm.is_some()),
-            word(loom)
+            word(loom),
+            word(rows)
         ));
         if let Some(counterexample) = storm {
             eprintln!("{mistake:?}: storm counterexample:\n{counterexample}\n");

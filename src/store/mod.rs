@@ -246,28 +246,44 @@ pub enum End<R> {
 }
 
 /// Runs `work` in one transaction and ends it as `work` says. A
-/// [`StoreError::Conflict`] rolls back and runs `work` again, with a short
-/// growing pause, until `policy.busy_timeout_ms` is spent; then it is
-/// [`StoreError::Busy`]. Any other error rolls back and is returned.
+/// [`StoreError::Conflict`] rolls back and runs `work` again (see
+/// [`retrying`]); any other error rolls back and is returned.
 pub fn atomically<S: Store + ?Sized, R>(
     store: &mut S,
     durability: Durability,
     policy: &Policy,
     mut work: impl FnMut(&mut dyn Tx) -> Result<End<R>, StoreError>,
 ) -> Result<R, StoreError> {
+    let attempt = || {
+        let mut tx = store.begin(durability)?;
+        match work(tx.as_mut())? {
+            End::Commit(r) => tx.commit().map(|()| r),
+            End::Rollback(r) => Ok(r),
+        }
+    };
+    match retrying(policy, |e| *e == StoreError::Conflict, attempt) {
+        Err(StoreError::Conflict) => Err(StoreError::Busy),
+        other => other,
+    }
+}
+
+/// Runs `attempt` until it succeeds, fails with an error that is not
+/// `transient`, or `policy.busy_timeout_ms` is spent, pausing between tries
+/// for 200 µs, then twice as long each time up to 20 ms. Past the budget the
+/// last transient error is returned.
+pub fn retrying<R>(
+    policy: &Policy,
+    transient: impl Fn(&StoreError) -> bool,
+    mut attempt: impl FnMut() -> Result<R, StoreError>,
+) -> Result<R, StoreError> {
     let deadline = Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
     let mut pause = Duration::from_micros(200);
     loop {
-        let attempt = store.begin(durability).and_then(|mut tx| match work(tx.as_mut())? {
-            End::Commit(r) => tx.commit().map(|()| r),
-            End::Rollback(r) => Ok(r),
-        });
-        match attempt {
-            Err(StoreError::Conflict) if Instant::now() + pause < deadline => {
+        match attempt() {
+            Err(e) if transient(&e) && Instant::now() + pause < deadline => {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(20));
             }
-            Err(StoreError::Conflict) => return Err(StoreError::Busy),
             other => return other,
         }
     }

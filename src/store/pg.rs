@@ -91,8 +91,7 @@ impl PgStore {
     /// Connects to the database `spec` names and makes sure it is one the
     /// engine can use. The error never quotes `spec`.
     pub fn connect(spec: &str, policy: &Policy) -> Result<Self, StoreError> {
-        let mut config =
-            Config::from_str(spec).map_err(|e| redacted("invalid connection string", &e, spec))?;
+        let mut config = Config::from_str(spec).map_err(|e| redacted("--db", &e, spec))?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(std::time::Duration::from_millis(u64::from(policy.busy_timeout_ms)));
         }

@@ -25,7 +25,7 @@ use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, ToSql, TransactionBehavior};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// WAL pages between automatic checkpoints for one-request processes.
 const ONE_REQUEST_CHECKPOINT_PAGES: i64 = 64;
@@ -110,15 +110,7 @@ impl SqliteStore {
         // Racing first calls can meet SQLite's deadlock-avoiding BUSY
         // (returned at once, without waiting) while one of them switches the
         // journal mode; retry within the same budget as any lock wait.
-        let budget = Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
-        let mut pause_ms = 1;
-        while let Err(e) = prepare(&conn) {
-            if e != StoreError::Busy || Instant::now() >= budget {
-                return Err(e);
-            }
-            std::thread::sleep(Duration::from_millis(pause_ms));
-            pause_ms = (pause_ms * 2).min(50);
-        }
+        super::retrying(policy, |e| *e == StoreError::Busy, || prepare(&conn))?;
         Ok(SqliteStore { conn, synchronous: None })
     }
 
@@ -159,8 +151,11 @@ fn user_version(conn: &Connection) -> Result<i64, StoreError> {
 /// by hand, restored by `VACUUM INTO`) is switched back, or refused if it
 /// cannot be. An in-memory database has nothing to make durable.
 fn ensure_wal(conn: &Connection) -> Result<(), StoreError> {
+    if conn.path().is_none_or(str::is_empty) {
+        return Ok(()); // in memory: nothing to make durable, and no WAL to have
+    }
     let mode: String = conn.pragma_query_value(None, "journal_mode", |r| r.get(0)).map_err(backend)?;
-    if mode.eq_ignore_ascii_case("wal") || (mode == "memory" && conn.path().is_none_or(str::is_empty)) {
+    if mode.eq_ignore_ascii_case("wal") {
         return Ok(());
     }
     let mode: String =
@@ -371,23 +366,30 @@ const RECORD: &str = "fingerprint, created_at, token, state, lease_until, status
 
 /// A key row whose [`RECORD`] columns start at column `at`.
 fn record_at(r: &Row, at: usize) -> rusqlite::Result<KeyRecord> {
-    let time = |i: usize| -> rusqlite::Result<Timestamp> {
-        let text: String = r.get(at + i)?;
-        Timestamp::parse(&text).map_err(|e| corrupt(at + i, e.to_string()))
+    let column = |name: &str| at + RECORD.split(", ").position(|c| c == name).unwrap_or(usize::MAX);
+    let time = |name: &str| -> rusqlite::Result<Timestamp> {
+        let text: String = r.get(column(name))?;
+        Timestamp::parse(&text).map_err(|e| corrupt(name, e.to_string()))
     };
-    let state = match (r.get::<_, String>(at + 3)?.as_str(), r.get::<_, Option<u16>>(at + 5)?, r.get(at + 7)?)
-    {
-        ("in_progress", _, _) => KeyState::InProgress { lease_until: time(4)? },
+    let state: String = r.get(column("state"))?;
+    let state = match (state.as_str(), r.get::<_, Option<u16>>(column("status"))?, r.get(column("body"))?) {
+        ("in_progress", _, _) => KeyState::InProgress { lease_until: time("lease_until")? },
         ("completed", Some(status), Some(body)) => {
-            KeyState::Completed(Stored { status, reason: r.get(at + 6)?, body })
+            KeyState::Completed(Stored { status, reason: r.get(column("reason"))?, body })
         }
-        (other, ..) => return Err(corrupt(at + 3, format!("state {other:?} without its response"))),
+        (other, ..) => return Err(corrupt("state", format!("{other:?} without its response"))),
     };
-    Ok(KeyRecord { fingerprint: r.get(at)?, created_at: time(1)?, token: r.get(at + 2)?, state })
+    Ok(KeyRecord {
+        fingerprint: r.get(column("fingerprint"))?,
+        created_at: time("created_at")?,
+        token: r.get(column("token"))?,
+        state,
+    })
 }
 
-fn corrupt(column: usize, why: String) -> rusqlite::Error {
-    rusqlite::Error::FromSqlConversionFailure(column, rusqlite::types::Type::Text, why.into())
+/// A key row the engine cannot have written.
+fn corrupt(column: &str, why: String) -> rusqlite::Error {
+    rusqlite::Error::InvalidColumnName(format!("corrupt idem_key.{column}: {why}"))
 }
 
 const KEY_WHERE: &str = "client_id = ?1 AND endpoint = ?2 AND idem_key = ?3";

@@ -7,8 +7,10 @@
 use idem::clock::Timestamp;
 use idem::policy::Policy;
 use idem::protocol::{self, Claimed, Ctx, Engine, Flow, Outcome, Point, Response};
-use idem::request::{self, Request, RequestError};
-use idem::store::{self, Audit, Claim, Durability, End, Store, StoreError, Stored};
+use idem::request::{self, AcctId, Request, RequestError, ScopedKey};
+use idem::store::{
+    self, Account, Audit, Claim, Durability, End, KeyRecord, NewTransfer, Store, StoreError, Stored, Tx,
+};
 use sha2::{Digest, Sha256};
 
 /// The mistakes, as the lab names them.
@@ -26,16 +28,20 @@ pub enum Mistake {
     GlobalScope,
     /// Purge every key, whatever the cut.
     PurgeIgnoresCut,
+    /// Lock the accounts in the request's order (source first), not in one
+    /// fixed order: A→B racing B→A deadlocks where writers run side by side.
+    AccountsInRequestOrder,
 }
 
 impl Mistake {
-    pub const ALL: [Mistake; 6] = [
+    pub const ALL: [Mistake; 7] = [
         Mistake::LookupThenInsert,
         Mistake::CompletedBeforeExecute,
         Mistake::RawFingerprint,
         Mistake::RecomputedReplay,
         Mistake::GlobalScope,
         Mistake::PurgeIgnoresCut,
+        Mistake::AccountsInRequestOrder,
     ];
 }
 
@@ -121,6 +127,10 @@ impl<S: Store> Engine for Broken<S> {
         if matches!(self.mistake, Mistake::LookupThenInsert | Mistake::CompletedBeforeExecute) {
             self.overwrite_claim(req, ctx)?;
         }
+        if self.mistake == Mistake::AccountsInRequestOrder {
+            let src = req.transfer.src.clone();
+            return protocol::execute(&mut SourceFirst { store: &mut self.store, src }, req, ctx, faults);
+        }
         protocol::execute(&mut self.store, req, ctx, faults)
     }
 
@@ -138,5 +148,74 @@ impl<S: Store> Engine for Broken<S> {
 
     fn audit(&mut self) -> Result<Audit, StoreError> {
         self.store.audit()
+    }
+}
+
+/// A store whose transactions lock the account `src` before any other.
+struct SourceFirst<'a, S> {
+    store: &'a mut S,
+    src: AcctId,
+}
+
+struct SourceFirstTx<'a> {
+    inner: Box<dyn Tx + 'a>,
+    src: AcctId,
+}
+
+impl<S: Store> Store for SourceFirst<'_, S> {
+    fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
+        Ok(Box::new(SourceFirstTx { inner: self.store.begin(durability)?, src: self.src.clone() }))
+    }
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        self.store.audit()
+    }
+}
+
+impl Tx for SourceFirstTx<'_> {
+    fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
+        self.inner.insert_claim(key, claim)
+    }
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        self.inner.replace_claim(key, seen, claim)
+    }
+    fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        self.inner.lock_key(key)
+    }
+    fn complete(
+        &mut self,
+        key: &ScopedKey,
+        token: &str,
+        response: &Stored,
+        transfer_id: Option<i64>,
+        at: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(key, token, response, transfer_id, at)
+    }
+    fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        self.inner.release(key, token)
+    }
+    fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
+        self.inner.lock_account(&self.src)?;
+        self.inner.lock_account(id)
+    }
+    fn add_to_balance(&mut self, id: &AcctId, delta: i64) -> Result<i64, StoreError> {
+        self.inner.add_to_balance(id, delta)
+    }
+    fn insert_transfer(&mut self, t: &NewTransfer) -> Result<i64, StoreError> {
+        self.inner.insert_transfer(t)
+    }
+    fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
+        self.inner.purge(before, limit)
+    }
+    fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
+        self.inner.in_progress()
+    }
+    fn commit(self: Box<Self>) -> Result<(), StoreError> {
+        self.inner.commit()
     }
 }

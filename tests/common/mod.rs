@@ -4,6 +4,7 @@
 
 pub mod broken;
 pub mod loom_model;
+pub mod loom_rows;
 pub mod pg;
 pub mod storm;
 
@@ -36,11 +37,21 @@ pub enum Backend {
 }
 
 /// SQLite, and PostgreSQL under both isolation levels when a server is
-/// available (always in CI).
+/// available (always in CI). `IDEM_BACKENDS=sqlite,postgres,serializable`
+/// picks some (the mutation runs test one store at a time).
 pub fn backends() -> Vec<Backend> {
-    let mut all = vec![Backend::Sqlite];
-    if pg::server().is_some() {
-        all.extend([Backend::Postgres, Backend::PostgresSerializable]);
+    let wanted = std::env::var("IDEM_BACKENDS").unwrap_or_else(|_| "sqlite,postgres,serializable".into());
+    let mut all = Vec::new();
+    for (name, backend) in [
+        ("sqlite", Backend::Sqlite),
+        ("postgres", Backend::Postgres),
+        ("serializable", Backend::PostgresSerializable),
+    ] {
+        if wanted.split(',').any(|w| w.trim() == name)
+            && (backend == Backend::Sqlite || pg::server().is_some())
+        {
+            all.push(backend);
+        }
     }
     all
 }
