@@ -37,6 +37,10 @@ mutants-pg:
 bench:
     cargo bench --bench idem
 
+# A local PostgreSQL for trying idem: prints the --db connection string. `just pg stop` stops it.
+pg action="start":
+    tools/pg-local {{action}}
+
 # What CI runs, from this checkout.
 ci:
     bash .ci/run

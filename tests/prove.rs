@@ -1,6 +1,8 @@
 //! `idem prove`: the six files, byte-identical on every run, with the
 //! reviewed outputs pinned as snapshots in `snapshots/`.
 
+mod common;
+
 use idem::harness::day;
 use idem::policy::Policy;
 
@@ -11,8 +13,8 @@ fn engine() -> Vec<String> {
 #[test]
 fn prove_is_deterministic_and_matches_the_snapshots() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let result = day::prove(a.path(), Policy::embedded(), &engine()).unwrap();
-    day::prove(b.path(), Policy::embedded(), &engine()).unwrap();
+    let result = day::prove(a.path(), Policy::embedded(), &engine(), None).unwrap();
+    day::prove(b.path(), Policy::embedded(), &engine(), None).unwrap();
     for name in day::PROVE_FILES {
         let (x, y) =
             (std::fs::read(a.path().join(name)).unwrap(), std::fs::read(b.path().join(name)).unwrap());
@@ -36,9 +38,9 @@ fn prove_is_deterministic_and_matches_the_snapshots() {
 #[test]
 fn prove_overwrites_its_own_outputs() {
     let dir = tempfile::tempdir().unwrap();
-    day::prove(dir.path(), Policy::embedded(), &engine()).unwrap();
+    day::prove(dir.path(), Policy::embedded(), &engine(), None).unwrap();
     let first = std::fs::read(dir.path().join("day.db")).unwrap();
-    day::prove(dir.path(), Policy::embedded(), &engine()).unwrap();
+    day::prove(dir.path(), Policy::embedded(), &engine(), None).unwrap();
     assert_eq!(std::fs::read(dir.path().join("day.db")).unwrap(), first);
 }
 
@@ -48,7 +50,7 @@ fn prove_overwrites_its_own_outputs() {
 #[test]
 fn result_json_counts_equal_an_independent_seq_order_replay() {
     let dir = tempfile::tempdir().unwrap();
-    let result = day::prove(dir.path(), Policy::embedded(), &engine()).unwrap();
+    let result = day::prove(dir.path(), Policy::embedded(), &engine(), None).unwrap();
     let log = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
     let bank = dir.path().join("independent.db");
     let accounts: Vec<(String, String, i64)> = log
@@ -133,4 +135,22 @@ fn req_log_carries_the_parsed_transfer_beside_the_raw_text() {
     };
     assert_eq!(log_one(1000, "{not json"), (None, None, None, None));
     assert_eq!(log_one(1001, r#"{"body":{"amount":"100"}}"#), (None, None, None, None));
+}
+
+/// The day on PostgreSQL: the same `result.json` and report as on SQLite,
+/// the same-instant race raced there too; and never into a used database.
+#[test]
+fn prove_on_postgres_writes_the_same_result_as_on_sqlite() {
+    let Some(server) = common::pg::server() else { return };
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    day::prove(a.path(), Policy::embedded(), &engine(), None).unwrap();
+    let spec = server.fresh_schema(false);
+    day::prove(b.path(), Policy::embedded(), &engine(), Some(&spec)).unwrap();
+    for name in ["result.json", "dup_report.json", "idem_report.md", "policy.json"] {
+        let (x, y) =
+            (std::fs::read(a.path().join(name)).unwrap(), std::fs::read(b.path().join(name)).unwrap());
+        assert!(x == y, "{name} differs between SQLite and PostgreSQL");
+    }
+    let again = day::prove(b.path(), Policy::embedded(), &engine(), Some(&spec)).unwrap_err();
+    assert!(again.to_string().contains("needs an empty database"), "{again}");
 }

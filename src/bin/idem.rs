@@ -33,6 +33,9 @@ enum Command {
         /// The engine command to race with (the lab's --db/--request contract).
         #[arg(long, value_name = "CMD")]
         engine: Option<String>,
+        /// Replay the day into this empty PostgreSQL database instead of DIR/day.db.
+        #[arg(long, value_name = "POSTGRES_URL")]
+        db: Option<String>,
     },
     /// Write idem.db: 8 accounts, 120 logged requests (100 keys), the naive transfers.
     Gen {
@@ -47,12 +50,13 @@ enum Command {
         #[arg(long, default_value = "out/dup_report.json")]
         out: PathBuf,
     },
-    /// Send every logged request through the engine into a new day.db (result.json).
+    /// Send every logged request through the engine into a new day database (result.json).
     Replay {
         #[arg(long, default_value = "out/idem.db")]
         log: PathBuf,
+        /// A SQLite file that must not exist, or an empty PostgreSQL database.
         #[arg(long, default_value = "out/day.db")]
-        db: PathBuf,
+        db: String,
         /// Where to write the result; "-" for standard output.
         #[arg(long, default_value = "out/result.json")]
         out: PathBuf,
@@ -119,7 +123,9 @@ fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
             emit(&out, &day::to_json(&report)?)?;
         }
         Command::Replay { log, db, out } => {
-            make_parent(&db)?;
+            if !store::pg::is_postgres(&db) {
+                make_parent(std::path::Path::new(&db))?;
+            }
             let replayed = day::replay_at(&log, &db, policy, None)?;
             emit(&out, &day::to_json(&replayed.result)?)?;
         }
@@ -175,12 +181,12 @@ fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
             println!("{}", json!({"purged": purged}));
         }
         Command::Api { args } => return Ok(idem::api::main(std::iter::once("idem_api".into()).chain(args))),
-        Command::Prove { out, engine } => {
+        Command::Prove { out, engine, db } => {
             let engine = match engine {
                 Some(cmd) => cmd.split_whitespace().map(String::from).collect(),
                 None => own_engine()?,
             };
-            let r = day::prove(&out, policy, &engine)?;
+            let r = day::prove(&out, policy, &engine, db.as_deref())?;
             println!(
                 "{} requests: {} created, {} replayed, {} rejected; {} transfers; \
                  blocked {} KRW of double payment; keys paid twice: {}",
@@ -192,8 +198,11 @@ fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
                 r.double_paid_avoided,
                 r.keys_paid_twice
             );
-            for name in day::PROVE_FILES {
+            for name in day::PROVE_FILES.iter().filter(|n| db.is_none() || **n != "day.db") {
                 println!("wrote {}", out.join(name).display());
+            }
+            if db.is_some() {
+                println!("the day's tables are in the --db database");
             }
         }
     }

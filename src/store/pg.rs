@@ -91,13 +91,7 @@ impl PgStore {
     /// Connects to the database `spec` names and makes sure it is one the
     /// engine can use. The error never quotes `spec`.
     pub fn connect(spec: &str, policy: &Policy) -> Result<Self, StoreError> {
-        let mut config = Config::from_str(spec).map_err(|e| redacted("--db", &e, spec))?;
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(std::time::Duration::from_millis(u64::from(policy.busy_timeout_ms)));
-        }
-        config.application_name("idem");
-        let mut client =
-            config.connect(NoTls).map_err(|e| redacted("cannot connect to PostgreSQL", &e, spec))?;
+        let mut client = client(spec, policy)?;
         // Lock waits end at the busy budget and become 503s. The money commit
         // must be durable even if the server's default says otherwise.
         client
@@ -109,6 +103,28 @@ impl PgStore {
         let shape = prepare_schema(&mut client)?;
         let sql = Statements::prepare(&mut client, &shape).map_err(pg)?;
         Ok(PgStore { client, shape, sql })
+    }
+}
+
+/// A plain connection to the database `spec` names, with a connect timeout
+/// of the busy budget unless `spec` sets one. The error never quotes `spec`.
+pub fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
+    let mut config = Config::from_str(spec).map_err(|e| redacted("--db", &e, spec))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(std::time::Duration::from_millis(u64::from(policy.busy_timeout_ms)));
+    }
+    config.application_name("idem");
+    config.connect(NoTls).map_err(|e| redacted("cannot connect to PostgreSQL", &e, spec))
+}
+
+/// `spec` with `search_path` set to `schema`, in the form `spec` is in.
+pub fn in_schema(spec: &str, schema: &str) -> String {
+    let options = format!("-c search_path={schema}");
+    if spec.trim_start().starts_with("postgres") {
+        let sep = if spec.contains('?') { '&' } else { '?' };
+        format!("{spec}{sep}options={}", options.replace(' ', "%20").replace('=', "%3D"))
+    } else {
+        format!("{spec} options='{options}'")
     }
 }
 
@@ -138,7 +154,9 @@ fn describe(e: &postgres::Error) -> String {
     }
 }
 
-fn pg(e: postgres::Error) -> StoreError {
+/// A driver error as a store error: transient ones by kind, the rest as one
+/// line without row data.
+pub fn pg(e: postgres::Error) -> StoreError {
     match e.code() {
         Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE || *c == SqlState::T_R_DEADLOCK_DETECTED => {
             StoreError::Conflict

@@ -9,6 +9,7 @@
 //! harness's own tables; the engine's tables are reached only through the
 //! store.
 
+pub mod bank;
 pub mod replay;
 pub mod report;
 pub mod traffic;
@@ -79,18 +80,16 @@ pub fn generate_at(path: &Path) -> Result<(), DayError> {
     traffic::generate(&mut conn)
 }
 
-/// Replays the log at `log_path` into a new `day_path`.
+/// Replays the log at `log_path` into a new day database: a SQLite file
+/// that must not exist, or an empty PostgreSQL database.
 pub fn replay_at(
     log_path: &Path,
-    day_path: &Path,
+    day: &str,
     policy: &crate::policy::Policy,
     racing: Option<&replay::Racing>,
 ) -> Result<replay::Replayed, DayError> {
-    if day_path.exists() {
-        return Err(DayError(format!("{} exists; remove it or pick another path", day_path.display())));
-    }
     let log = open_existing(log_path)?;
-    replay::replay(&log, rusqlite::Connection::open(day_path)?, policy, racing)
+    replay::replay(&log, day, policy, racing)
 }
 
 /// Opens a database that must already exist (never creates an empty one).
@@ -100,13 +99,15 @@ pub fn open_existing(path: &Path) -> Result<rusqlite::Connection, DayError> {
         .map_err(|e| DayError(format!("cannot open {}: {e}", path.display())))
 }
 
-/// The whole day into `dir`: the six files of [`PROVE_FILES`], from scratch.
+/// The whole day into `dir`: the files of [`PROVE_FILES`], from scratch.
 /// `engine` is the `idem_api` command that races the same-instant requests
-/// as real processes (see [`replay`]).
+/// as real processes (see [`replay`]). With `db`, an empty PostgreSQL
+/// database, the day is replayed there instead of into `day.db`.
 pub fn prove(
     dir: &Path,
     policy: &crate::policy::Policy,
     engine: &[String],
+    db: Option<&str>,
 ) -> Result<replay::DayResult, DayError> {
     std::fs::create_dir_all(dir)?;
     for name in PROVE_FILES {
@@ -116,12 +117,31 @@ pub fn prove(
     generate_at(&log_path)?;
     let dup = report::dup_report(&open_existing(&log_path)?)?;
     write_file(&dir.join("dup_report.json"), &to_json(&dup)?)?;
-    let racing = replay::Racing { engine: engine.to_vec(), scratch: dir.join("race.db") };
-    let day = replay_at(&log_path, &dir.join("day.db"), policy, Some(&racing))?;
+    let day_file = dir.join("day.db").to_string_lossy().into_owned();
+    let day = db.unwrap_or(&day_file);
+    // The race runs on a scratch copy beside the day: a file, or a schema.
+    let scratch = match db {
+        Some(spec) => {
+            pg_scratch_schema(spec, "CREATE SCHEMA IF NOT EXISTS idem_race")?;
+            crate::store::pg::in_schema(spec, "idem_race")
+        }
+        None => dir.join("race.db").to_string_lossy().into_owned(),
+    };
+    let racing = replay::Racing { engine: engine.to_vec(), scratch };
+    let replayed = replay_at(&log_path, day, policy, Some(&racing));
+    if let Some(spec) = db {
+        pg_scratch_schema(spec, "DROP SCHEMA IF EXISTS idem_race CASCADE")?;
+    }
+    let day = replayed?;
     write_file(&dir.join("result.json"), &to_json(&day.result)?)?;
     write_file(&dir.join("policy.json"), crate::policy::TEXT)?;
     write_file(&dir.join("idem_report.md"), &report::markdown(&dup, &day, policy)?)?;
     Ok(day.result)
+}
+
+fn pg_scratch_schema(spec: &str, sql: &str) -> Result<(), DayError> {
+    let mut client = crate::store::pg::client(spec, crate::policy::Policy::embedded())?;
+    client.batch_execute(sql).map_err(|e| crate::store::pg::pg(e).into())
 }
 
 /// Pretty JSON for the files people read.

@@ -1,32 +1,34 @@
 //! `idem replay`: every logged request through the engine, one at a time in
-//! `seq` order, each at its logged time, into a fresh `day.db`, as the lab
-//! says ("send all of req_log in seq order and count the results").
+//! `seq` order, each at its logged time, into a fresh day database (a SQLite
+//! `day.db`, or an empty PostgreSQL database), as the lab says ("send all of
+//! req_log in seq order and count the results").
 //!
 //! In that order the second of two requests logged at the same instant finds
 //! the first completed and replays it. The race they really were is shown
-//! apart, and by real processes: just before the pair's turn, the day as it
-//! stands is copied, and the pair is sent to the copy by `idem_api`
-//! processes released together ([`Racing`]). That outcome goes into its own
-//! line of the report; the counts of `result.json` are the seq-order replay's.
+//! apart, and by real processes: a copy of the day as it stood just before
+//! the pair (the log's earlier requests replayed into a scratch database) is
+//! raced by engine processes released together ([`Racing`]). That outcome
+//! goes into its own line of the report; the counts of `result.json` are the
+//! seq-order replay's.
 
-use super::DayError;
+use super::{DayError, bank};
 use crate::clock::Timestamp;
 use crate::harness::{self, race};
 use crate::policy::Policy;
 use crate::protocol::Ctx;
 use crate::request::{self, ScopedKey};
-use crate::store::sqlite::SqliteStore;
+use crate::store::{self, Store, Usage};
 use rusqlite::Connection;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 
 /// How to race the same-instant requests: the engine command (the lab's
-/// contract) and a scratch path for the copy of the day it races on.
+/// contract) and a scratch database (SQLite path or PostgreSQL connection
+/// string) for the copy of the day it races on.
 #[derive(Debug, Clone)]
 pub struct Racing {
     pub engine: Vec<String>,
-    pub scratch: PathBuf,
+    pub scratch: String,
 }
 
 /// What the racing processes did on the copy.
@@ -82,26 +84,17 @@ pub struct Replayed {
     pub race: Option<RaceOutcome>,
 }
 
-/// Replays `log`'s `req_log` into `day` (a new, empty database).
+/// Replays `log`'s `req_log` into the empty day database `day` names.
 pub fn replay(
     log: &Connection,
-    day: Connection,
+    day: &str,
     policy: &Policy,
     racing: Option<&Racing>,
 ) -> Result<Replayed, DayError> {
-    day.execute_batch(
-        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)",
-    )?;
-    {
-        let mut read = log.prepare("SELECT acct_id, holder, balance FROM account ORDER BY acct_id")?;
-        let mut write = day.prepare("INSERT INTO account VALUES (?1, ?2, ?3)")?;
-        let mut rows = read.query([])?;
-        while let Some(r) = rows.next()? {
-            write.execute((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))?;
-        }
-    }
-    let balance_total_before = sum(&day, "SELECT COALESCE(SUM(balance), 0) FROM account")?;
-    let mut store = SqliteStore::from_connection(day, policy)?;
+    let accounts = bank::accounts(log)?;
+    bank::create(day, &accounts)?;
+    let mut store = store::open(day, policy, Usage::LongLived)?;
+    let balance_total_before = store.audit()?.money();
 
     let mut logged = Vec::new();
     let mut stmt = log.prepare("SELECT seq, received_at, kind, raw FROM req_log ORDER BY seq")?;
@@ -118,7 +111,7 @@ pub fn replay(
     for (i, entry) in logged.iter().enumerate() {
         let instant: Vec<&Logged> = logged[i..].iter().take_while(|e| e.at == entry.at).collect();
         if let (Some(racing), None, true) = (racing, &race, instant.len() > 1) {
-            race = Some(race_on_a_copy(&store, &instant, racing)?);
+            race = Some(race_on_a_copy(&logged[..i], &instant, &accounts, racing, policy)?);
         }
         let token = format!("seq-{}", entry.seq);
         let ctx = Ctx { policy, now: entry.at, token: &token };
@@ -135,60 +128,66 @@ pub fn replay(
             reason: response.reason,
         });
     }
-    let conn = store.connection();
+    let audit = store.audit()?;
     let mut rejected_by_reason = BTreeMap::new();
     for a in answers.iter().filter(|a| !a.replay && a.status != 201) {
         *rejected_by_reason.entry(a.reason.clone().unwrap_or_default()).or_insert(0) += 1;
     }
-    let total_transferred = sum(conn, "SELECT COALESCE(SUM(amount), 0) FROM transfer")?;
-    let v1_total = sum(log, "SELECT COALESCE(SUM(amount), 0) FROM transfer_v1")?;
+    let total_transferred = audit.transfers.iter().map(|(_, amount)| amount).sum();
+    let v1_total = log.query_row("SELECT COALESCE(SUM(amount), 0) FROM transfer_v1", [], |r| r.get(0))?;
     let result = DayResult {
         requests: answers.len() as i64,
         created: answers.iter().filter(|a| a.status == 201 && !a.replay).count() as i64,
         replayed: answers.iter().filter(|a| a.replay).count() as i64,
         rejected: rejected_by_reason.values().sum(),
-        transfers: sum(conn, "SELECT COUNT(*) FROM transfer")?,
+        transfers: audit.transfers.len() as i64,
         total_transferred,
         v1_total,
         double_paid_avoided: v1_total - total_transferred,
         rejected_by_reason,
         keys_paid_twice: paid.values().filter(|ids| ids.len() > 1).count() as i64,
-        transfers_without_key: sum(
-            conn,
-            "SELECT COUNT(*) FROM transfer t WHERE NOT EXISTS
-               (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')",
-        )?,
+        transfers_without_key: audit.orphans.len() as i64,
         balance_total_before,
-        balance_total_after: sum(conn, "SELECT COALESCE(SUM(balance), 0) FROM account")?,
+        balance_total_after: audit.money(),
     };
-    // Leave day.db as one self-contained file.
-    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); PRAGMA journal_mode = DELETE;")?;
+    drop(store);
+    bank::settle(day)?;
     Ok(Replayed { result, answers, race })
 }
 
-/// Copies the day as it stands to `racing.scratch` and sends the requests of
-/// one instant to the copy as processes released together.
+/// Builds a copy of the day as it stood before `instant` (the `earlier`
+/// requests replayed into `racing.scratch`) and sends the requests of that
+/// instant to the copy as processes released together.
 fn race_on_a_copy(
-    store: &SqliteStore,
+    earlier: &[Logged],
     instant: &[&Logged],
+    accounts: &[bank::Account],
     racing: &Racing,
+    policy: &Policy,
 ) -> Result<RaceOutcome, DayError> {
-    super::remove_db(&racing.scratch)?;
-    let scratch = racing.scratch.to_string_lossy().into_owned();
-    store.connection().execute("VACUUM INTO ?1", [&scratch])?;
-    let count = || -> Result<i64, DayError> {
-        Ok(super::open_existing(&racing.scratch)?
-            .query_row("SELECT COUNT(*) FROM transfer", [], |r| r.get(0))?)
-    };
-    let before = count()?;
+    bank::drop(&racing.scratch)?;
+    bank::create(&racing.scratch, accounts)?;
+    let mut copy = store::open(&racing.scratch, policy, Usage::LongLived)?;
+    for e in earlier {
+        let token = format!("seq-{}", e.seq);
+        harness::send(&mut copy, &e.raw, Ctx { policy, now: e.at, token: &token }, None)?;
+    }
+    let before = copy.audit()?.transfers.len() as i64;
+    drop(copy);
+    let dir = std::env::temp_dir();
     let mut files = Vec::new();
     for e in instant {
-        let file = racing.scratch.with_extension(format!("seq-{}.json", e.seq));
+        let file = dir.join(format!("idem-race-{}-seq-{}.json", std::process::id(), e.seq));
         std::fs::write(&file, &e.raw)?;
         files.push(file);
     }
     let now = instant[0].at.to_string();
-    let finished = race::release_together(&racing.engine, &racing.scratch, &files, &[("IDEM_NOW", now)]);
+    let finished = race::release_together(
+        &racing.engine,
+        std::path::Path::new(&racing.scratch),
+        &files,
+        &[("IDEM_NOW", now)],
+    );
     for file in &files {
         std::fs::remove_file(file)?;
     }
@@ -207,15 +206,12 @@ fn race_on_a_copy(
             })?;
         answers.push(answer);
     }
-    let transfers = count()? - before;
-    super::remove_db(&racing.scratch)?;
+    let transfers =
+        store::open(&racing.scratch, policy, Usage::LongLived)?.audit()?.transfers.len() as i64 - before;
+    bank::drop(&racing.scratch)?;
     Ok(RaceOutcome { seqs: instant.iter().map(|e| e.seq).collect(), answers, transfers })
 }
 
 fn key_of(raw: &str, policy: &Policy) -> Option<ScopedKey> {
     request::parse(raw.as_bytes(), policy).ok().map(|r| r.key)
-}
-
-fn sum(conn: &Connection, sql: &str) -> Result<i64, DayError> {
-    Ok(conn.query_row(sql, [], |r| r.get(0))?)
 }
