@@ -19,6 +19,7 @@ pub mod store; // the store contract and its backends; all SQL lives here
 
 // Its fronts:
 pub mod api; // the lab's command-line contract (the idem_api binary)
+pub mod service; // idem serve: the same protocol behind HTTP
 
 // Around it:
 pub mod harness; // the day, scenarios and races that prove the engine

@@ -117,11 +117,7 @@ const BODY: [&str; 4] = ["src", "dst", "amount", "currency"];
 
 /// Parses and validates the raw bytes of a request file.
 pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
-    if bytes.len() > policy.max_request_bytes {
-        return Err(RequestError::TooLarge { limit: policy.max_request_bytes });
-    }
-    let text = std::str::from_utf8(bytes).map_err(|_| RequestError::NotUtf8)?;
-    let json = Json::parse(text).map_err(|e| RequestError::NotJson(e.to_string()))?;
+    let json = json(bytes, policy)?;
     only_fields(&json, "request", &TOP, "")?;
     let limit = policy.max_field_chars;
     let key = ScopedKey {
@@ -130,20 +126,68 @@ pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
         idem_key: text_field(&json, "idem_key", limit)?,
     };
     let body = json.get("body").ok_or(RequestError::Missing("body"))?;
-    only_fields(body, "body", &BODY, "body.")?;
+    transfer_request(key, body, &IN_REQUEST, policy)
+}
+
+/// Parses and validates a transfer sent over HTTP: `bytes` is the body, the
+/// transfer object alone; `key` comes from the caller's token, the route and
+/// the `Idempotency-Key` header. The same rules and the same fingerprint as
+/// a request file, so either front replays the other.
+pub fn parse_body(key: ScopedKey, bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
+    transfer_request(key, &json(bytes, policy)?, &ON_ITS_OWN, policy)
+}
+
+fn json(bytes: &[u8], policy: &Policy) -> Result<Json, RequestError> {
+    if bytes.len() > policy.max_request_bytes {
+        return Err(RequestError::TooLarge { limit: policy.max_request_bytes });
+    }
+    let text = std::str::from_utf8(bytes).map_err(|_| RequestError::NotUtf8)?;
+    Json::parse(text).map_err(|e| RequestError::NotJson(e.to_string()))
+}
+
+/// How reasons name the transfer's fields: inside a request file, or alone.
+struct Names {
+    object: &'static str,
+    prefix: &'static str,
+    src: &'static str,
+    dst: &'static str,
+    amount: &'static str,
+    currency: &'static str,
+}
+
+const IN_REQUEST: Names = Names {
+    object: "body",
+    prefix: "body.",
+    src: "body.src",
+    dst: "body.dst",
+    amount: "body.amount",
+    currency: "body.currency",
+};
+
+const ON_ITS_OWN: Names =
+    Names { object: "body", prefix: "", src: "src", dst: "dst", amount: "amount", currency: "currency" };
+
+fn transfer_request(
+    key: ScopedKey,
+    body: &Json,
+    names: &Names,
+    policy: &Policy,
+) -> Result<Request, RequestError> {
+    only_fields(body, names.object, &BODY, names.prefix)?;
+    let limit = policy.max_field_chars;
     let transfer = Transfer {
-        src: acct_field(body, "body.src", "src", limit)?,
-        dst: acct_field(body, "body.dst", "dst", limit)?,
+        src: acct_field(body, names.src, "src", limit)?,
+        dst: acct_field(body, names.dst, "dst", limit)?,
         amount: match body.get("amount") {
-            None => return Err(RequestError::Missing("body.amount")),
+            None => return Err(RequestError::Missing(names.amount)),
             Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => *a,
             Some(_) => {
                 return Err(RequestError::Amount { max: policy.max_amount });
             }
         },
         currency: text_field(body, "currency", limit).map_err(|e| match e {
-            RequestError::Missing(_) => RequestError::Missing("body.currency"),
-            _ => RequestError::WrongType { field: "body.currency", expected: "a string" },
+            RequestError::Missing(_) => RequestError::Missing(names.currency),
+            _ => RequestError::WrongType { field: names.currency, expected: "a string" },
         })?,
     };
     if !policy.currencies.contains(&transfer.currency) {

@@ -93,6 +93,30 @@ enum Command {
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
         batch: u64,
     },
+    /// Serve the protocol over HTTP (draft-ietf-httpapi-idempotency-key-header).
+    ///
+    /// POST /v1/transfers with `Authorization: Bearer TOKEN` and an
+    /// `Idempotency-Key` header; GET /v1/transfers/{id}, /healthz, /metrics,
+    /// /openapi.json. Prints `http://HOST:PORT` first; logs one JSON line per
+    /// request on stderr; SIGTERM or Ctrl-C drains and exits 0.
+    /// IDEM_NOW=<RFC 3339> fixes the clock (for tests).
+    Serve {
+        /// SQLite file or PostgreSQL connection string (the same key space as idem_api).
+        #[arg(long)]
+        db: String,
+        /// Address to listen on; port 0 picks a free one.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// JSON object mapping each bearer token to its client id.
+        #[arg(long, value_name = "FILE")]
+        clients: PathBuf,
+        /// Connections to PostgreSQL (SQLite always uses one writer).
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
+        pool: u16,
+        /// Transfers answered at once; more get 503 busy at once.
+        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+        max_in_flight: u32,
+    },
     /// The idem_api contract itself (`idem api --db DB --request REQ`).
     #[command(hide = true)]
     Api {
@@ -111,7 +135,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
+fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> {
     match command {
         Command::Gen { out } => {
             make_parent(&out)?;
@@ -179,6 +203,17 @@ fn run(command: Command, policy: &Policy) -> Result<ExitCode, DayError> {
             let mut store = store::open(&db, policy, Usage::LongLived)?;
             let purged = protocol::purge_expired(&mut store, now, batch, policy)?;
             println!("{}", json!({"purged": purged}));
+        }
+        Command::Serve { db, listen, clients, pool, max_in_flight } => {
+            let options = idem::service::Options {
+                db,
+                listen,
+                clients,
+                pool: usize::from(pool),
+                max_in_flight: max_in_flight as usize,
+            };
+            let clock = idem::service::clock_from_env().map_err(|e| DayError(e.to_string()))?;
+            idem::service::run(options, policy, clock).map_err(|e| DayError(e.to_string()))?;
         }
         Command::Api { args } => return Ok(idem::api::main(std::iter::once("idem_api".into()).chain(args))),
         Command::Prove { out, engine, db } => {

@@ -162,6 +162,16 @@ pub trait Store {
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError>;
     /// Reads back the ledger and the keys (outside any request).
     fn audit(&mut self) -> Result<Audit, StoreError>;
+    /// The stored 201 body of transfer `transfer_id`, if a key of
+    /// `client_id` made it (`GET /v1/transfers/{id}`). A plain read.
+    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        let _ = (client_id, transfer_id);
+        Err(StoreError::Backend("this store does not look transfers up".into()))
+    }
+    /// Checks that the database answers (`/healthz`).
+    fn ping(&mut self) -> Result<(), StoreError> {
+        self.audit().map(drop)
+    }
 }
 
 impl<S: Store + ?Sized> Store for Box<S> {
@@ -170,6 +180,12 @@ impl<S: Store + ?Sized> Store for Box<S> {
     }
     fn audit(&mut self) -> Result<Audit, StoreError> {
         (**self).audit()
+    }
+    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        (**self).transfer_for(client_id, transfer_id)
+    }
+    fn ping(&mut self) -> Result<(), StoreError> {
+        (**self).ping()
     }
 }
 

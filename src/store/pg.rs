@@ -471,6 +471,22 @@ impl Store for PgStore {
             keys_completed: count(c, "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'")?,
         })
     }
+
+    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT body FROM idem_key
+                 WHERE transfer_id = $1 AND client_id = $2 AND state = 'completed' AND status = 201",
+                &[&transfer_id, &client_id],
+            )
+            .map_err(pg)?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
+    fn ping(&mut self) -> Result<(), StoreError> {
+        self.client.batch_execute("SELECT 1 FROM account LIMIT 1").map_err(pg)
+    }
 }
 
 pub struct PgTx<'a> {

@@ -356,6 +356,29 @@ impl Store for SqliteStore {
             keys_completed: count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed'")?,
         })
     }
+
+    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        self.completed_body(client_id, transfer_id)
+    }
+
+    fn ping(&mut self) -> Result<(), StoreError> {
+        self.conn
+            .query_row("SELECT COUNT(*) FROM account", [], |r| r.get::<_, i64>(0))
+            .map(drop)
+            .map_err(backend)
+    }
+}
+
+impl SqliteStore {
+    fn completed_body(&self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        self.conn
+            .prepare_cached(
+                "SELECT body FROM idem_key
+                 WHERE transfer_id = ?1 AND client_id = ?2 AND state = 'completed' AND status = 201",
+            )
+            .and_then(|mut s| s.query_row((transfer_id, client_id), |r| r.get(0)).optional())
+            .map_err(backend)
+    }
 }
 
 pub struct SqliteTx<'a> {

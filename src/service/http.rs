@@ -1,0 +1,380 @@
+//! The HTTP front: routes, authentication, the `Idempotency-Key` header,
+//! limits, and the mapping of the protocol's answers to statuses and
+//! problem+json bodies (RFC 9457). It decides nothing about keys: every
+//! transfer goes through the same protocol as `idem_api`, in the same key
+//! space, scoped by `(client id from the token, route path, key)`.
+
+use super::executor::{Executor, Job};
+use super::metrics::Metrics;
+use crate::clock::Timestamp;
+use crate::policy::Policy;
+use crate::protocol::{Outcome, Response as Answer};
+use crate::request::{self, ScopedKey};
+use crate::store::StoreError;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+use tokio::sync::{Semaphore, oneshot};
+
+pub const TRANSFERS: &str = "/v1/transfers";
+const OPENAPI: &str = include_str!("openapi.json");
+/// How long a client may take to send its body.
+const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub struct App {
+    /// SHA-256 of each bearer token → its client id. Looking tokens up by
+    /// their digest keeps the lookup's timing unrelated to how much of a
+    /// guessed token is right.
+    clients: HashMap<[u8; 32], String>,
+    pub executor: Executor,
+    pub metrics: Metrics,
+    policy: &'static Policy,
+    in_flight: Semaphore,
+}
+
+impl App {
+    pub fn new(
+        clients: HashMap<String, String>,
+        executor: Executor,
+        policy: &'static Policy,
+        max_in_flight: usize,
+    ) -> Self {
+        let clients = clients.into_iter().map(|(token, client)| (digest(token.as_bytes()), client)).collect();
+        App {
+            clients,
+            executor,
+            metrics: Metrics::default(),
+            policy,
+            in_flight: Semaphore::new(max_in_flight),
+        }
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+type Reply = Response<Full<Bytes>>;
+
+/// What the log line says of a request besides its status.
+#[derive(Default)]
+struct Note {
+    client: Option<String>,
+    key: Option<String>,
+    replay: bool,
+    reason: Option<String>,
+}
+
+/// Answers one request, counts it and logs it.
+pub async fn handle(app: &App, req: Request<Incoming>) -> Reply {
+    let started = Instant::now();
+    app.metrics.started();
+    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let route = route_of(&path);
+    let mut note = Note::default();
+    let reply = dispatch(app, req, &mut note).await;
+    let took = started.elapsed();
+    app.metrics.finished(route, reply.status().as_u16(), note.replay, took);
+    log(&method, &path, &reply, &note, took);
+    reply
+}
+
+fn route_of(path: &str) -> &'static str {
+    match path {
+        TRANSFERS => TRANSFERS,
+        "/healthz" => "/healthz",
+        "/metrics" => "/metrics",
+        "/openapi.json" => "/openapi.json",
+        p if p.starts_with("/v1/transfers/") => "/v1/transfers/{id}",
+        _ => "other",
+    }
+}
+
+/// One JSON line on stderr per request. The key is logged as a hash: keys
+/// are the client's, and a log is read by more people than the database.
+fn log(method: &Method, path: &str, reply: &Reply, note: &Note, took: Duration) {
+    let key = note
+        .key
+        .as_ref()
+        .map(|k| digest(k.as_bytes())[..6].iter().map(|b| format!("{b:02x}")).collect::<String>());
+    let line = json!({
+        "ts": Timestamp::now().to_string(),
+        "method": method.as_str(),
+        "path": path.chars().take(200).collect::<String>(),
+        "client": note.client,
+        "key_sha256": key,
+        "status": reply.status().as_u16(),
+        "replay": note.replay,
+        "reason": note.reason,
+        "latency_ms": (took.as_secs_f64() * 1e6).round() / 1e3,
+    });
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    match (&method, path.as_str()) {
+        (&Method::GET, "/healthz") => health(app).await,
+        (&Method::GET, "/metrics") => text(StatusCode::OK, "text/plain; version=0.0.4", app.metrics.render()),
+        (&Method::GET, "/openapi.json") => text(StatusCode::OK, "application/json", OPENAPI.to_owned()),
+        (&Method::POST, TRANSFERS) => transfer(app, req, note).await,
+        (&Method::GET, p) if p.starts_with("/v1/transfers/") => {
+            lookup(app, req.headers(), &p[14..], note).await
+        }
+        (_, "/healthz" | "/metrics" | "/openapi.json") => not_allowed("GET", note),
+        (_, TRANSFERS) => not_allowed("POST", note),
+        (_, p) if p.starts_with("/v1/transfers/") => not_allowed("GET", note),
+        _ => problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note),
+    }
+}
+
+/// The caller's client id, from `Authorization: Bearer <token>`.
+fn authenticate(app: &App, headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    app.clients.get(&digest(token.trim().as_bytes())).cloned()
+}
+
+fn unauthorized(note: &mut Note) -> Reply {
+    let mut reply = problem(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "A valid bearer token is required (Authorization: Bearer <token>).",
+        note,
+    );
+    reply.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    reply
+}
+
+async fn transfer(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
+    let Some(client) = authenticate(app, req.headers()) else { return unauthorized(note) };
+    note.client = Some(client.clone());
+    if !is_json(req.headers()) {
+        return problem(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "The body must be application/json.",
+            note,
+        );
+    }
+    let limit = app.policy.max_request_bytes;
+    let too_large = || format!("The body must be at most {limit} bytes.");
+    let declared =
+        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", &too_large(), note);
+    }
+    let key = match idempotency_key(req.headers(), app.policy.max_field_chars) {
+        Ok(key) => key,
+        Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail, note),
+    };
+    note.key = Some(key.clone());
+    let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(req.into_body(), limit).collect()).await
+    {
+        Err(_) => {
+            return problem(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                "The body did not arrive in time.",
+                note,
+            );
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", &too_large(), note);
+        }
+        Ok(Err(_)) => {
+            return problem(StatusCode::BAD_REQUEST, "invalid_request", "The body could not be read.", note);
+        }
+        Ok(Ok(body)) => body.to_bytes(),
+    };
+    let scoped = ScopedKey { client_id: client, endpoint: TRANSFERS.into(), idem_key: key };
+    let parsed = match request::parse_body(scoped, &body, app.policy) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            let reason = e.to_string();
+            return problem(StatusCode::BAD_REQUEST, &reason, &reason, note);
+        }
+    };
+    let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
+    let (reply, answer) = oneshot::channel();
+    if !app.executor.submit(Job::Transfer { req: parsed, reply }) {
+        return busy(app, note);
+    }
+    match answer.await {
+        Ok(Ok(Outcome::Respond(answer))) => respond(answer, note),
+        Ok(Ok(Outcome::Crashed(_))) | Err(_) => internal(note),
+        Ok(Err(e)) => store_error(&e, note),
+    }
+}
+
+/// Whether the request says its body is JSON (`application/json`, any
+/// parameters, or a `+json` type).
+fn is_json(headers: &HeaderMap) -> bool {
+    let Some(value) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else { return false };
+    let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// The `Idempotency-Key` header: an sf-string (RFC 9651), or, as Stripe's
+/// clients send it, a bare value of visible ASCII without quotes (a UUID may
+/// start with a digit, which no sf-token does). One value, not empty, at
+/// most `limit` characters, no parameters.
+pub fn idempotency_key(headers: &HeaderMap, limit: usize) -> Result<String, (&'static str, String)> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return match headers.contains_key("idempotency-key") {
+            true => Err(invalid_key("The Idempotency-Key header must appear once.")),
+            false => Err(("missing_idempotency_key", "An Idempotency-Key header is required.".into())),
+        };
+    };
+    let text = value.to_str().map_err(|_| invalid_key("The key must be visible ASCII."))?.trim();
+    let key = match sfv::Parser::new(text).parse::<sfv::Item>() {
+        Ok(item) if !item.params.is_empty() => return Err(invalid_key("The key takes no parameters.")),
+        Ok(sfv::Item { bare_item: sfv::BareItem::String(s), .. }) => s.as_str().to_owned(),
+        _ if !text.is_empty() && text.bytes().all(|b| (0x21..=0x7e).contains(&b) && b != b'"') => {
+            text.to_owned()
+        }
+        _ => {
+            return Err(invalid_key("The key must be an sf-string (\"…\") or a bare value of visible ASCII."));
+        }
+    };
+    if key.is_empty() {
+        return Err(invalid_key("The key must not be empty."));
+    }
+    if key.chars().count() > limit {
+        return Err(invalid_key(&format!("The key must be at most {limit} characters.")));
+    }
+    Ok(key)
+}
+
+fn invalid_key(detail: &str) -> (&'static str, String) {
+    ("invalid_idempotency_key", detail.to_owned())
+}
+
+/// The protocol's answer as HTTP: a 201 with the stored bytes and its
+/// `Location`, or a problem; a replay says so in `Idempotent-Replayed`.
+fn respond(answer: Answer, note: &mut Note) -> Reply {
+    note.replay = answer.replay;
+    let mut reply = match (answer.status, answer.transfer_id()) {
+        (201, Some(id)) => {
+            let mut reply = Response::new(Full::new(Bytes::from(answer.body)));
+            *reply.status_mut() = StatusCode::CREATED;
+            let headers = reply.headers_mut();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            if let Ok(location) = HeaderValue::from_str(&format!("{TRANSFERS}/{id}")) {
+                headers.insert(header::LOCATION, location);
+            }
+            reply
+        }
+        (status, _) => {
+            let reason = answer.reason.unwrap_or_else(|| "internal_error".into());
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut reply = problem(status, &reason, detail_of(&reason), note);
+            if matches!(status, StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE) {
+                reply.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            reply
+        }
+    };
+    if answer.replay {
+        reply.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    reply
+}
+
+fn detail_of(reason: &str) -> &str {
+    match reason {
+        "in_progress" => "A request with this key is being processed; retry shortly.",
+        "fingerprint_mismatch" => "This key was used with a different request body.",
+        "unknown_account" => "The source or destination account does not exist.",
+        "insufficient_funds" => "The source account's balance is below the amount.",
+        "balance_overflow" => "The destination account cannot hold the amount.",
+        "busy" => "The service is busy; retry shortly.",
+        other => other, // invalid_request: … carries its own explanation
+    }
+}
+
+fn busy(app: &App, note: &mut Note) -> Reply {
+    let answer = Answer::refusal(app.policy.on_busy, "busy");
+    respond(answer, note)
+}
+
+fn store_error(e: &StoreError, note: &mut Note) -> Reply {
+    // The detail goes to the log only: a response never carries database text.
+    note.reason = Some(format!("internal_error: {e}"));
+    internal(note)
+}
+
+fn internal(note: &mut Note) -> Reply {
+    problem(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", "The request could not be completed.", note)
+}
+
+async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Reply {
+    let Some(client) = authenticate(app, headers) else { return unauthorized(note) };
+    note.client = Some(client.clone());
+    let not_found = |note: &mut Note| problem(StatusCode::NOT_FOUND, "not_found", "No such transfer.", note);
+    let Ok(transfer_id) = id.parse::<i64>() else { return not_found(note) };
+    let (reply, answer) = oneshot::channel();
+    if !app.executor.submit(Job::Lookup { client_id: client, transfer_id, reply }) {
+        return busy(app, note);
+    }
+    match answer.await {
+        Ok(Ok(Some(body))) => text(StatusCode::OK, "application/json", body),
+        Ok(Ok(None)) => not_found(note),
+        Ok(Err(e)) => store_error(&e, note),
+        Err(_) => internal(note),
+    }
+}
+
+async fn health(app: &App) -> Reply {
+    let (reply, answer) = oneshot::channel();
+    let healthy = app.executor.submit(Job::Ping { reply }) && matches!(answer.await, Ok(Ok(())));
+    match healthy {
+        true => text(StatusCode::OK, "application/json", r#"{"status":"ok"}"#.into()),
+        false => {
+            let mut note = Note::default();
+            problem(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", "The database does not answer.", &mut note)
+        }
+    }
+}
+
+fn not_allowed(allow: &'static str, note: &mut Note) -> Reply {
+    let mut reply = problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        &format!("This resource answers {allow} only."),
+        note,
+    );
+    reply.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
+    reply
+}
+
+fn text(status: StatusCode, content_type: &'static str, body: String) -> Reply {
+    let mut reply = Response::new(Full::new(Bytes::from(body)));
+    *reply.status_mut() = status;
+    reply.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    reply
+}
+
+/// An RFC 9457 problem with the `reason` extension member `idem_api` uses.
+fn problem(status: StatusCode, reason: &str, detail: &str, note: &mut Note) -> Reply {
+    note.reason.get_or_insert_with(|| reason.to_owned());
+    let body = json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or("Error"),
+        "status": status.as_u16(),
+        "detail": detail,
+        "reason": reason,
+    });
+    text(status, "application/problem+json", body.to_string())
+}

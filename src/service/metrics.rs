@@ -1,0 +1,77 @@
+//! What `/metrics` exposes, in the Prometheus text format: requests by
+//! route and status, replays, requests in flight, and a latency histogram.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds of the latency buckets, in seconds.
+const BUCKETS: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+#[derive(Default)]
+pub struct Metrics {
+    /// `(route, status)` → count.
+    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    replays: AtomicU64,
+    in_flight: AtomicI64,
+    /// One count per bucket, then the overflow (+Inf).
+    latency: [AtomicU64; BUCKETS.len() + 1],
+    latency_sum_micros: AtomicU64,
+}
+
+impl Metrics {
+    pub fn started(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn finished(&self, route: &'static str, status: u16, replay: bool, took: Duration) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Ok(mut requests) = self.requests.lock() {
+            *requests.entry((route, status)).or_insert(0) += 1;
+        }
+        if replay {
+            self.replays.fetch_add(1, Ordering::Relaxed);
+        }
+        let seconds = took.as_secs_f64();
+        let bucket = BUCKETS.iter().position(|b| seconds <= *b).unwrap_or(BUCKETS.len());
+        self.latency[bucket].fetch_add(1, Ordering::Relaxed);
+        self.latency_sum_micros.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP idem_requests_total HTTP requests answered, by route and status.\n");
+        out.push_str("# TYPE idem_requests_total counter\n");
+        if let Ok(requests) = self.requests.lock() {
+            for ((route, status), n) in requests.iter() {
+                let _ = writeln!(out, "idem_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}");
+            }
+        }
+        let _ = write!(
+            out,
+            "# HELP idem_replays_total Answers replayed from a completed key.\n# TYPE idem_replays_total counter\n\
+             idem_replays_total {}\n\
+             # HELP idem_requests_in_flight Requests being answered now.\n# TYPE idem_requests_in_flight gauge\n\
+             idem_requests_in_flight {}\n\
+             # HELP idem_request_duration_seconds Time to answer a request.\n\
+             # TYPE idem_request_duration_seconds histogram\n",
+            self.replays.load(Ordering::Relaxed),
+            self.in_flight.load(Ordering::Relaxed),
+        );
+        let mut cumulative = 0;
+        for (i, count) in self.latency.iter().enumerate() {
+            cumulative += count.load(Ordering::Relaxed);
+            let le = BUCKETS.get(i).map_or("+Inf".to_string(), |b| b.to_string());
+            let _ = writeln!(out, "idem_request_duration_seconds_bucket{{le=\"{le}\"}} {cumulative}");
+        }
+        let sum = self.latency_sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = write!(
+            out,
+            "idem_request_duration_seconds_sum {sum}\nidem_request_duration_seconds_count {cumulative}\n"
+        );
+        out
+    }
+}
