@@ -26,6 +26,8 @@ pub const TRANSFERS: &str = "/v1/transfers";
 const OPENAPI: &str = include_str!("openapi.json");
 /// How long a client may take to send its body.
 const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How much of a refused request's body is read away before answering.
+const DRAIN_BYTES: usize = 1 << 20;
 
 pub struct App {
     /// SHA-256 of each bearer token → its client id. Looking tokens up by
@@ -156,7 +158,25 @@ fn unauthorized(note: &mut Note) -> Reply {
     reply
 }
 
+/// Answers a transfer after reading away what is left of its body (up to a
+/// bound): closing a connection with unread bytes makes the kernel reset it,
+/// and the client may never see the answer that explains the refusal.
 async fn transfer(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
+    let (parts, body) = req.into_parts();
+    let mut body = Some(body);
+    let reply = refuse_or_transfer(app, Request::from_parts(parts, ()), &mut body, note).await;
+    if let Some(rest) = body {
+        let _ = tokio::time::timeout(BODY_TIMEOUT, Limited::new(rest, DRAIN_BYTES).collect()).await;
+    }
+    reply
+}
+
+async fn refuse_or_transfer(
+    app: &App,
+    req: Request<()>,
+    body: &mut Option<Incoming>,
+    note: &mut Note,
+) -> Reply {
     let Some(client) = authenticate(app, req.headers()) else { return unauthorized(note) };
     note.client = Some(client.clone());
     if !is_json(req.headers()) {
@@ -179,8 +199,8 @@ async fn transfer(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
         Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail, note),
     };
     note.key = Some(key.clone());
-    let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(req.into_body(), limit).collect()).await
-    {
+    let Some(incoming) = body.take() else { return internal(note) };
+    let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
         Err(_) => {
             return problem(
                 StatusCode::REQUEST_TIMEOUT,
@@ -228,7 +248,7 @@ fn is_json(headers: &HeaderMap) -> bool {
 /// The `Idempotency-Key` header: an sf-string (RFC 9651), or, as Stripe's
 /// clients send it, a bare value of visible ASCII without quotes (a UUID may
 /// start with a digit, which no sf-token does). One value, not empty, at
-/// most `limit` characters, no parameters.
+/// most `limit` characters; an sf-string takes no parameters.
 pub fn idempotency_key(headers: &HeaderMap, limit: usize) -> Result<String, (&'static str, String)> {
     let mut values = headers.get_all("idempotency-key").iter();
     let (Some(value), None) = (values.next(), values.next()) else {
@@ -239,13 +259,16 @@ pub fn idempotency_key(headers: &HeaderMap, limit: usize) -> Result<String, (&'s
     };
     let text = value.to_str().map_err(|_| invalid_key("The key must be visible ASCII."))?.trim();
     let key = match sfv::Parser::new(text).parse::<sfv::Item>() {
-        Ok(item) if !item.params.is_empty() => return Err(invalid_key("The key takes no parameters.")),
-        Ok(sfv::Item { bare_item: sfv::BareItem::String(s), .. }) => s.as_str().to_owned(),
+        Ok(sfv::Item { bare_item: sfv::BareItem::String(s), params }) if params.is_empty() => {
+            s.as_str().to_owned()
+        }
         _ if !text.is_empty() && text.bytes().all(|b| (0x21..=0x7e).contains(&b) && b != b'"') => {
             text.to_owned()
         }
         _ => {
-            return Err(invalid_key("The key must be an sf-string (\"…\") or a bare value of visible ASCII."));
+            return Err(invalid_key(
+                "The key must be an sf-string (\"…\") or a bare value of visible ASCII.",
+            ));
         }
     };
     if key.is_empty() {

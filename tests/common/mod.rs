@@ -6,6 +6,7 @@ pub mod broken;
 pub mod loom_model;
 pub mod loom_rows;
 pub mod pg;
+pub mod serve;
 pub mod storm;
 
 use idem::harness::day::traffic::Rng;

@@ -1,0 +1,171 @@
+//! A real `idem serve` on 127.0.0.1:0 and a real HTTP client (ureq) to
+//! talk to it. Every answer a test sees is checked against the service's
+//! own `/openapi.json`: a status the description does not list fails.
+
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+pub const IDEM: &str = env!("CARGO_BIN_EXE_idem");
+
+pub struct Serve {
+    child: Option<Child>,
+    pub url: String,
+    pub stderr: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// One HTTP answer.
+#[derive(Debug, Clone)]
+pub struct Http {
+    pub status: u16,
+    pub headers: BTreeMap<String, String>,
+    pub body: String,
+}
+
+impl Http {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+    pub fn reason(&self) -> Option<String> {
+        self.json()["reason"].as_str().map(String::from)
+    }
+}
+
+impl Serve {
+    /// Starts `idem serve` on `db` with `clients` (token, client id) and
+    /// extra arguments; waits for its first line.
+    pub fn start(db: &Path, clients: &[(&str, &str)], args: &[&str], env: &[(&str, &str)]) -> Serve {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("clients.json");
+        let map: BTreeMap<&str, &str> = clients.iter().copied().collect();
+        std::fs::write(&file, serde_json::to_string(&map).unwrap()).unwrap();
+        let stderr = dir.path().join("serve.log");
+        let mut child = Command::new(IDEM)
+            .arg("serve")
+            .arg("--db")
+            .arg(db)
+            .args(["--listen", "127.0.0.1:0", "--clients"])
+            .arg(&file)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(
+            line.starts_with("http://127.0.0.1:"),
+            "first line {line:?}; log: {}",
+            std::fs::read_to_string(&stderr).unwrap_or_default()
+        );
+        Serve { child: Some(child), url: line.trim().to_owned(), stderr, _dir: dir }
+    }
+
+    pub fn agent() -> ureq::Agent {
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into()
+    }
+
+    /// `POST /v1/transfers` with an optional bearer token and key header.
+    pub fn post(&self, token: Option<&str>, key: Option<&str>, body: &str) -> Http {
+        let mut req = Self::agent()
+            .post(format!("{}/v1/transfers", self.url))
+            .header("Content-Type", "application/json");
+        if let Some(token) = token {
+            req = req.header("Authorization", format!("Bearer {token}"));
+        }
+        if let Some(key) = key {
+            req = req.header("Idempotency-Key", key);
+        }
+        documented("post", "/v1/transfers", read(req.send(body)))
+    }
+
+    pub fn get(&self, path: &str, token: Option<&str>) -> Http {
+        let mut req = Self::agent().get(format!("{}{path}", self.url));
+        if let Some(token) = token {
+            req = req.header("Authorization", format!("Bearer {token}"));
+        }
+        let template = if path.starts_with("/v1/transfers/") { "/v1/transfers/{id}" } else { path };
+        documented("get", template, read(req.call()))
+    }
+
+    /// SIGTERM; returns the exit code.
+    pub fn stop(mut self) -> Option<i32> {
+        let mut child = self.child.take().unwrap();
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait().unwrap().code()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn read(result: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Http {
+    let mut response = result.unwrap();
+    let headers = response
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.as_str().to_ascii_lowercase(), v.to_str().unwrap_or("").to_owned()))
+        .collect();
+    let status = response.status().as_u16();
+    let body = response.body_mut().read_to_string().unwrap_or_default();
+    Http { status, headers, body }
+}
+
+/// The service's OpenAPI description.
+pub fn openapi() -> &'static Value {
+    static DOC: OnceLock<Value> = OnceLock::new();
+    DOC.get_or_init(|| {
+        serde_json::from_str(include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/src/service/openapi.json")))
+            .unwrap()
+    })
+}
+
+/// Fails unless `/openapi.json` documents `status` for the operation, and
+/// every error is a problem+json with the members the description promises.
+pub fn documented(method: &str, path: &str, http: Http) -> Http {
+    let op = &openapi()["paths"][path][method];
+    assert!(op.is_object(), "{method} {path} is not documented");
+    assert!(
+        op["responses"][http.status.to_string()].is_object(),
+        "{method} {path} answered {} undocumented: {}",
+        http.status,
+        http.body
+    );
+    if http.status >= 400 {
+        assert_eq!(http.header("content-type"), Some("application/problem+json"), "{}", http.body);
+        let p = http.json();
+        for member in ["type", "title", "detail", "reason"] {
+            assert!(p[member].is_string(), "problem without {member}: {}", http.body);
+        }
+        assert_eq!(p["status"].as_u64(), Some(u64::from(http.status)));
+    }
+    http
+}
+
+/// The compact JSON of a transfer body.
+pub fn body(src: &Value, dst: &Value, amount: i64) -> String {
+    serde_json::json!({"src": src, "dst": dst, "amount": amount, "currency": "KRW"}).to_string()
+}
