@@ -120,7 +120,7 @@ fn es6_number(x: f64) -> String {
     if x == 0.0 {
         return "0".into(); // also -0
     }
-    if x < 0.0 {
+    if x.is_sign_negative() {
         return format!("-{}", es6_number(-x));
     }
     // Rust's `{:e}` gives the fewest digits that round-trip. ECMAScript wants,
@@ -142,10 +142,11 @@ fn es6_number(x: f64) -> String {
     } else if -6 < n && n <= 0 {
         format!("0.{}{digits}", "0".repeat((-n) as usize))
     } else {
-        let sign = if n - 1 < 0 { '-' } else { '+' };
+        let exponent = n - 1;
+        let sign = if exponent.is_negative() { '-' } else { '+' };
         let (first, rest) = digits.split_at(1);
         let dot = if rest.is_empty() { "" } else { "." };
-        format!("{first}{dot}{rest}e{sign}{}", (n - 1).abs())
+        format!("{first}{dot}{rest}e{sign}{}", exponent.abs())
     }
 }
 
@@ -223,6 +224,14 @@ mod tests {
         }"#;
         let expected = "{\"literals\":[null,true,false],\"numbers\":[333333333.3333333,1e+30,4.5,0.002,1e-27],\"string\":\"\u{20ac}$\\u000f\\nA'B\\\"\\\\\\\\\\\"/\"}";
         assert_eq!(canon(input), expected);
+    }
+
+    #[test]
+    fn the_edges_of_escaping_and_of_plain_notation() {
+        // U+001F is the last escaped character; the space is the first plain one
+        assert_eq!(canon("\"\\u001f \\u0020!\""), "\"\\u001f  !\"");
+        // ECMAScript writes 1e-6 in plain notation and 1e-7 in exponent notation
+        assert_eq!(canon("[0.000001, 0.0000001, 1e21, 1e20]"), "[0.000001,1e-7,1e+21,100000000000000000000]");
     }
 
     #[test]

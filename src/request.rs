@@ -301,6 +301,15 @@ mod tests {
     }
 
     #[test]
+    fn a_request_of_exactly_the_size_limit_is_accepted() {
+        let limit = Policy::embedded().max_request_bytes;
+        let exact = format!("{OK}{}", " ".repeat(limit - OK.len()));
+        assert_eq!(exact.len(), limit);
+        assert!(parse(exact.as_bytes(), Policy::embedded()).is_ok());
+        assert!(parse(format!("{exact} ").as_bytes(), Policy::embedded()).is_err());
+    }
+
+    #[test]
     fn invalid_utf8_and_oversize_are_rejected_before_parsing() {
         let mut bad = OK.as_bytes().to_vec();
         bad[20] = 0xff;
