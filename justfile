@@ -37,6 +37,10 @@ mutants-pg:
 bench:
     cargo bench --bench idem
 
+# A long chaos day: many clients, a lossy network, the server killed mid-day (see chaos_report.md).
+chaos clients="32" transfers="200" kills="5":
+    cargo run --release --bin idem -- chaos --out out/chaos --clients {{clients}} --transfers {{transfers}} --kills {{kills}}
+
 # A local PostgreSQL for trying idem: prints the --db connection string. `just pg stop` stops it.
 pg action="start":
     tools/pg-local {{action}}

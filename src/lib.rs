@@ -15,11 +15,13 @@ pub mod ledger; // balance checks and moves inside the execution transaction
 pub mod policy; // policy.json, embedded: every number the engine enforces
 pub mod protocol; // claim → execute → complete, replay, conflict; the core
 pub mod request; // request parsing and validation; every 400 reason
+pub mod rng; // a seeded SplitMix64, the same on every machine
 pub mod store; // the store contract and its backends; all SQL lives here
 
 // Its fronts:
 pub mod api; // the lab's command-line contract (the idem_api binary)
-pub mod service; // idem serve: the same protocol behind HTTP
+pub mod client;
+pub mod service; // idem serve: the same protocol behind HTTP // the retrying client: one key, backoff with jitter, a deadline
 
 // Around it:
 pub mod harness; // the day, scenarios and races that prove the engine

@@ -12,7 +12,7 @@ use std::process::Command;
 const EP: &str = "/v1/transfers";
 
 /// Picks two distinct accounts and an amount the source can afford.
-fn pick(rng: &mut idem::harness::day::traffic::Rng, bank: &Bank) -> (usize, usize, i64) {
+fn pick(rng: &mut idem::rng::Rng, bank: &Bank) -> (usize, usize, i64) {
     let src = rng.below(bank.accounts.len() as u64) as usize;
     let dst = (src + 1 + rng.below(bank.accounts.len() as u64 - 1) as usize) % bank.accounts.len();
     let amount = 1 + rng.below(bank.balance(src) as u64) as i64;

@@ -117,6 +117,77 @@ enum Command {
         #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
         max_in_flight: u32,
     },
+    /// Send one transfer over HTTP, retrying until a final answer or the budget runs out.
+    ///
+    /// One key for every attempt (new, given, or kept in --key-file, written
+    /// before the first attempt so a crashed client resumes with it);
+    /// exponential backoff with full jitter; retries timeouts, lost
+    /// connections, 409, 503 and other 5xx, never another 4xx.
+    /// Exit 0: the transfer exists (its JSON on stdout). Exit 4: refused for
+    /// good (a 4xx; the problem on stdout). Exit 75: outcome unknown, retry
+    /// with the same key. Exit 1: the key file cannot be used. Exit 2: usage.
+    Transfer {
+        /// The service's base URL, e.g. http://127.0.0.1:8080.
+        #[arg(long)]
+        url: String,
+        /// Bearer token.
+        #[arg(long)]
+        token: String,
+        /// Source account (an integer id if it parses as one).
+        #[arg(long)]
+        src: String,
+        /// Destination account.
+        #[arg(long)]
+        dst: String,
+        /// In the currency's smallest unit.
+        #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+        amount: i64,
+        #[arg(long, default_value = "KRW")]
+        currency: String,
+        /// The idempotency key (default: a new UUID, or the one in --key-file).
+        #[arg(long, conflicts_with = "key_file")]
+        key: Option<String>,
+        /// Keep the key in this file: read it if present, else write a new one first.
+        #[arg(long)]
+        key_file: Option<PathBuf>,
+        /// The whole time allowed, attempts and pauses: e.g. 30s, 500ms, 2m.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        budget: std::time::Duration,
+    },
+    /// A day of concurrent clients through a lossy network to a real idem serve, killed mid-day.
+    ///
+    /// Each client sends its own transfers with the retrying client, through
+    /// a fault-injecting proxy (dropped requests and answers, cut answers,
+    /// delays, duplicates); the server is SIGKILLed and restarted --kills
+    /// times (and the database restarted by --restart-db). The verdict, from
+    /// the database and the clients' logs, goes to DIR/chaos.json and
+    /// DIR/chaos_report.md; exit 1 if anything went out twice or was lost.
+    Chaos {
+        #[arg(long, default_value = "out/chaos")]
+        out: PathBuf,
+        /// Seeds the fault plan and the clients (default: the clock; printed).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// An empty PostgreSQL database (default: a new SQLite file in DIR).
+        #[arg(long)]
+        db: Option<String>,
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=512))]
+        clients: u16,
+        /// Transfers per client.
+        #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(u32).range(1..))]
+        transfers: u32,
+        #[arg(long, default_value_t = 2)]
+        kills: u16,
+        /// The server command (default: this binary's `serve`); --db, --listen, --clients are appended.
+        #[arg(long, value_name = "CMD")]
+        serve: Option<String>,
+        /// A command that restarts the database once, half way (e.g. `tools/pg-local restart`).
+        #[arg(long, value_name = "CMD")]
+        restart_db: Option<String>,
+        /// Each client's time budget per transfer.
+        #[arg(long, default_value = "20s", value_parser = parse_duration)]
+        budget: std::time::Duration,
+    },
     /// The idem_api contract itself (`idem api --db DB --request REQ`).
     #[command(hide = true)]
     Api {
@@ -215,6 +286,64 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             let clock = idem::service::clock_from_env().map_err(|e| DayError(e.to_string()))?;
             idem::service::run(options, policy, clock).map_err(|e| DayError(e.to_string()))?;
         }
+        Command::Transfer { url, token, src, dst, amount, currency, key, key_file, budget } => {
+            return transfer(url, token, [src, dst], amount, currency, key, key_file, budget);
+        }
+        Command::Chaos { out, seed, db, clients, transfers, kills, serve, restart_db, budget } => {
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            });
+            let me = std::env::current_exe()?.to_string_lossy().into_owned();
+            let serve = match serve {
+                Some(cmd) => cmd.split_whitespace().map(String::from).collect(),
+                None => vec![me, "serve".into()],
+            };
+            let restart_db = restart_db.map(|cmd| -> Box<dyn Fn() -> Result<(), String> + Send + Sync> {
+                Box::new(move || {
+                    let status = std::process::Command::new("sh").args(["-c", &cmd]).status();
+                    match status {
+                        Ok(s) if s.success() => Ok(()),
+                        other => Err(format!("{cmd}: {other:?}")),
+                    }
+                })
+            });
+            let config = idem::harness::chaos::Config {
+                out: out.clone(),
+                seed,
+                db,
+                clients: usize::from(clients),
+                transfers: transfers as usize,
+                serve,
+                kills: usize::from(kills),
+                restart_db,
+                budget,
+                odds: idem::harness::proxy::Odds::default(),
+            };
+            let s = idem::harness::chaos::run(config, policy)?;
+            println!(
+                "seed {seed}: {} transfers intended, {} made; paid twice {}, lost {}, unintended {}; \
+                 {} requests, {} dropped, {} answers dropped, {} cut, {} duplicated; {} kills; {} unknown",
+                s.transfers_intended,
+                s.transfers_made,
+                s.transfers_paid_twice,
+                s.transfers_lost,
+                s.transfers_unintended,
+                s.requests_sent,
+                s.requests_dropped,
+                s.responses_dropped,
+                s.responses_cut,
+                s.requests_duplicated,
+                s.server_kills,
+                s.outcomes_unknown
+            );
+            println!("wrote {}", out.join("chaos.json").display());
+            println!("wrote {}", out.join("chaos_report.md").display());
+            if !s.exactly_once() {
+                return Err(DayError("NOT exactly once: see chaos_report.md".into()));
+            }
+        }
         Command::Api { args } => return Ok(idem::api::main(std::iter::once("idem_api".into()).chain(args))),
         Command::Prove { out, engine, db } => {
             let engine = match engine {
@@ -242,6 +371,70 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn transfer(
+    url: String,
+    token: String,
+    [src, dst]: [String; 2],
+    amount: i64,
+    currency: String,
+    key: Option<String>,
+    key_file: Option<PathBuf>,
+    budget: std::time::Duration,
+) -> Result<ExitCode, DayError> {
+    use idem::client::{self, Verdict};
+    let key = match (key, key_file) {
+        (Some(key), _) => key,
+        (None, Some(file)) => {
+            client::key_in_file(&file).map_err(|e| DayError(format!("{}: {e}", file.display())))?
+        }
+        (None, None) => client::new_key().map_err(|e| DayError(format!("no randomness for a key: {e}")))?,
+    };
+    let id = |s: String| s.parse::<i64>().map_or_else(|_| json!(s), |i| json!(i));
+    let body = json!({"src": id(src), "dst": id(dst), "amount": amount, "currency": currency}).to_string();
+    eprintln!("idem: key {key}");
+    let policy = client::Policy { budget, ..client::Policy::default() };
+    let seed =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+    let report =
+        client::send(&client::Endpoint { url, token }, &key, &body, &policy, &mut idem::rng::Rng::new(seed));
+    let (attempts, took) = (report.attempts, report.took.as_secs_f64());
+    Ok(match report.verdict {
+        Verdict::Done { body, .. } => {
+            println!("{body}");
+            ExitCode::SUCCESS
+        }
+        Verdict::Refused { status, body } => {
+            println!("{body}");
+            eprintln!("idem: refused with {status} after {attempts} attempt(s); not retried");
+            ExitCode::from(4)
+        }
+        Verdict::Unknown { last } => {
+            eprintln!(
+                "idem: outcome unknown after {attempts} attempt(s) in {took:.1}s (last: {last}); \
+                 retry with key {key}: the transfer goes out at most once under it"
+            );
+            ExitCode::from(75)
+        }
+    })
+}
+
+/// `30s`, `500ms`, `2m`, `1h`, or a number of seconds.
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 30s, 500ms or 2m"))?;
+    let millis = match unit {
+        "ms" => n,
+        "" | "s" => n.saturating_mul(1000),
+        "m" => n.saturating_mul(60_000),
+        "h" => n.saturating_mul(3_600_000),
+        _ => return Err(format!("{text:?} is not a duration like 30s, 500ms or 2m")),
+    };
+    Ok(std::time::Duration::from_millis(millis))
 }
 
 /// The wall clock, or `IDEM_NOW` when set (for tests).

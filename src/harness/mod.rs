@@ -4,12 +4,16 @@
 //! real protocol on every store and the deliberately broken engines kept
 //! under `tests/`.
 
+pub mod chaos;
 pub mod day;
+pub mod proxy;
 pub mod race;
 pub mod scenario;
 
 use crate::protocol::{self, Claimed, Ctx, Engine, Flow, Outcome, Point, Response};
 use crate::store::StoreError;
+
+pub use day::DayError;
 
 /// One raw request through `engine`: a malformed one gets its 400, a crash
 /// at `crash` gets `None`.

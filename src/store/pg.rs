@@ -49,6 +49,9 @@ pub struct PgStore {
     client: Client,
     shape: Shape,
     sql: Statements,
+    /// To reconnect after the server went away (restarted, failed over).
+    spec: String,
+    policy: Policy,
 }
 
 /// How `account.acct_id` is typed: ids are bound as text and cast to it.
@@ -91,19 +94,34 @@ impl PgStore {
     /// Connects to the database `spec` names and makes sure it is one the
     /// engine can use. The error never quotes `spec`.
     pub fn connect(spec: &str, policy: &Policy) -> Result<Self, StoreError> {
-        let mut client = client(spec, policy)?;
-        // Lock waits end at the busy budget and become 503s. The money commit
-        // must be durable even if the server's default says otherwise.
-        client
-            .batch_execute(&format!(
-                "SET lock_timeout = {}; SET synchronous_commit = on",
-                policy.busy_timeout_ms
-            ))
-            .map_err(|e| redacted("cannot configure the session", &e, spec))?;
+        let mut client = session(spec, policy)?;
         let shape = prepare_schema(&mut client)?;
         let sql = Statements::prepare(&mut client, &shape).map_err(pg)?;
-        Ok(PgStore { client, shape, sql })
+        Ok(PgStore { client, shape, sql, spec: spec.to_owned(), policy: policy.clone() })
     }
+
+    /// A new connection if the old one is gone (the server restarted): the
+    /// transaction it was in is lost, and the protocol treats that as any
+    /// failed transaction; the next one runs on the new connection.
+    fn revive(&mut self) -> Result<(), StoreError> {
+        if self.client.is_closed() {
+            let mut client = session(&self.spec, &self.policy)?;
+            self.sql = Statements::prepare(&mut client, &self.shape).map_err(pg)?;
+            self.client = client;
+        }
+        Ok(())
+    }
+}
+
+/// A connection configured for the engine: lock waits end at the busy
+/// budget (and become 503s), and the money commit is durable even if the
+/// server's default says otherwise.
+fn session(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
+    let mut client = client(spec, policy)?;
+    client
+        .batch_execute(&format!("SET lock_timeout = {}; SET synchronous_commit = on", policy.busy_timeout_ms))
+        .map_err(|e| redacted("cannot configure the session", &e, spec))?;
+    Ok(client)
 }
 
 /// A plain connection to the database `spec` names, with a connect timeout
@@ -162,6 +180,13 @@ pub fn pg(e: postgres::Error) -> StoreError {
             StoreError::Conflict
         }
         Some(c) if *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::QUERY_CANCELED => StoreError::Busy,
+        // The server went away (restart, failover, a killed backend): nothing
+        // of the transaction is known to have committed but what a retry will
+        // find; try again later, on a new connection.
+        Some(c) if c.code().starts_with("57P") || c.code().starts_with("08") => StoreError::Busy,
+        None if e.is_closed() || std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>()) => {
+            StoreError::Busy
+        }
         _ => StoreError::Backend(format!("PostgreSQL: {}", describe(&e))),
     }
 }
@@ -428,6 +453,7 @@ fn record(row: &Row) -> Result<KeyRecord, StoreError> {
 
 impl Store for PgStore {
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
+        self.revive()?;
         let mut tx = self.client.transaction().map_err(pg)?;
         if durability == Durability::Lazy {
             tx.batch_execute("SET LOCAL synchronous_commit = off").map_err(pg)?;
@@ -436,6 +462,7 @@ impl Store for PgStore {
     }
 
     fn audit(&mut self) -> Result<Audit, StoreError> {
+        self.revive()?;
         let c = &mut self.client;
         let mut balances = Vec::new();
         for row in c.query("SELECT acct_id::text, balance::text FROM account", &[]).map_err(pg)? {
@@ -473,6 +500,7 @@ impl Store for PgStore {
     }
 
     fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        self.revive()?;
         let row = self
             .client
             .query_opt(
@@ -485,6 +513,7 @@ impl Store for PgStore {
     }
 
     fn ping(&mut self) -> Result<(), StoreError> {
+        self.revive()?;
         self.client.batch_execute("SELECT 1 FROM account LIMIT 1").map_err(pg)
     }
 }

@@ -9,7 +9,7 @@ pub mod pg;
 pub mod serve;
 pub mod storm;
 
-use idem::harness::day::traffic::Rng;
+use idem::rng::Rng;
 use rusqlite::Connection;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};

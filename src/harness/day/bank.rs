@@ -82,3 +82,39 @@ pub fn drop(spec: &str) -> Result<(), DayError> {
     }
     remove_db(std::path::Path::new(spec))
 }
+
+/// A transfer row as the verdicts read it, ids as text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferRow {
+    pub id: i64,
+    pub src: String,
+    pub dst: String,
+    pub amount: i64,
+}
+
+/// The `transfer` table and every balance, read straight from the database
+/// (not through the engine, which may be the thing under judgement).
+pub fn ledger(spec: &str) -> Result<(Vec<TransferRow>, std::collections::BTreeMap<String, i64>), DayError> {
+    const TRANSFERS: &str =
+        "SELECT transfer_id, CAST(src AS TEXT), CAST(dst AS TEXT), amount FROM transfer ORDER BY transfer_id";
+    const BALANCES: &str = "SELECT CAST(acct_id AS TEXT), CAST(balance AS BIGINT) FROM account";
+    if pg::is_postgres(spec) {
+        let mut client = pg::client(spec, Policy::embedded())?;
+        let rows = client.query(TRANSFERS, &[]).map_err(pg::pg)?;
+        let transfers =
+            rows.iter().map(|r| TransferRow { id: r.get(0), src: r.get(1), dst: r.get(2), amount: r.get(3) });
+        let balances =
+            client.query(BALANCES, &[]).map_err(pg::pg)?.iter().map(|r| (r.get(0), r.get(1))).collect();
+        return Ok((transfers.collect(), balances));
+    }
+    let conn = Connection::open(spec)?;
+    let mut stmt = conn.prepare(TRANSFERS)?;
+    let transfers = stmt
+        .query_map([], |r| {
+            Ok(TransferRow { id: r.get(0)?, src: r.get(1)?, dst: r.get(2)?, amount: r.get(3)? })
+        })?
+        .collect::<Result<_, _>>()?;
+    let mut stmt = conn.prepare(BALANCES)?;
+    let balances = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<_, _>>()?;
+    Ok((transfers, balances))
+}

@@ -9,6 +9,7 @@
 
 use super::DayError;
 use crate::clock::Timestamp;
+use crate::rng::Rng;
 use rusqlite::{Connection, params};
 
 pub const ACCOUNTS: usize = 8;
@@ -52,26 +53,6 @@ const EXTRA: [(Kind, usize); 5] = [
     (Kind::AmountChanged, 1),
     (Kind::SameInstant, 1),
 ];
-
-/// SplitMix64: tiny, fast, and the same on every machine.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (n > 0; the modulo bias is irrelevant here).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-}
 
 struct Arrival {
     at_ms: i64,
