@@ -287,6 +287,7 @@ mod tests {
             (OK.replace("\"k\"", "7"), "idem_key must be a string"),
             (OK.replace("\"client_id\":\"c\",", ""), "missing field client_id"),
             (OK.replace("\"src\":\"A\",", ""), "missing field body.src"),
+            (OK.replace(",\"currency\":\"KRW\"", ""), "missing field body.currency"),
             (OK.replace("\"src\":\"A\"", "\"src\":true"), "body.src must be a string or an integer"),
             (OK.replace("\"amount\":5", "\"amount\":5,\"memo\":1"), "unknown field body.\"memo\""),
             (OK.replace("\"amount\":5", "\"amount\":1,\"amount\":5"), "duplicate member \"amount\""),

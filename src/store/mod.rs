@@ -87,6 +87,37 @@ pub enum KeyState {
     Completed(Stored),
 }
 
+impl KeyState {
+    /// The state as the key tables spell it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            KeyState::InProgress { .. } => "in_progress",
+            KeyState::Completed(_) => "completed",
+        }
+    }
+}
+
+/// The columns an existing `transfer` table must have for a store to use it.
+pub(crate) const TRANSFER_COLUMNS: [&str; 6] =
+    ["transfer_id", "src", "dst", "amount", "currency", "created_at"];
+
+/// The columns an existing `idem_key` table must have for a store to use it.
+pub(crate) const KEY_COLUMNS: [&str; 13] = [
+    "client_id",
+    "endpoint",
+    "idem_key",
+    "fingerprint",
+    "state",
+    "token",
+    "created_at",
+    "lease_until",
+    "status",
+    "reason",
+    "body",
+    "transfer_id",
+    "completed_at",
+];
+
 /// A key's row. `token` and `state` together name one version of it: the
 /// attempt that claimed it, before or after completing.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -265,27 +265,8 @@ fn check_account(client: &mut Client) -> Result<(), StoreError> {
 }
 
 /// The columns an existing `transfer` or `idem_key` must have to be reused.
-const SHAPES: [(&str, &[&str]); 2] = [
-    ("transfer", &["transfer_id", "src", "dst", "amount", "currency", "created_at"]),
-    (
-        "idem_key",
-        &[
-            "client_id",
-            "endpoint",
-            "idem_key",
-            "fingerprint",
-            "state",
-            "token",
-            "created_at",
-            "lease_until",
-            "status",
-            "reason",
-            "body",
-            "transfer_id",
-            "completed_at",
-        ],
-    ),
-];
+const SHAPES: [(&str, &[&str]); 2] =
+    [("transfer", &super::TRANSFER_COLUMNS), ("idem_key", &super::KEY_COLUMNS)];
 
 fn create_schema(client: &mut Client, shape: &Shape) -> Result<(), StoreError> {
     let mut tx = client.transaction().map_err(pg)?;
@@ -525,6 +506,32 @@ pub struct PgTx<'a> {
 }
 
 impl PgTx<'_> {
+    /// Runs `statement` with the key as $1..$3, the claim as $4..$7 and, for
+    /// a compare-and-set, the `(token, state)` seen as $8, $9.
+    fn write_claim(
+        &mut self,
+        statement: &Statement,
+        key: &ScopedKey,
+        claim: &Claim,
+        seen: Option<(&str, &str)>,
+    ) -> Result<u64, StoreError> {
+        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
+        let mut params: Vec<&(dyn postgres::types::ToSql + Sync)> = vec![
+            &key.client_id,
+            &key.endpoint,
+            &key.idem_key,
+            &claim.fingerprint,
+            &claim.token,
+            &created_at,
+            &lease_until,
+        ];
+        let seen = seen.map(|(token, state)| (token.to_owned(), state.to_owned()));
+        if let Some((token, state)) = &seen {
+            params.extend([token as &(dyn postgres::types::ToSql + Sync), state]);
+        }
+        self.tx.execute(statement, &params).map_err(pg)
+    }
+
     fn key_row(&mut self, statement: &Statement, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
         let row =
             self.tx.query_opt(statement, &[&key.client_id, &key.endpoint, &key.idem_key]).map_err(pg)?;
@@ -534,23 +541,8 @@ impl PgTx<'_> {
 
 impl Tx for PgTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
-        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
-        let inserted = self
-            .tx
-            .execute(
-                &self.sql.insert_claim,
-                &[
-                    &key.client_id,
-                    &key.endpoint,
-                    &key.idem_key,
-                    &claim.fingerprint,
-                    &claim.token,
-                    &created_at,
-                    &lease_until,
-                ],
-            )
-            .map_err(pg)?;
-        if inserted == 1 {
+        let insert_claim = &self.sql.insert_claim;
+        if self.write_claim(insert_claim, key, claim, None)? == 1 {
             return Ok(None);
         }
         // The primary key is the arbiter. If the row it saw is gone already
@@ -574,29 +566,8 @@ impl Tx for PgTx<'_> {
             Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(false),
             Err(e) => return Err(pg(e)),
         }
-        let state = match seen.state {
-            KeyState::InProgress { .. } => "in_progress",
-            KeyState::Completed(_) => "completed",
-        };
-        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
-        let changed = self
-            .tx
-            .execute(
-                &self.sql.replace_claim,
-                &[
-                    &key.client_id,
-                    &key.endpoint,
-                    &key.idem_key,
-                    &claim.fingerprint,
-                    &claim.token,
-                    &created_at,
-                    &lease_until,
-                    &seen.token,
-                    &state,
-                ],
-            )
-            .map_err(pg)?;
-        Ok(changed == 1)
+        let replace_claim = &self.sql.replace_claim;
+        Ok(self.write_claim(replace_claim, key, claim, Some((&seen.token, seen.state.name())))? == 1)
     }
 
     fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {

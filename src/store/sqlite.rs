@@ -173,8 +173,8 @@ fn ensure_wal(conn: &Connection) -> Result<(), StoreError> {
 fn check_shapes(conn: &Connection) -> Result<(), StoreError> {
     for (table, wanted) in [
         ("account", &ACCOUNT_COLUMNS[..]),
-        ("transfer", &TRANSFER_COLUMNS[..]),
-        ("idem_key", &KEY_COLUMNS[..]),
+        ("transfer", &super::TRANSFER_COLUMNS[..]),
+        ("idem_key", &super::KEY_COLUMNS[..]),
     ] {
         let have = columns(conn, table)?;
         let missing: Vec<&str> =
@@ -243,23 +243,6 @@ fn check_account(conn: &Connection) -> Result<(), StoreError> {
 }
 
 const ACCOUNT_COLUMNS: [&str; 2] = ["acct_id", "balance"];
-const TRANSFER_COLUMNS: [&str; 6] = ["transfer_id", "src", "dst", "amount", "currency", "created_at"];
-const KEY_COLUMNS: [&str; 13] = [
-    "client_id",
-    "endpoint",
-    "idem_key",
-    "fingerprint",
-    "state",
-    "token",
-    "created_at",
-    "lease_until",
-    "status",
-    "reason",
-    "body",
-    "transfer_id",
-    "completed_at",
-];
-
 /// The column names of `table`; empty if there is no such table.
 fn columns(conn: &Connection, table: &str) -> Result<Vec<String>, StoreError> {
     let mut stmt = conn.prepare("SELECT name FROM pragma_table_info(?1)").map_err(backend)?;
@@ -476,10 +459,7 @@ impl Tx for SqliteTx<'_> {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
-        let state = match seen.state {
-            KeyState::InProgress { .. } => "in_progress",
-            KeyState::Completed(_) => "completed",
-        };
+        let state = seen.state.name();
         let sql = format!(
             "UPDATE idem_key SET fingerprint = ?4, state = 'in_progress', token = ?5,
                     created_at = ?6, lease_until = ?7, status = NULL, reason = NULL,
