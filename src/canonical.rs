@@ -232,6 +232,8 @@ mod tests {
         assert_eq!(canon("\"\\u001f \\u0020!\""), "\"\\u001f  !\"");
         // ECMAScript writes 1e-6 in plain notation and 1e-7 in exponent notation
         assert_eq!(canon("[0.000001, 0.0000001, 1e21, 1e20]"), "[0.000001,1e-7,1e+21,100000000000000000000]");
+        // a fraction below 1 keeps its leading zero
+        assert_eq!(canon("[0.5, 0.25, 1.5]"), "[0.5,0.25,1.5]");
     }
 
     #[test]

@@ -54,6 +54,12 @@ impl Store for MemStore {
                 .count() as i64,
         })
     }
+    fn transfer_for(&mut self, _: &str, _: i64) -> Result<Option<String>, StoreError> {
+        Ok(None) // the models serve no HTTP
+    }
+    fn ping(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 fn same_version(a: &KeyRecord, b: &KeyRecord) -> bool {
