@@ -221,6 +221,24 @@ pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Res
     }
 }
 
+/// The answer to a request whose key is settled, from a plain read: no
+/// claim, no write lock, no wait. Only a completed key within retention is
+/// settled (a replay), or any key under another body (422); `None` sends
+/// the request on to [`claim`]. A completed key changes only when it is
+/// purged or expires, so a read a moment old answers as the claim would
+/// have; and since nothing is claimed here, nothing can be paid by it.
+pub fn settled<S: Store + ?Sized>(
+    store: &mut S,
+    req: &Request,
+    ctx: Ctx,
+) -> Result<Option<Response>, StoreError> {
+    let Some(existing) = store.peek(&req.key)? else { return Ok(None) };
+    Ok(match decide(&existing, &req.fingerprint, ctx.now, ctx.policy) {
+        d @ (Decision::Replay(_) | Decision::Mismatch) => Some(answer(d, ctx.policy)),
+        Decision::InProgress | Decision::TakeOver | Decision::Expired => None,
+    })
+}
+
 /// Step 1: claim the key for `ctx.token`, or say why not.
 pub fn claim<S: Store + ?Sized>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
     let claim = Claim {

@@ -198,6 +198,9 @@ pub trait Store {
     fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError>;
     /// Checks that the database answers (`/healthz`).
     fn ping(&mut self) -> Result<(), StoreError>;
+    /// The key's committed record, by a plain read outside any transaction:
+    /// no lock taken, none waited for (see `protocol::settled`).
+    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError>;
 }
 
 impl<S: Store + ?Sized> Store for Box<S> {
@@ -212,6 +215,9 @@ impl<S: Store + ?Sized> Store for Box<S> {
     }
     fn ping(&mut self) -> Result<(), StoreError> {
         (**self).ping()
+    }
+    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        (**self).peek(key)
     }
 }
 
@@ -356,6 +362,9 @@ mod tests {
         }
         fn ping(&mut self) -> Result<(), StoreError> {
             Ok(())
+        }
+        fn peek(&mut self, _: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+            Ok(None)
         }
     }
 

@@ -497,6 +497,15 @@ impl Store for PgStore {
         self.revive()?;
         self.client.batch_execute("SELECT 1 FROM account LIMIT 1").map_err(pg)
     }
+
+    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        self.revive()?;
+        let row = self
+            .client
+            .query_opt(&self.sql.read_key, &[&key.client_id, &key.endpoint, &key.idem_key])
+            .map_err(pg)?;
+        row.as_ref().map(record).transpose()
+    }
 }
 
 pub struct PgTx<'a> {

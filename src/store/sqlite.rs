@@ -23,7 +23,7 @@ use crate::policy::Policy;
 use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
 use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
-use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, ToSql, TransactionBehavior};
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, ToSql};
 use std::path::Path;
 use std::time::Duration;
 
@@ -288,25 +288,109 @@ fn balance(id: &AcctId, value: Value) -> Result<i64, StoreError> {
     }
 }
 
-impl Store for SqliteStore {
-    fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
+impl SqliteStore {
+    /// Sets the durability of the next commit (cached: a new transfer
+    /// switches twice, so each pragma is compiled once).
+    fn synchronous(&mut self, durability: Durability) -> Result<(), StoreError> {
         if self.synchronous != Some(durability) {
             let pragma = match durability {
                 Durability::Lazy => "PRAGMA synchronous = NORMAL",
                 Durability::Durable => "PRAGMA synchronous = FULL",
             };
-            // Cached: a new transfer switches twice, so compile each once.
-            self.conn.prepare_cached(pragma).and_then(|mut s| s.execute([])).map_err(backend)?;
+            run(&self.conn, pragma)?;
             self.synchronous = Some(durability);
         }
-        // IMMEDIATE takes the write lock now, so a claim never starts as a
-        // reader and fails to upgrade later: it waits (busy_timeout) or fails.
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(backend)?;
-        Ok(Box::new(SqliteTx { tx }))
+        Ok(())
+    }
+
+    /// Opens one durable transaction for a group of requests (group commit):
+    /// each transaction a request begins in it is a savepoint, and
+    /// [`Group::commit`] makes all of them durable with one fsync. Nothing a
+    /// request of the group wrote is on disk, so nothing of it may be
+    /// answered, before that commit returns; a group that is dropped rolls
+    /// every request of it back.
+    pub fn group(&mut self) -> Result<Group<'_>, StoreError> {
+        self.synchronous(Durability::Durable)?;
+        run(&self.conn, "BEGIN IMMEDIATE")?;
+        Ok(Group { conn: &self.conn, open: true })
+    }
+}
+
+/// Runs one statement of no result, compiled once per connection.
+fn run(conn: &Connection, sql: &str) -> Result<(), StoreError> {
+    conn.prepare_cached(sql).and_then(|mut s| s.execute([])).map(drop).map_err(backend)
+}
+
+/// The requests of one group commit; see [`SqliteStore::group`].
+pub struct Group<'c> {
+    conn: &'c Connection,
+    open: bool,
+}
+
+impl Group<'_> {
+    pub fn commit(mut self) -> Result<(), StoreError> {
+        run(self.conn, "COMMIT")?; // on failure the drop rolls the group back
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Drop for Group<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = run(self.conn, "ROLLBACK");
+        }
+    }
+}
+
+impl Store for Group<'_> {
+    fn begin(&mut self, _: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
+        // durable with the group's commit, whatever the request asked
+        Ok(Box::new(SqliteTx::start(self.conn, true)?))
+    }
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        audit(self.conn)
+    }
+    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        completed_body(self.conn, client_id, transfer_id)
+    }
+    fn ping(&mut self) -> Result<(), StoreError> {
+        ping(self.conn)
+    }
+    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        read_key(self.conn, key)
+    }
+}
+
+impl Store for SqliteStore {
+    fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
+        self.synchronous(durability)?;
+        Ok(Box::new(SqliteTx::start(&self.conn, false)?))
     }
 
     fn audit(&mut self) -> Result<Audit, StoreError> {
-        let conn = &self.conn;
+        audit(&self.conn)
+    }
+
+    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        completed_body(&self.conn, client_id, transfer_id)
+    }
+
+    fn ping(&mut self) -> Result<(), StoreError> {
+        ping(&self.conn)
+    }
+
+    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        read_key(&self.conn, key)
+    }
+}
+
+fn ping(conn: &Connection) -> Result<(), StoreError> {
+    conn.query_row("SELECT COUNT(*) FROM account", [], |r| r.get::<_, i64>(0)).map(drop).map_err(backend)
+}
+
+fn audit(conn: &Connection) -> Result<Audit, StoreError> {
+    {
         let count = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).map_err(backend);
         let mut balances = Vec::new();
         let mut stmt = conn.prepare("SELECT acct_id, balance FROM account").map_err(backend)?;
@@ -339,33 +423,58 @@ impl Store for SqliteStore {
             keys_completed: count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed'")?,
         })
     }
-
-    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
-        self.completed_body(client_id, transfer_id)
-    }
-
-    fn ping(&mut self) -> Result<(), StoreError> {
-        self.conn
-            .query_row("SELECT COUNT(*) FROM account", [], |r| r.get::<_, i64>(0))
-            .map(drop)
-            .map_err(backend)
-    }
 }
 
-impl SqliteStore {
-    fn completed_body(&self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
-        self.conn
-            .prepare_cached(
-                "SELECT body FROM idem_key
-                 WHERE transfer_id = ?1 AND client_id = ?2 AND state = 'completed' AND status = 201",
-            )
-            .and_then(|mut s| s.query_row((transfer_id, client_id), |r| r.get(0)).optional())
-            .map_err(backend)
-    }
+fn completed_body(
+    conn: &Connection,
+    client_id: &str,
+    transfer_id: i64,
+) -> Result<Option<String>, StoreError> {
+    conn.prepare_cached(
+        "SELECT body FROM idem_key
+         WHERE transfer_id = ?1 AND client_id = ?2 AND state = 'completed' AND status = 201",
+    )
+    .and_then(|mut s| s.query_row((transfer_id, client_id), |r| r.get(0)).optional())
+    .map_err(backend)
 }
 
+fn read_key(conn: &Connection, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+    let sql = format!("SELECT {RECORD} FROM idem_key WHERE {KEY_WHERE}");
+    conn.prepare_cached(&sql)
+        .and_then(|mut s| {
+            s.query_row((&key.client_id, &key.endpoint, &key.idem_key), |r| record_at(r, 0)).optional()
+        })
+        .map_err(backend)
+}
+
+/// A transaction of its own (`BEGIN IMMEDIATE` … `COMMIT`), or, inside a
+/// [`Group`], a savepoint. Dropped without [`Tx::commit`], it rolls back.
 pub struct SqliteTx<'a> {
-    tx: rusqlite::Transaction<'a>,
+    conn: &'a Connection,
+    savepoint: bool,
+    open: bool,
+}
+
+impl<'a> SqliteTx<'a> {
+    fn start(conn: &'a Connection, savepoint: bool) -> Result<Self, StoreError> {
+        // IMMEDIATE takes the write lock now, so a claim never starts as a
+        // reader and fails to upgrade later: it waits (busy_timeout) or fails.
+        run(conn, if savepoint { "SAVEPOINT request" } else { "BEGIN IMMEDIATE" })?;
+        Ok(SqliteTx { conn, savepoint, open: true })
+    }
+}
+
+impl Drop for SqliteTx<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = match self.savepoint {
+                true => {
+                    run(self.conn, "ROLLBACK TO request").and_then(|()| run(self.conn, "RELEASE request"))
+                }
+                false => run(self.conn, "ROLLBACK"),
+            };
+        }
+    }
 }
 
 const RECORD: &str = "fingerprint, created_at, token, state, lease_until, status, reason, body";
@@ -417,17 +526,7 @@ impl SqliteTx<'_> {
         if let Some((token, state)) = &seen {
             params.extend([token as &dyn ToSql, state]);
         }
-        self.tx.prepare_cached(sql)?.execute(params.as_slice())
-    }
-
-    fn read_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        let sql = format!("SELECT {RECORD} FROM idem_key WHERE {KEY_WHERE}");
-        self.tx
-            .prepare_cached(&sql)
-            .and_then(|mut s| {
-                s.query_row((&key.client_id, &key.endpoint, &key.idem_key), |r| record_at(r, 0)).optional()
-            })
-            .map_err(backend)
+        self.conn.prepare_cached(sql)?.execute(params.as_slice())
     }
 }
 
@@ -446,8 +545,7 @@ impl Tx for SqliteTx<'_> {
         match inserted {
             1 => Ok(None),
             // The primary key is the arbiter: nothing inserted means the key exists.
-            _ => self
-                .read_key(key)?
+            _ => read_key(self.conn, key)?
                 .map(Some)
                 .ok_or_else(|| StoreError::Backend("claim neither inserted nor found".into())),
         }
@@ -470,7 +568,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        self.read_key(key) // the transaction already holds the write lock
+        read_key(self.conn, key) // the transaction already holds the write lock
     }
 
     fn complete(
@@ -486,7 +584,7 @@ impl Tx for SqliteTx<'_> {
                     transfer_id = ?7, completed_at = ?8
              WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?9"
         );
-        self.tx
+        self.conn
             .prepare_cached(&sql)
             .and_then(|mut s| {
                 s.execute((
@@ -507,7 +605,7 @@ impl Tx for SqliteTx<'_> {
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
         let sql = format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?4");
-        self.tx
+        self.conn
             .prepare_cached(&sql)
             .and_then(|mut s| s.execute((&key.client_id, &key.endpoint, &key.idem_key, token)))
             .map(|n| n == 1)
@@ -516,7 +614,7 @@ impl Tx for SqliteTx<'_> {
 
     fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
         let row: Option<(Value, Value)> = self
-            .tx
+            .conn
             .prepare_cached("SELECT acct_id, balance FROM account WHERE acct_id = ?1")
             .and_then(|mut s| s.query_row([id], |r| Ok((r.get(0)?, r.get(1)?))).optional())
             .map_err(backend)?;
@@ -530,7 +628,7 @@ impl Tx for SqliteTx<'_> {
 
     fn add_to_balance(&mut self, id: &AcctId, delta: i64) -> Result<i64, StoreError> {
         let rows: Vec<Value> = self
-            .tx
+            .conn
             .prepare_cached(
                 "UPDATE account SET balance = balance + ?2
                  WHERE acct_id = ?1 AND balance + ?2 >= 0 RETURNING balance",
@@ -548,7 +646,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn insert_transfer(&mut self, t: &NewTransfer) -> Result<i64, StoreError> {
-        self.tx
+        self.conn
             .prepare_cached(
                 "INSERT INTO transfer (src, dst, amount, currency, created_at)
                  VALUES (?1, ?2, ?3, ?4, ?5) RETURNING transfer_id",
@@ -560,7 +658,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
-        self.tx
+        self.conn
             .prepare_cached(
                 "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
                    (SELECT client_id, endpoint, idem_key FROM idem_key
@@ -576,7 +674,7 @@ impl Tx for SqliteTx<'_> {
             "SELECT client_id, endpoint, idem_key, {RECORD} FROM idem_key WHERE state = 'in_progress'
              ORDER BY created_at, client_id, endpoint, idem_key"
         );
-        let mut stmt = self.tx.prepare_cached(&sql).map_err(backend)?;
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
         let rows = stmt.query_map([], |r| {
             let key = ScopedKey { client_id: r.get(0)?, endpoint: r.get(1)?, idem_key: r.get(2)? };
             Ok((key, record_at(r, 3)?))
@@ -584,7 +682,10 @@ impl Tx for SqliteTx<'_> {
         rows.and_then(|rows| rows.collect()).map_err(backend)
     }
 
-    fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        self.tx.commit().map_err(backend)
+    fn commit(mut self: Box<Self>) -> Result<(), StoreError> {
+        // A commit that fails leaves the transaction open: the drop rolls it back.
+        run(self.conn, if self.savepoint { "RELEASE request" } else { "COMMIT" })?;
+        self.open = false;
+        Ok(())
     }
 }

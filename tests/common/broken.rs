@@ -175,6 +175,9 @@ impl<S: Store> Store for SourceFirst<'_, S> {
     fn ping(&mut self) -> Result<(), StoreError> {
         self.store.ping()
     }
+    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        self.store.peek(key)
+    }
 }
 
 impl Tx for SourceFirstTx<'_> {

@@ -60,6 +60,9 @@ impl Store for MemStore {
     fn ping(&mut self) -> Result<(), StoreError> {
         Ok(())
     }
+    fn peek(&mut self, _: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        Ok(None) // the models serve no HTTP
+    }
 }
 
 fn same_version(a: &KeyRecord, b: &KeyRecord) -> bool {

@@ -86,6 +86,9 @@ impl Store for RowStore {
     fn ping(&mut self) -> Result<(), StoreError> {
         Ok(())
     }
+    fn peek(&mut self, _: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        Ok(None) // the models serve no HTTP
+    }
 }
 
 impl RowTx {
