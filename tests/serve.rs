@@ -430,3 +430,17 @@ fn bad_clients_files_and_listen_addresses_fail_to_start_with_one_line() {
         );
     }
 }
+
+#[test]
+fn healthz_is_503_when_the_database_does_not_answer() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let serve = start(&bank);
+    assert_eq!(serve.get("/healthz", None).status, 200);
+    rusqlite::Connection::open(&bank.db)
+        .unwrap()
+        .execute_batch("ALTER TABLE account RENAME TO gone")
+        .unwrap();
+    let sick = serve.get("/healthz", None);
+    assert_eq!((sick.status, sick.reason().as_deref()), (503, Some("unhealthy")));
+}

@@ -1,6 +1,12 @@
 //! Where the synchronous protocol runs for the service: worker threads that
-//! each own one store connection (one for SQLite, whose writes are serial
-//! anyway; a bounded pool for PostgreSQL), fed by one bounded queue.
+//! each own one store connection, fed by bounded queues.
+//!
+//! On SQLite, one writer owns the write connection and folds the transfers
+//! waiting in its queue into one group commit (a savepoint per request, one
+//! fsync for the group), answering each only after that commit returned;
+//! readers, each with a connection of its own, answer settled keys (replays,
+//! 422s) from a plain read without waiting for the writer. On PostgreSQL, a
+//! bounded pool of workers, each a connection, runs one request at a time.
 //!
 //! A job, once queued, runs to completion whatever happens to the HTTP
 //! connection that asked for it: a client that hangs up mid-request never
@@ -8,65 +14,174 @@
 
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::protocol::{self, Ctx, Flow, Outcome};
+use crate::protocol::{self, Ctx, Flow, Outcome, Response};
 use crate::request::Request;
+use crate::store::pg::PgStore;
+use crate::store::sqlite::SqliteStore;
 use crate::store::{Store, StoreError};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use tokio::sync::oneshot;
 
+/// The most transfers one group commit carries.
+const GROUP_MAX: usize = 256;
+/// Reader connections beside the SQLite writer.
+const READERS: usize = 2;
+
 /// What a worker can be asked to do.
 pub enum Job {
-    Transfer { req: Request, reply: oneshot::Sender<Result<Outcome, StoreError>> },
-    Lookup { client_id: String, transfer_id: i64, reply: oneshot::Sender<Result<Option<String>, StoreError>> },
-    Ping { reply: oneshot::Sender<Result<(), StoreError>> },
+    Transfer {
+        req: Request,
+        reply: oneshot::Sender<Result<Outcome, StoreError>>,
+    },
+    /// Answer the request if its key is settled (`protocol::settled`).
+    Settled {
+        req: Request,
+        reply: oneshot::Sender<Result<Option<Response>, StoreError>>,
+    },
+    Lookup {
+        client_id: String,
+        transfer_id: i64,
+        reply: oneshot::Sender<Result<Option<String>, StoreError>>,
+    },
+    Ping {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+}
+
+/// The connections the service runs on.
+pub enum Stores {
+    Sqlite { writer: SqliteStore, readers: Vec<SqliteStore> },
+    Postgres(Vec<PgStore>),
+}
+
+impl Stores {
+    /// Opens what `db` needs: a writer and its readers on SQLite, `pool`
+    /// connections on PostgreSQL.
+    pub fn open(db: &str, pool: usize, policy: &Policy) -> Result<Stores, StoreError> {
+        if crate::store::pg::is_postgres(db) {
+            let pool = (0..pool.max(1)).map(|_| PgStore::connect(db, policy)).collect::<Result<_, _>>()?;
+            return Ok(Stores::Postgres(pool));
+        }
+        let path = std::path::Path::new(db);
+        let writer = SqliteStore::open(path, policy)?;
+        let readers = (0..READERS).map(|_| SqliteStore::open(path, policy)).collect::<Result<_, _>>()?;
+        Ok(Stores::Sqlite { writer, readers })
+    }
+}
+
+/// A test hook (`IDEM_CRASH_AT`): die on the spot around a group commit, to
+/// prove that no answer leaves before its commit is durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Crash {
+    BeforeGroupCommit,
+    AfterGroupCommit,
+}
+
+impl Crash {
+    pub fn from_env() -> Option<Crash> {
+        match std::env::var("IDEM_CRASH_AT").ok()?.as_str() {
+            "before-group-commit" => Some(Crash::BeforeGroupCommit),
+            "after-group-commit" => Some(Crash::AfterGroupCommit),
+            _ => None,
+        }
+    }
+
+    fn at(point: Crash, armed: Option<Crash>) {
+        if armed == Some(point) {
+            // no destructors, no flush, no answers: as abrupt as SIGKILL
+            unsafe { libc::_exit(4) };
+        }
+    }
 }
 
 pub struct Executor {
-    queue: Mutex<Option<SyncSender<Job>>>,
+    writes: Mutex<Option<SyncSender<Job>>>,
+    /// SQLite only: the readers' queue.
+    reads: Mutex<Option<SyncSender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// The service's clock: the wall clock, or `IDEM_NOW` when set (for tests).
 pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
 
+/// One job queue shared by the workers that serve it.
+type Queue = Arc<Mutex<Receiver<Job>>>;
+
+fn queue(capacity: usize) -> (SyncSender<Job>, Queue) {
+    let (tx, rx) = sync_channel(capacity);
+    (tx, Arc::new(Mutex::new(rx)))
+}
+
+fn spawn(name: String, work: impl FnOnce() + Send + 'static) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(name).spawn(work)
+}
+
 impl Executor {
-    /// One worker per store in `stores`, sharing a queue of `capacity` jobs.
+    /// Starts the workers for `stores`, with queues of `capacity` jobs.
     pub fn start(
-        stores: Vec<Box<dyn Store + Send>>,
+        stores: Stores,
         capacity: usize,
         policy: &'static Policy,
         clock: Clock,
     ) -> std::io::Result<Self> {
-        let (queue, jobs) = sync_channel(capacity);
-        let jobs = Arc::new(Mutex::new(jobs));
-        let workers = stores
-            .into_iter()
-            .enumerate()
-            .map(|(i, store)| {
-                let (jobs, clock) = (jobs.clone(), clock.clone());
-                std::thread::Builder::new()
-                    .name(format!("idem-store-{i}"))
-                    .spawn(move || work(store, &jobs, policy, &clock))
-            })
-            .collect::<std::io::Result<_>>()?;
-        Ok(Executor { queue: Mutex::new(Some(queue)), workers: Mutex::new(workers) })
+        let crash = Crash::from_env();
+        let (writes, write_jobs) = queue(capacity);
+        let mut workers = Vec::new();
+        let reads = match stores {
+            Stores::Sqlite { writer, readers } => {
+                let (reads, read_jobs) = queue(capacity);
+                let clock_w = clock.clone();
+                workers.push(spawn("idem-writer".into(), move || {
+                    write_in_groups(writer, &write_jobs, policy, &clock_w, crash)
+                })?);
+                for (i, reader) in readers.into_iter().enumerate() {
+                    let (jobs, clock) = (read_jobs.clone(), clock.clone());
+                    workers.push(spawn(format!("idem-reader-{i}"), move || {
+                        one_at_a_time(reader, &jobs, policy, &clock)
+                    })?);
+                }
+                Some(reads)
+            }
+            Stores::Postgres(pool) => {
+                for (i, store) in pool.into_iter().enumerate() {
+                    let (jobs, clock) = (write_jobs.clone(), clock.clone());
+                    workers.push(spawn(format!("idem-store-{i}"), move || {
+                        one_at_a_time(store, &jobs, policy, &clock)
+                    })?);
+                }
+                None
+            }
+        };
+        Ok(Executor {
+            writes: Mutex::new(Some(writes)),
+            reads: Mutex::new(reads),
+            workers: Mutex::new(workers),
+        })
     }
 
-    /// Queues `job`; `false` when the queue is full (or shut).
+    /// Queues a job for the writer (or the pool); `false` when full or shut.
     pub fn submit(&self, job: Job) -> bool {
-        let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(queue) = queue.as_ref() else { return false };
-        match queue.try_send(job) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
-        }
+        send(&self.writes, job)
+    }
+
+    /// Queues a read for the readers, or for the writer (or the pool) when
+    /// there are none; `false` when full or shut.
+    pub fn submit_read(&self, job: Job) -> bool {
+        let has_readers = self.reads.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+        send(if has_readers { &self.reads } else { &self.writes }, job)
+    }
+
+    /// Whether settled keys are answered apart from the writer (SQLite).
+    pub fn reads_apart(&self) -> bool {
+        self.reads.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
     /// Stops taking jobs and waits for every queued one to finish.
     pub fn drain(&self) {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.writes.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.reads.lock().unwrap_or_else(|e| e.into_inner()).take();
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|e| e.into_inner()));
         for worker in workers {
             let _ = worker.join();
@@ -74,29 +189,114 @@ impl Executor {
     }
 }
 
-fn work(mut store: Box<dyn Store + Send>, jobs: &Mutex<Receiver<Job>>, policy: &Policy, clock: &Clock) {
-    loop {
-        // The lock is held only while waiting for the next job.
-        let job = match jobs.lock() {
-            Ok(jobs) => jobs.recv(),
-            Err(poisoned) => poisoned.into_inner().recv(),
-        };
-        let Ok(job) = job else { return };
+fn send(queue: &Mutex<Option<SyncSender<Job>>>, job: Job) -> bool {
+    let queue = queue.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(queue) = queue.as_ref() else { return false };
+    match queue.try_send(job) {
+        Ok(()) => true,
+        Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
+    }
+}
+
+/// The next job, waiting for one; `None` when the queue is shut and empty.
+fn next(jobs: &Mutex<Receiver<Job>>) -> Option<Job> {
+    // the lock is held only while waiting for the next job
+    jobs.lock().unwrap_or_else(|e| e.into_inner()).recv().ok()
+}
+
+fn transfer<S: Store>(
+    store: &mut S,
+    req: &Request,
+    policy: &Policy,
+    clock: &Clock,
+) -> Result<Outcome, StoreError> {
+    let token = protocol::fresh_token()
+        .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}")))?;
+    protocol::handle(store, req, Ctx { policy, now: clock(), token: &token }, &mut |_| Flow::Continue)
+}
+
+/// A worker that runs each job on its own (PostgreSQL, and SQLite readers).
+fn one_at_a_time<S: Store>(mut store: S, jobs: &Mutex<Receiver<Job>>, policy: &Policy, clock: &Clock) {
+    while let Some(job) = next(jobs) {
+        // a client that has gone does not take the answer: the work is done anyway
         match job {
-            Job::Transfer { req, reply } => {
-                let outcome = protocol::fresh_token()
-                    .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}")))
-                    .and_then(|token| {
-                        let ctx = Ctx { policy, now: clock(), token: &token };
-                        protocol::handle(&mut store, &req, ctx, &mut |_| Flow::Continue)
-                    });
-                let _ = reply.send(outcome); // the client may have gone: the work is done anyway
+            Job::Transfer { req, reply } => drop(reply.send(transfer(&mut store, &req, policy, clock))),
+            Job::Settled { req, reply } => {
+                let ctx = Ctx { policy, now: clock(), token: "" };
+                drop(reply.send(protocol::settled(&mut store, &req, ctx)));
             }
             Job::Lookup { client_id, transfer_id, reply } => {
-                let _ = reply.send(store.transfer_for(&client_id, transfer_id));
+                drop(reply.send(store.transfer_for(&client_id, transfer_id)))
             }
-            Job::Ping { reply } => {
-                let _ = reply.send(store.ping());
+            Job::Ping { reply } => drop(reply.send(store.ping())),
+        }
+    }
+}
+
+/// The SQLite writer: takes every transfer waiting (up to [`GROUP_MAX`]),
+/// runs them in one group, commits once, then answers them all.
+///
+/// Why no answer leaves early: the answers are only handed back after
+/// `Group::commit` returned, and that commit is `synchronous=FULL` in WAL,
+/// so it returns once every request of the group is on disk. If the commit
+/// fails, the group rolls back, nothing of it happened, and every request of
+/// it is told so (503, retry). A crash before the commit loses the group and
+/// answers nothing; a crash after it answers nothing, and every retry
+/// replays. `tests/group_commit.rs` kills the server at both points.
+fn write_in_groups(
+    mut store: SqliteStore,
+    jobs: &Mutex<Receiver<Job>>,
+    policy: &Policy,
+    clock: &Clock,
+    crash: Option<Crash>,
+) {
+    while let Some(first) = next(jobs) {
+        let mut group = vec![first];
+        {
+            let queue = jobs.lock().unwrap_or_else(|e| e.into_inner());
+            while group.len() < GROUP_MAX {
+                match queue.try_recv() {
+                    Ok(job) => group.push(job),
+                    Err(_) => break,
+                }
+            }
+        }
+        let mut transfers = Vec::new();
+        for job in group {
+            match job {
+                Job::Transfer { req, reply } => transfers.push((req, reply)),
+                // the writer's queue carries only transfers; anything else is answered on the spot
+                Job::Settled { req, reply } => drop(reply.send(protocol::settled(
+                    &mut store,
+                    &req,
+                    Ctx { policy, now: clock(), token: "" },
+                ))),
+                Job::Lookup { client_id, transfer_id, reply } => {
+                    drop(reply.send(store.transfer_for(&client_id, transfer_id)))
+                }
+                Job::Ping { reply } => drop(reply.send(store.ping())),
+            }
+        }
+        if transfers.is_empty() {
+            continue;
+        }
+        let committed = store.group().and_then(|mut group| {
+            let outcomes: Vec<_> =
+                transfers.iter().map(|(req, _)| transfer(&mut group, req, policy, clock)).collect();
+            Crash::at(Crash::BeforeGroupCommit, crash);
+            group.commit().map(|()| outcomes)
+        });
+        Crash::at(Crash::AfterGroupCommit, crash);
+        match committed {
+            Ok(outcomes) => {
+                for ((_, reply), outcome) in transfers.into_iter().zip(outcomes) {
+                    drop(reply.send(outcome));
+                }
+            }
+            Err(e) => {
+                for (_, reply) in transfers {
+                    drop(reply.send(protocol::unless_busy(Err(e.clone()), policy)));
+                }
             }
         }
     }

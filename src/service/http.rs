@@ -226,6 +226,20 @@ async fn refuse_or_transfer(
         }
     };
     let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
+    // A settled key (a replay, another body) is answered by a reader,
+    // without queueing behind the writer's group commits.
+    if app.executor.reads_apart() {
+        let (reply, answer) = oneshot::channel();
+        if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
+            return busy(app, note);
+        }
+        match answer.await {
+            Ok(Ok(Some(settled))) => return respond(settled, note),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => return store_error(&e, note),
+            Err(_) => return internal(note),
+        }
+    }
     let (reply, answer) = oneshot::channel();
     if !app.executor.submit(Job::Transfer { req: parsed, reply }) {
         return busy(app, note);
@@ -348,7 +362,7 @@ async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Re
     let not_found = |note: &mut Note| problem(StatusCode::NOT_FOUND, "not_found", "No such transfer.", note);
     let Ok(transfer_id) = id.parse::<i64>() else { return not_found(note) };
     let (reply, answer) = oneshot::channel();
-    if !app.executor.submit(Job::Lookup { client_id: client, transfer_id, reply }) {
+    if !app.executor.submit_read(Job::Lookup { client_id: client, transfer_id, reply }) {
         return busy(app, note);
     }
     match answer.await {
@@ -361,7 +375,7 @@ async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Re
 
 async fn health(app: &App) -> Reply {
     let (reply, answer) = oneshot::channel();
-    let healthy = app.executor.submit(Job::Ping { reply }) && matches!(answer.await, Ok(Ok(())));
+    let healthy = app.executor.submit_read(Job::Ping { reply }) && matches!(answer.await, Ok(Ok(())));
     match healthy {
         true => text(StatusCode::OK, "application/json", r#"{"status":"ok"}"#.into()),
         false => {

@@ -14,7 +14,7 @@ pub mod metrics;
 
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::store::{self, StoreError, Usage, pg};
+use crate::store::StoreError;
 use executor::{Clock, Executor};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -35,7 +35,8 @@ pub struct Options {
     pub db: String,
     pub listen: String,
     pub clients: PathBuf,
-    /// Connections to PostgreSQL (each with a worker thread); SQLite has one.
+    /// Connections to PostgreSQL (each with a worker thread); SQLite has one
+    /// writer and two readers.
     pub pool: usize,
     /// Transfers answered at once; more get 503 at once.
     pub max_in_flight: usize,
@@ -92,11 +93,7 @@ pub fn load_clients(path: &std::path::Path, policy: &Policy) -> Result<HashMap<S
 /// Runs the service until SIGTERM or Ctrl-C.
 pub fn run(options: Options, policy: &'static Policy, clock: Clock) -> Result<(), ServeError> {
     let clients = load_clients(&options.clients, policy)?;
-    // SQLite has one writer: one connection does every write, in order.
-    let connections = if pg::is_postgres(&options.db) { options.pool.max(1) } else { 1 };
-    let stores = (0..connections)
-        .map(|_| store::open(&options.db, policy, Usage::LongLived))
-        .collect::<Result<Vec<_>, _>>()?;
+    let stores = executor::Stores::open(&options.db, options.pool, policy)?;
     let executor = Executor::start(stores, options.max_in_flight.max(1) * 2, policy, clock)?;
     let app = Arc::new(http::App::new(clients, executor, policy, options.max_in_flight.max(1)));
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
