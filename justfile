@@ -22,6 +22,18 @@ kill runs="3000":
 teeth:
     cargo test --release --test teeth -- --nocapture
 
+# The service under load: SQLite at 1, 8, 64, 256 connections, the limits, growth.
+bench-serve:
+    cargo bench --bench serve
+
+# The same on PostgreSQL too (a local cluster, an empty database), beside pgbench.
+bench-serve-pg:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    base=$(tools/pg-local start)
+    psql "$base" -qc "DROP DATABASE IF EXISTS idem_bench" -c "CREATE DATABASE idem_bench"
+    IDEM_BENCH_PG="${base/dbname=postgres/dbname=idem_bench}" cargo bench --bench serve
+
 # Mutation testing (slow: about an hour each). Settings in .cargo/mutants.toml.
 mutants:
     IDEM_BACKENDS=sqlite cargo mutants

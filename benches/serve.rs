@@ -1,0 +1,474 @@
+//! `cargo bench --bench serve` (or `just bench-serve`): a real `idem serve`
+//! on loopback under a load generator in this file (keep-alive HTTP/1.1
+//! connections, one thread each), at 1, 8, 64 and 256 connections, and the
+//! limits measured in the same run.
+//!
+//! For each connection count: new transfers per second with p50 / p99 /
+//! max latency, replays per second, and a realistic mix (10% retries, 1%
+//! retries with the amount changed). After every run the database is
+//! checked: transfers must equal the distinct keys that got a fresh 201, and
+//! the balances must be conserved; a fast wrong answer fails the bench.
+//!
+//! Limits: the disk's fsync rate; on PostgreSQL (`IDEM_BENCH_PG=<conninfo>`
+//! of an empty database, or `just bench-serve-pg`), pgbench running the
+//! same two transactions (claim, then the fenced execution) at the same
+//! client counts. Then: peak RSS of the server, growth (request cost with
+//! 10^4 and `IDEM_BENCH_KEYS` keys, default 10^6), the retention purge's
+//! longest batch, and with `IDEM_BENCH_SOAK=<seconds>` a memory soak.
+//! `IDEM_BENCH_SECONDS` sets each phase's length (default 3).
+
+use rusqlite::Connection;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+const IDEM: &str = env!("CARGO_BIN_EXE_idem");
+const TOKEN: &str = "tok-bench";
+const ACCOUNTS: usize = 1000;
+const CONNECTIONS: [usize; 4] = [1, 8, 64, 256];
+
+fn seconds() -> Duration {
+    Duration::from_secs_f64(
+        std::env::var("IDEM_BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3.0),
+    )
+}
+
+struct Server {
+    child: Child,
+    address: String,
+}
+
+impl Server {
+    fn start(db: &str, dir: &Path) -> Server {
+        let clients = dir.join("clients.json");
+        std::fs::write(&clients, format!("{{\"{TOKEN}\": \"bench\"}}")).unwrap();
+        let mut child = Command::new(IDEM)
+            .args(["serve", "--db", db, "--listen", "127.0.0.1:0", "--pool", "64", "--clients"])
+            .arg(&clients)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        Server { child, address: line.trim().trim_start_matches("http://").to_owned() }
+    }
+
+    /// The server's peak resident memory so far, in MiB.
+    fn peak_rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        let kib = status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok());
+        kib.unwrap_or(0.0) / 1024.0
+    }
+
+    fn rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        let kib = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok());
+        kib.unwrap_or(0.0) / 1024.0
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection, as lean as a load generator can be.
+struct Conn {
+    stream: BufReader<TcpStream>,
+}
+
+impl Conn {
+    fn open(address: &str) -> Conn {
+        let stream = TcpStream::connect(address).unwrap();
+        stream.set_nodelay(true).unwrap();
+        Conn { stream: BufReader::new(stream) }
+    }
+
+    /// Posts a transfer; returns (status, replayed, transfer_id).
+    fn post(&mut self, key: &str, body: &str) -> (u16, bool, Option<i64>) {
+        let request = format!(
+            "POST /v1/transfers HTTP/1.1\r\nHost: b\r\nAuthorization: Bearer {TOKEN}\r\nIdempotency-Key: \"{key}\"\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        self.stream.get_mut().write_all(request.as_bytes()).unwrap();
+        let (mut status, mut length, mut replayed) = (0, 0, false);
+        let mut line = String::new();
+        loop {
+            line.clear();
+            self.stream.read_line(&mut line).unwrap();
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some(rest) = l.strip_prefix("HTTP/1.1 ") {
+                status = rest[..3].parse().unwrap();
+            } else if let Some((name, value)) = l.split_once(':') {
+                match name.to_ascii_lowercase().as_str() {
+                    "content-length" => length = value.trim().parse().unwrap(),
+                    "idempotent-replayed" => replayed = true,
+                    _ => {}
+                }
+            }
+        }
+        let mut body = vec![0; length];
+        self.stream.read_exact(&mut body).unwrap();
+        let id =
+            serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v["transfer_id"].as_i64());
+        (status, replayed, id)
+    }
+}
+
+fn body(i: u64, amount: i64) -> String {
+    let src = i as usize % ACCOUNTS;
+    let dst = (src + 1 + (i as usize / ACCOUNTS) % (ACCOUNTS - 1)) % ACCOUNTS;
+    format!(r#"{{"src":"a{src}","dst":"a{dst}","amount":{amount},"currency":"KRW"}}"#)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Phase {
+    New,
+    Replay,
+    /// 89% new, 10% a retry of a completed key, 1% that retry with another amount.
+    Mix,
+}
+
+#[derive(Default)]
+struct Tally {
+    latencies_us: Vec<u32>,
+    fresh: Vec<String>,
+    replays: u64,
+    mismatches: u64,
+    other: Vec<u16>,
+}
+
+/// `connections` threads hammer the server for `seconds()`; returns the
+/// merged tally and the elapsed time.
+fn load(
+    address: &str,
+    connections: usize,
+    phase: Phase,
+    run: &str,
+    completed: &[Vec<String>],
+) -> (Tally, Duration) {
+    let barrier = Arc::new(Barrier::new(connections + 1));
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..connections)
+        .map(|c| {
+            let (address, barrier, stop, run) =
+                (address.to_owned(), barrier.clone(), stop.clone(), run.to_owned());
+            let done: Vec<String> = completed.get(c).cloned().unwrap_or_default();
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(&address);
+                let mut tally = Tally::default();
+                let mut rng = idem::rng::Rng::new(c as u64 + 1);
+                barrier.wait();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let roll = rng.below(100);
+                    let old = (!done.is_empty()).then(|| &done[rng.below(done.len() as u64) as usize]);
+                    let (key, amount) = match (phase, old) {
+                        (Phase::Replay, Some(k)) => (k.clone(), 1),
+                        (Phase::Mix, Some(k)) if roll < 10 => (k.clone(), 1),
+                        (Phase::Mix, Some(k)) if roll < 11 => (k.clone(), 2),
+                        _ => (format!("{run}-{c}-{i}"), 1),
+                    };
+                    let n = key.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+                    let started = Instant::now();
+                    let (status, replayed, _) = conn.post(&key, &body(n, amount));
+                    tally.latencies_us.push(started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+                    match (status, replayed) {
+                        (201, false) => tally.fresh.push(key),
+                        (201, true) => tally.replays += 1,
+                        (422, _) => tally.mismatches += 1,
+                        (s, _) => tally.other.push(s),
+                    }
+                }
+                tally
+            })
+        })
+        .collect();
+    barrier.wait();
+    let started = Instant::now();
+    std::thread::sleep(seconds());
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Tally::default();
+    for w in workers {
+        let t = w.join().unwrap();
+        all.latencies_us.extend(t.latencies_us);
+        all.fresh.extend(t.fresh);
+        all.replays += t.replays;
+        all.mismatches += t.mismatches;
+        all.other.extend(t.other);
+    }
+    (all, started.elapsed())
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 - 1.0) * p) as usize).map_or(0.0, |v| f64::from(*v) / 1000.0)
+}
+
+/// The database's verdict: distinct fresh 201s = transfers, money conserved.
+fn verify(db: &str, fresh_total: usize) {
+    let (transfers, balances) = idem::harness::day::bank::ledger(db).unwrap();
+    assert_eq!(transfers.len(), fresh_total, "transfers differ from the distinct keys answered 201");
+    assert_eq!(balances.values().sum::<i64>(), ACCOUNTS as i64 * 1_000_000_000_000, "money not conserved");
+}
+
+fn accounts() -> Vec<idem::harness::day::bank::Account> {
+    (0..ACCOUNTS)
+        .map(|i| idem::harness::day::bank::Account {
+            id: format!("a{i}"),
+            holder: "h".into(),
+            balance: 1_000_000_000_000,
+        })
+        .collect()
+}
+
+/// The load table for one store; returns the new-transfer rates by connections.
+fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
+    idem::harness::day::bank::create(db, &accounts()).unwrap();
+    let server = Server::start(db, dir);
+    println!("\n## idem serve on {name}\n");
+    println!(
+        "| connections | new/s | p50 | p99 | max | replays/s | mix/s (10% retries, 1% changed) | checked |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---|");
+    let mut fresh_total = 0;
+    let mut rates = Vec::new();
+    for connections in CONNECTIONS {
+        let (new, took) = load(&server.address, connections, Phase::New, &format!("new{connections}"), &[]);
+        assert!(new.other.is_empty(), "unexpected answers {:?}", &new.other[..new.other.len().min(5)]);
+        fresh_total += new.fresh.len();
+        let mut lat = new.latencies_us.clone();
+        lat.sort_unstable();
+        let new_rate = new.fresh.len() as f64 / took.as_secs_f64();
+        // each connection replays keys it made
+        let per: Vec<Vec<String>> = (0..connections)
+            .map(|c| {
+                new.fresh.iter().filter(|k| k.split('-').nth(1) == Some(&c.to_string())).cloned().collect()
+            })
+            .collect();
+        let (replay, took_r) = load(&server.address, connections, Phase::Replay, "unused", &per);
+        let replay_rate = replay.replays as f64 / took_r.as_secs_f64();
+        let (mix, took_m) =
+            load(&server.address, connections, Phase::Mix, &format!("mix{connections}"), &per);
+        fresh_total += mix.fresh.len();
+        let mix_rate = mix.latencies_us.len() as f64 / took_m.as_secs_f64();
+        verify(db, fresh_total);
+        println!(
+            "| {connections} | {new_rate:.0} | {:.2} ms | {:.2} ms | {:.1} ms | {replay_rate:.0} | {mix_rate:.0} | {} transfers = distinct fresh 201s, money conserved |",
+            percentile(&lat, 0.5),
+            percentile(&lat, 0.99),
+            percentile(&lat, 1.0),
+            fresh_total
+        );
+        rates.push((connections, new_rate, replay_rate));
+        if connections == 256 {
+            println!(
+                "\nPeak RSS of the server after the 256-connection run: {:.1} MiB.",
+                server.peak_rss_mib()
+            );
+        }
+    }
+    if let Some(soak) = std::env::var("IDEM_BENCH_SOAK").ok().and_then(|s| s.parse::<u64>().ok()) {
+        println!("\nSoak: 64 connections of the mix for {soak} s, RSS every tenth:");
+        let mut samples = Vec::new();
+        let until = Instant::now() + Duration::from_secs(soak);
+        let mut n = 0;
+        while Instant::now() < until {
+            n += 1;
+            let (mix, _) = load(&server.address, 64, Phase::Mix, &format!("soak{n}"), &[]);
+            fresh_total += mix.fresh.len();
+            samples.push(format!("{:.1}", server.rss_mib()));
+        }
+        verify(db, fresh_total);
+        println!("RSS MiB: {}", samples.join(" → "));
+    }
+    rates
+}
+
+/// The disk's own limit: overwrite 4 KiB and fdatasync, as a reused WAL does.
+fn fsync_rate(dir: &Path) -> f64 {
+    let file = std::fs::File::create(dir.join("fsync.bin")).unwrap();
+    let block = vec![7u8; 4096];
+    let mut times = Vec::new();
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        let started = Instant::now();
+        use std::os::unix::fs::FileExt;
+        file.write_all_at(&block, 0).unwrap();
+        file.sync_data().unwrap();
+        times.push(started.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    1.0 / times[times.len() / 2]
+}
+
+/// pgbench running the same two transactions as a transfer at `clients`.
+fn pgbench(conninfo: &str, clients: usize, dir: &Path) -> Option<f64> {
+    let bin = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .chain(
+            std::fs::read_dir("/usr/lib/postgresql")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path().join("bin")),
+        )
+        .map(|d| d.join("pgbench"))
+        .find(|p| p.is_file())?;
+    let script = dir.join("transfer.sql");
+    std::fs::write(
+        &script,
+        "\\set k random(1, 2000000000)\n\\set src random(0, 999)\n\\set dst (:src + 1) % 1000\n\
+         BEGIN;\nSET LOCAL synchronous_commit = off;\n\
+         INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)\n\
+           VALUES ('pgbench', '/v1/transfers', :client_id || '-' || :k, 'fp', 'in_progress', 't' || :k, '2026', '2026')\n\
+           ON CONFLICT DO NOTHING;\nCOMMIT;\n\
+         BEGIN;\n\
+         SELECT state FROM idem_key WHERE client_id = 'pgbench' AND endpoint = '/v1/transfers' AND idem_key = :client_id || '-' || :k FOR UPDATE;\n\
+         SELECT balance FROM account WHERE acct_id = 'a' || least(:src, :dst) FOR UPDATE;\n\
+         SELECT balance FROM account WHERE acct_id = 'a' || greatest(:src, :dst) FOR UPDATE;\n\
+         INSERT INTO transfer (src, dst, amount, currency, created_at) VALUES ('a' || :src, 'a' || :dst, 1, 'KRW', '2026') RETURNING transfer_id AS tid \\gset\n\
+         UPDATE account SET balance = balance - 1 WHERE acct_id = 'a' || :src AND balance >= 1;\n\
+         UPDATE account SET balance = balance + 1 WHERE acct_id = 'a' || :dst;\n\
+         UPDATE idem_key SET state = 'completed', status = 201, body = '{}', transfer_id = :tid, completed_at = '2026'\n\
+           WHERE client_id = 'pgbench' AND endpoint = '/v1/transfers' AND idem_key = :client_id || '-' || :k AND token = 't' || :k;\n\
+         COMMIT;\n",
+    )
+    .unwrap();
+    let threads = clients.min(2).to_string();
+    let out = Command::new(bin)
+        .args(["-n", "-f"])
+        .arg(&script)
+        .args(["-c", &clients.to_string(), "-j", &threads, "-T", &seconds().as_secs().max(1).to_string()])
+        .arg(conninfo)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().find(|l| l.starts_with("tps = ")).and_then(|l| l.split_whitespace().nth(2)?.parse().ok())
+}
+
+/// Request cost (fresh transfer, in process, production durability) with
+/// `keys` keys already in the table; and the longest purge batch.
+fn growth(dir: &Path, keys: usize) -> (f64, f64) {
+    use idem::policy::Policy;
+    use idem::protocol::{self, Ctx, Flow};
+    let db = dir.join(format!("growth-{keys}.db"));
+    let spec = db.to_string_lossy().into_owned();
+    idem::harness::day::bank::create(&spec, &accounts()).unwrap();
+    let policy = Policy::embedded();
+    let mut store = idem::store::sqlite::SqliteStore::open(&db, policy).unwrap();
+    {
+        let conn = Connection::open(&db).unwrap();
+        conn.execute_batch("BEGIN").unwrap();
+        let mut insert = conn
+            .prepare(
+                "INSERT INTO idem_key VALUES ('c', '/v1/transfers', ?1, 'fp', 'completed', 't', ?2, ?2, 201, NULL, '{}', NULL, ?2)",
+            )
+            .unwrap();
+        for i in 0..keys {
+            // the first half is past retention, the rest inside it
+            let at = if i < keys / 2 { "2026-11-01T00:00:00.000000Z" } else { "2026-11-30T00:00:00.000000Z" };
+            insert.execute((format!("pre-{i:09}"), at)).unwrap();
+        }
+        drop(insert);
+        conn.execute_batch("COMMIT").unwrap();
+    }
+    let now = idem::clock::Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
+    let mut times = Vec::new();
+    for i in 0..300 {
+        let text = format!(
+            r#"{{"client_id":"c","endpoint":"/v1/transfers","idem_key":"probe-{i}","body":{}}}"#,
+            body(i, 1)
+        );
+        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
+        let started = Instant::now();
+        protocol::handle(&mut store, &req, Ctx { policy, now, token: &format!("t{i}") }, &mut |_| {
+            Flow::Continue
+        })
+        .unwrap();
+        times.push(started.elapsed().as_secs_f64() * 1e6);
+    }
+    times.sort_by(f64::total_cmp);
+    // the operator's purge: batches of 500, each timed
+    let cut = now.plus_seconds(-policy.retention_seconds());
+    let mut longest: f64 = 0.0;
+    loop {
+        let started = Instant::now();
+        let n = idem::store::atomically(&mut store, idem::store::Durability::Durable, policy, |tx| {
+            tx.purge(cut, 500).map(idem::store::End::Commit)
+        })
+        .unwrap();
+        longest = longest.max(started.elapsed().as_secs_f64() * 1e3);
+        if n < 500 {
+            break;
+        }
+    }
+    (times[times.len() / 2], longest)
+}
+
+fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    println!(
+        "idem serve benchmark: {} cores, {} s per phase",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        seconds().as_secs_f64()
+    );
+    let fsync = fsync_rate(dir);
+    println!("\nThe disk: overwrite 4 KiB + fdatasync, median: {fsync:.0}/s.");
+
+    let sqlite = dir.join("serve.db").to_string_lossy().into_owned();
+    let rates = serve_table("SQLite (group commit)", &sqlite, dir);
+    let single = rates[0].1;
+    println!("\n| ratio | value | target |\n|---|---:|---|");
+    let at64 = rates.iter().find(|r| r.0 == 64).map_or(0.0, |r| r.1);
+    println!("| new/s at 64 connections ÷ fsync rate | {:.2}× | ≥ 4× |", at64 / fsync);
+    let best_replay = rates.iter().map(|r| r.2).fold(0.0, f64::max);
+    println!("| best replays/s ÷ new/s at 1 connection | {:.1}× | ≥ 20× |", best_replay / single);
+
+    if let Ok(pg) = std::env::var("IDEM_BENCH_PG") {
+        let pg_rates = serve_table("PostgreSQL", &pg, dir);
+        println!(
+            "\n| clients | idem serve new/s | pgbench, same transactions, tps | ratio | target |\n|---:|---:|---:|---:|---|"
+        );
+        for clients in [8, 64] {
+            let ours = pg_rates.iter().find(|r| r.0 == clients).map_or(0.0, |r| r.1);
+            match pgbench(&pg, clients, dir) {
+                Some(tps) => {
+                    println!("| {clients} | {ours:.0} | {tps:.0} | {:.0}% | ≥ 75% |", 100.0 * ours / tps)
+                }
+                None => println!("| {clients} | {ours:.0} | (pgbench not found) | | |"),
+            }
+        }
+    }
+
+    let big: usize = std::env::var("IDEM_BENCH_KEYS").ok().and_then(|s| s.parse().ok()).unwrap_or(1_000_000);
+    let (small_us, small_purge) = growth(dir, 10_000);
+    let (big_us, big_purge) = growth(dir, big);
+    println!(
+        "\n| keys in the table | new transfer, in process | longest purge batch (500 keys) |\n|---:|---:|---:|"
+    );
+    println!("| 10^4 | {small_us:.0} µs | {small_purge:.1} ms |");
+    println!(
+        "| {big} | {big_us:.0} µs ({:.2}× of 10^4; target ≤ 1.5×) | {big_purge:.1} ms (target ≤ 50 ms) |",
+        big_us / small_us
+    );
+}
