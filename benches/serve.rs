@@ -43,12 +43,13 @@ struct Server {
 }
 
 impl Server {
-    fn start(db: &str, dir: &Path) -> Server {
+    fn start(db: &str, dir: &Path, extra: &[&str]) -> Server {
         let clients = dir.join("clients.json");
         std::fs::write(&clients, format!("{{\"{TOKEN}\": \"bench\"}}")).unwrap();
         let mut child = Command::new(IDEM)
             .args(["serve", "--db", db, "--listen", "127.0.0.1:0", "--pool", "64", "--clients"])
             .arg(&clients)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -242,7 +243,7 @@ fn accounts() -> Vec<idem::harness::day::bank::Account> {
 /// The load table for one store; returns the new-transfer rates by connections.
 fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
     idem::harness::day::bank::create(db, &accounts()).unwrap();
-    let server = Server::start(db, dir);
+    let server = Server::start(db, dir, &[]);
     println!("\n## idem serve on {name}\n");
     println!(
         "| connections | new/s | p50 | p99 | max | replays/s | mix/s (10% retries, 1% changed) | checked |"
@@ -438,9 +439,20 @@ fn main() {
     let sqlite = dir.join("serve.db").to_string_lossy().into_owned();
     let rates = serve_table("SQLite (group commit)", &sqlite, dir);
     let single = rates[0].1;
+    // The same store without group commit, in the same run: one commit, one
+    // fsync, per transfer.
+    let alone = dir.join("alone.db").to_string_lossy().into_owned();
+    idem::harness::day::bank::create(&alone, &accounts()).unwrap();
+    let server = Server::start(&alone, dir, &["--group-max", "1"]);
+    let (tally, took) = load(&server.address, 64, Phase::New, "alone", &[]);
+    drop(server);
+    verify(&alone, tally.fresh.len());
+    let alone_rate = tally.fresh.len() as f64 / took.as_secs_f64();
+    println!("\nWithout group commit (--group-max 1), 64 connections: {alone_rate:.0} new/s.");
     println!("\n| ratio | value | target |\n|---|---:|---|");
     let at64 = rates.iter().find(|r| r.0 == 64).map_or(0.0, |r| r.1);
     println!("| new/s at 64 connections ÷ fsync rate | {:.2}× | ≥ 4× |", at64 / fsync);
+    println!("| new/s at 64 connections ÷ the same without group commit | {:.2}× | |", at64 / alone_rate);
     let best_replay = rates.iter().map(|r| r.2).fold(0.0, f64::max);
     println!("| best replays/s ÷ new/s at 1 connection | {:.1}× | ≥ 20× |", best_replay / single);
 

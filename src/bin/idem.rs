@@ -116,6 +116,9 @@ enum Command {
         /// Transfers answered at once; more get 503 busy at once.
         #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
         max_in_flight: u32,
+        /// SQLite: the most transfers one group commit (one fsync) carries; 1 commits each alone.
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+        group_max: u32,
     },
     /// Send one transfer over HTTP, retrying until a final answer or the budget runs out.
     ///
@@ -275,13 +278,14 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             let purged = protocol::purge_expired(&mut store, now, batch, policy)?;
             println!("{}", json!({"purged": purged}));
         }
-        Command::Serve { db, listen, clients, pool, max_in_flight } => {
+        Command::Serve { db, listen, clients, pool, max_in_flight, group_max } => {
             let options = idem::service::Options {
                 db,
                 listen,
                 clients,
                 pool: usize::from(pool),
                 max_in_flight: max_in_flight as usize,
+                group_max: group_max as usize,
             };
             let clock = idem::service::clock_from_env().map_err(|e| DayError(e.to_string()))?;
             idem::service::run(options, policy, clock).map_err(|e| DayError(e.to_string()))?;

@@ -24,8 +24,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use tokio::sync::oneshot;
 
-/// The most transfers one group commit carries.
-const GROUP_MAX: usize = 256;
 /// Reader connections beside the SQLite writer.
 const READERS: usize = 2;
 
@@ -119,10 +117,12 @@ fn spawn(name: String, work: impl FnOnce() + Send + 'static) -> std::io::Result<
 }
 
 impl Executor {
-    /// Starts the workers for `stores`, with queues of `capacity` jobs.
+    /// Starts the workers for `stores`, with queues of `capacity` jobs; on
+    /// SQLite a group commit carries at most `group_max` transfers.
     pub fn start(
         stores: Stores,
         capacity: usize,
+        group_max: usize,
         policy: &'static Policy,
         clock: Clock,
     ) -> std::io::Result<Self> {
@@ -134,7 +134,7 @@ impl Executor {
                 let (reads, read_jobs) = queue(capacity);
                 let clock_w = clock.clone();
                 workers.push(spawn("idem-writer".into(), move || {
-                    write_in_groups(writer, &write_jobs, policy, &clock_w, crash)
+                    write_in_groups(writer, &write_jobs, group_max.max(1), policy, &clock_w, crash)
                 })?);
                 for (i, reader) in readers.into_iter().enumerate() {
                     let (jobs, clock) = (read_jobs.clone(), clock.clone());
@@ -233,7 +233,7 @@ fn one_at_a_time<S: Store>(mut store: S, jobs: &Mutex<Receiver<Job>>, policy: &P
     }
 }
 
-/// The SQLite writer: takes every transfer waiting (up to [`GROUP_MAX`]),
+/// The SQLite writer: takes every transfer waiting (up to `group_max`),
 /// runs them in one group, commits once, then answers them all.
 ///
 /// Why no answer leaves early: the answers are only handed back after
@@ -246,6 +246,7 @@ fn one_at_a_time<S: Store>(mut store: S, jobs: &Mutex<Receiver<Job>>, policy: &P
 fn write_in_groups(
     mut store: SqliteStore,
     jobs: &Mutex<Receiver<Job>>,
+    group_max: usize,
     policy: &Policy,
     clock: &Clock,
     crash: Option<Crash>,
@@ -254,7 +255,7 @@ fn write_in_groups(
         let mut group = vec![first];
         {
             let queue = jobs.lock().unwrap_or_else(|e| e.into_inner());
-            while group.len() < GROUP_MAX {
+            while group.len() < group_max {
                 match queue.try_recv() {
                     Ok(job) => group.push(job),
                     Err(_) => break,

@@ -40,6 +40,8 @@ pub struct Options {
     pub pool: usize,
     /// Transfers answered at once; more get 503 at once.
     pub max_in_flight: usize,
+    /// SQLite: the most transfers one group commit carries (1: a commit each).
+    pub group_max: usize,
 }
 
 /// Why the service could not start (or stop cleanly).
@@ -94,7 +96,8 @@ pub fn load_clients(path: &std::path::Path, policy: &Policy) -> Result<HashMap<S
 pub fn run(options: Options, policy: &'static Policy, clock: Clock) -> Result<(), ServeError> {
     let clients = load_clients(&options.clients, policy)?;
     let stores = executor::Stores::open(&options.db, options.pool, policy)?;
-    let executor = Executor::start(stores, options.max_in_flight.max(1) * 2, policy, clock)?;
+    let executor =
+        Executor::start(stores, options.max_in_flight.max(1) * 2, options.group_max, policy, clock)?;
     let app = Arc::new(http::App::new(clients, executor, policy, options.max_in_flight.max(1)));
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let served = runtime.block_on(serve(&options.listen, app.clone()));
