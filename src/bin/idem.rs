@@ -191,6 +191,19 @@ enum Command {
         #[arg(long, default_value = "20s", value_parser = parse_duration)]
         budget: std::time::Duration,
     },
+    /// Judge any implementation of the same job: one line per property, PASS or FAIL.
+    ///
+    /// --engine "CMD …": a program of the lab's contract (CMD --db DB
+    /// --request REQ [--crash-after-claim], CMD --db DB --purge-before T),
+    /// run on databases this check builds with its own random accounts,
+    /// amounts and keys. Each failure shows the steps that show it. Exit 1 on
+    /// any failure; --seed reproduces a run.
+    Check {
+        #[arg(long, value_name = "CMD")]
+        engine: String,
+        #[arg(long)]
+        seed: Option<u64>,
+    },
     /// The idem_api contract itself (`idem api --db DB --request REQ`).
     #[command(hide = true)]
     Api {
@@ -346,6 +359,23 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             println!("wrote {}", out.join("chaos_report.md").display());
             if !s.exactly_once() {
                 return Err(DayError("NOT exactly once: see chaos_report.md".into()));
+            }
+        }
+        Command::Check { engine, seed } => {
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            });
+            println!("idem check --engine {engine:?} --seed {seed}");
+            let engine: Vec<String> = engine.split_whitespace().map(String::from).collect();
+            let results = idem::harness::check::check_engine(&engine, seed);
+            if !idem::harness::check::report(&results) {
+                let failed = results.iter().filter(|(_, v)| v.is_err()).count();
+                return Err(DayError(format!(
+                    "{failed} of {} properties failed (rerun with --seed {seed})",
+                    results.len()
+                )));
             }
         }
         Command::Api { args } => return Ok(idem::api::main(std::iter::once("idem_api".into()).chain(args))),

@@ -5,6 +5,7 @@
 //! under `tests/`.
 
 pub mod chaos;
+pub mod check;
 pub mod day;
 pub mod proxy;
 pub mod race;

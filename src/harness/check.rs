@@ -1,0 +1,418 @@
+//! `idem check`: the harness pointed at anyone's implementation. Each
+//! property builds its own database with its own random accounts, amounts
+//! and keys (from `--seed`), drives the implementation, and judges every
+//! answer, the transfer table and the balances against what it computed
+//! itself. A failing property shows the shortest request sequence that
+//! shows it: its own steps, each with the answer it got.
+//!
+//! Two targets: a command that speaks the lab's contract
+//! (`CMD --db DB --request REQ [--crash-after-claim]`, `CMD --db DB
+//! --purge-before T`), on SQLite databases this module builds; or an HTTP
+//! service (`--url`), judged by the IETF draft and DESIGN §2, with the
+//! choices the draft leaves open read from a [`Profile`].
+
+use super::DayError;
+use super::day::bank;
+use super::race;
+use crate::rng::Rng;
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::process::Command;
+
+/// One property's verdict: `Err` holds the steps that show the failure.
+pub type Verdict = Result<(), Vec<String>>;
+
+/// The steps of a property, for its failure report.
+#[derive(Default)]
+struct Trace(Vec<String>);
+
+impl Trace {
+    fn step(&mut self, what: impl Into<String>) {
+        self.0.push(what.into());
+    }
+    fn fail(mut self, why: impl Into<String>) -> Verdict {
+        self.0.push(format!("=> FAIL: {}", why.into()));
+        Err(self.0)
+    }
+}
+
+macro_rules! expect {
+    ($trace:expr, $cond:expr, $($why:tt)+) => {
+        if !$cond {
+            return Ok($trace.fail(format!($($why)+)));
+        }
+    };
+}
+
+/// An answer of the lab's contract.
+#[derive(Debug, Clone)]
+struct Answer {
+    code: Option<i32>,
+    stdout: String,
+    json: Value,
+}
+
+impl Answer {
+    fn status(&self) -> i64 {
+        self.json["status"].as_i64().unwrap_or(-1)
+    }
+    fn replay(&self) -> bool {
+        self.json["replay"].as_bool().unwrap_or(false)
+    }
+    fn reason(&self) -> &str {
+        self.json["reason"].as_str().unwrap_or("")
+    }
+    fn transfer_id(&self) -> Option<i64> {
+        self.json["body"]["transfer_id"].as_i64()
+    }
+    fn short(&self) -> String {
+        let text = self.stdout.trim();
+        let text: String = text.chars().take(160).collect();
+        format!("exit {:?}: {text}", self.code)
+    }
+}
+
+/// A fresh bank for one property: a SQLite file with random accounts.
+struct Bank {
+    _dir: tempfile_dir::Dir,
+    db: PathBuf,
+    ids: Vec<String>,
+    balances: Vec<i64>,
+    engine: Vec<String>,
+    files: std::cell::Cell<u32>,
+}
+
+/// A temporary directory removed on drop (the harness ships without the
+/// tempfile crate).
+mod tempfile_dir {
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new(tag: &str) -> std::io::Result<Dir> {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let path = std::env::temp_dir().join(format!("idem-check-{}-{tag}-{nanos}", std::process::id()));
+            std::fs::create_dir_all(&path)?;
+            Ok(Dir(path))
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Bank {
+    fn new(engine: &[String], rng: &mut Rng, tag: &str, accounts: usize) -> Result<Bank, DayError> {
+        let dir = tempfile_dir::Dir::new(tag)?;
+        let db = dir.0.join("bank.db");
+        let salt = rng.below(1 << 20);
+        let ids: Vec<String> = (0..accounts).map(|i| format!("acct-{salt:x}-{i}")).collect();
+        let balances: Vec<i64> = (0..accounts).map(|_| 10_000 + rng.below(990_000) as i64).collect();
+        let rows: Vec<bank::Account> = ids
+            .iter()
+            .zip(&balances)
+            .map(|(id, b)| bank::Account { id: id.clone(), holder: "check".into(), balance: *b })
+            .collect();
+        bank::create(&db.to_string_lossy(), &rows)?;
+        Ok(Bank { _dir: dir, db, ids, balances, engine: engine.to_vec(), files: std::cell::Cell::new(0) })
+    }
+
+    fn file(&self, text: &str) -> Result<PathBuf, DayError> {
+        self.files.set(self.files.get() + 1);
+        let path = self._dir.0.join(format!("req-{}.json", self.files.get()));
+        std::fs::write(&path, text)?;
+        Ok(path)
+    }
+
+    fn run(&self, args: &[&std::ffi::OsStr]) -> Result<Answer, DayError> {
+        let (program, rest) = self.engine.split_first().ok_or_else(|| DayError("empty --engine".into()))?;
+        let out = Command::new(program).args(rest).arg("--db").arg(&self.db).args(args).output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let json = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+        Ok(Answer { code: out.status.code(), stdout, json })
+    }
+
+    fn send(&self, text: &str, extra: &[&str]) -> Result<Answer, DayError> {
+        let file = self.file(text)?;
+        let mut args: Vec<&std::ffi::OsStr> = vec!["--request".as_ref(), file.as_os_str()];
+        args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
+        self.run(&args)
+    }
+
+    /// The balances now, in the order of `ids`, and the transfer rows.
+    fn ledger(&self) -> Result<(Vec<i64>, Vec<bank::TransferRow>), DayError> {
+        let (transfers, balances) = bank::ledger(&self.db.to_string_lossy())?;
+        Ok((self.ids.iter().map(|id| balances.get(id).copied().unwrap_or(i64::MIN)).collect(), transfers))
+    }
+}
+
+fn request(client: &str, key: &str, src: &str, dst: &str, amount: i64) -> String {
+    json!({"client_id": client, "endpoint": "/v1/transfers", "idem_key": key,
+           "body": {"src": src, "dst": dst, "amount": amount, "currency": "KRW"}})
+    .to_string()
+}
+
+/// The same request with its members reordered and re-spaced.
+fn reordered(client: &str, key: &str, src: &str, dst: &str, amount: i64) -> String {
+    format!(
+        "{{ \"body\" : {{ \"currency\":\"KRW\", \"amount\": {amount},\n \"dst\":\"{dst}\", \"src\":\"{src}\" }},\n\t\"idem_key\":\"{key}\", \"endpoint\":\"/v1/transfers\", \"client_id\":\"{client}\" }}"
+    )
+}
+
+/// The properties a lab-contract engine must have, by name.
+pub const ENGINE_PROPERTIES: [&str; 12] = [
+    "a new key moves the money once and answers 201",
+    "a retry replays the first answer byte for byte",
+    "a retry with members reordered and re-spaced replays",
+    "the same key with another amount is 422 and moves nothing",
+    "a retry after a crash after the claim is 409 and moves nothing",
+    "a malformed request is 400 and does not consume its key",
+    "unknown accounts and insufficient funds are stored and replayed",
+    "keys are scoped by client: one key string, two clients, two transfers",
+    "purge deletes keys created before the cut, offsets read correctly",
+    "processes released together on one key pay once",
+    "a burst on one hot account loses no update",
+    "hostile inputs: unreadable files exit 3, broken databases fail cleanly",
+];
+
+/// Runs every property against `engine`; returns each verdict.
+pub fn check_engine(engine: &[String], seed: u64) -> Vec<(&'static str, Verdict)> {
+    ENGINE_PROPERTIES
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut rng = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let verdict =
+                engine_property(i, engine, &mut rng).unwrap_or_else(|e| Err(vec![format!("=> FAIL: {e}")]));
+            (*name, verdict)
+        })
+        .collect()
+}
+
+fn key(rng: &mut Rng) -> String {
+    format!("key-{:012x}", rng.next_u64() & 0xffff_ffff_ffff)
+}
+
+fn engine_property(i: usize, engine: &[String], rng: &mut Rng) -> Result<Verdict, DayError> {
+    let bank = Bank::new(engine, rng, &format!("p{i}"), 3)?;
+    let (a, b) = (bank.ids[0].clone(), bank.ids[1].clone());
+    let amount = 1 + rng.below(bank.balances[0] as u64 / 4) as i64;
+    let k = key(rng);
+    let client = format!("client-{}", rng.below(1000));
+    let mut t = Trace::default();
+    let send = |t: &mut Trace, text: &str, extra: &[&str]| -> Result<Answer, DayError> {
+        let answer = bank.send(text, extra)?;
+        t.step(format!("send {}{} -> {}", short(text), extra.join(" "), answer.short()));
+        Ok(answer)
+    };
+    let moved = |amount: i64| {
+        let mut want = bank.balances.clone();
+        want[0] -= amount;
+        want[1] += amount;
+        want
+    };
+    Ok(match i {
+        0 => {
+            let r = send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            expect!(
+                t,
+                r.code == Some(0) && r.status() == 201 && !r.replay() && r.transfer_id().is_some(),
+                "wanted 201, a transfer_id, replay false"
+            );
+            let (balances, transfers) = bank.ledger()?;
+            expect!(
+                t,
+                transfers.len() == 1 && transfers[0].amount == amount,
+                "transfer table: {} rows",
+                transfers.len()
+            );
+            expect!(t, balances == moved(amount), "balances {balances:?}, wanted {:?}", moved(amount));
+            Ok(())
+        }
+        1 | 2 => {
+            let first = send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            let text = if i == 1 {
+                request(&client, &k, &a, &b, amount)
+            } else {
+                reordered(&client, &k, &a, &b, amount)
+            };
+            let again = send(&mut t, &text, &[])?;
+            expect!(
+                t,
+                again.replay() && again.status() == first.status(),
+                "wanted a replay of {}",
+                first.status()
+            );
+            let same = again.stdout.replacen("\"replay\":true", "\"replay\":false", 1) == first.stdout;
+            expect!(t, same, "the replay's bytes differ from the first answer");
+            let (balances, transfers) = bank.ledger()?;
+            expect!(t, transfers.len() == 1 && balances == moved(amount), "paid {} times", transfers.len());
+            Ok(())
+        }
+        3 => {
+            send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            let other = send(&mut t, &request(&client, &k, &a, &b, amount + 1), &[])?;
+            expect!(
+                t,
+                other.status() == 422 && other.reason() == "fingerprint_mismatch",
+                "wanted 422 fingerprint_mismatch"
+            );
+            let (balances, transfers) = bank.ledger()?;
+            expect!(t, transfers.len() == 1 && balances == moved(amount), "the changed amount moved money");
+            Ok(())
+        }
+        4 => {
+            let crashed = send(&mut t, &request(&client, &k, &a, &b, amount), &["--crash-after-claim"])?;
+            expect!(
+                t,
+                crashed.code != Some(0) && crashed.stdout.trim().is_empty(),
+                "a crash must exit non-zero and answer nothing"
+            );
+            let retry = send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            expect!(t, retry.status() == 409 && retry.reason() == "in_progress", "wanted 409 in_progress");
+            let (balances, transfers) = bank.ledger()?;
+            expect!(t, transfers.is_empty() && balances == bank.balances, "money moved without an execution");
+            Ok(())
+        }
+        5 => {
+            let bad = send(&mut t, &request(&client, &k, &a, &b, 0), &[])?;
+            expect!(
+                t,
+                bad.status() == 400 && bad.reason().starts_with("invalid_request"),
+                "wanted 400 invalid_request"
+            );
+            let good = send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            expect!(t, good.status() == 201 && !good.replay(), "the 400 consumed the key");
+            Ok(())
+        }
+        6 => {
+            let ghost = format!("ghost-{}", rng.below(1 << 30));
+            for (text, status, reason) in [
+                (request(&client, &k, &ghost, &b, 1), 404, "unknown_account"),
+                (
+                    request(&client, &format!("{k}-2"), &a, &b, bank.balances[0] + 1),
+                    402,
+                    "insufficient_funds",
+                ),
+            ] {
+                let first = send(&mut t, &text, &[])?;
+                expect!(t, first.status() == status && first.reason() == reason, "wanted {status} {reason}");
+                let again = send(&mut t, &text, &[])?;
+                expect!(
+                    t,
+                    again.status() == status && again.replay(),
+                    "the refusal was not stored and replayed"
+                );
+            }
+            let (balances, transfers) = bank.ledger()?;
+            expect!(t, transfers.is_empty() && balances == bank.balances, "a refusal moved money");
+            Ok(())
+        }
+        7 => {
+            let one = send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            let two = send(&mut t, &request(&format!("{client}-other"), &k, &a, &b, amount + 1), &[])?;
+            expect!(
+                t,
+                two.status() == 201 && !two.replay(),
+                "another client's key answered as if it were the first's"
+            );
+            expect!(t, two.transfer_id() != one.transfer_id(), "two clients share a transfer");
+            Ok(())
+        }
+        8 => {
+            send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            let now = crate::clock::Timestamp::now();
+            // an hour ago, as UTC; an hour ahead, written in +09:00
+            let before = now.plus_seconds(-3600).to_string();
+            let ahead = now.plus_seconds(3600);
+            let ahead_kst = kst(ahead);
+            for (cut, want) in [(before, 0), (ahead_kst, 1)] {
+                let out = bank.run(&["--purge-before".as_ref(), cut.as_ref()])?;
+                t.step(format!("purge-before {cut} -> {}", out.short()));
+                expect!(t, out.json["purged"].as_i64() == Some(want), "wanted {{\"purged\": {want}}}");
+            }
+            let again = send(&mut t, &request(&client, &k, &a, &b, amount), &[])?;
+            expect!(t, again.status() == 201 && !again.replay(), "a purged key must be new again");
+            Ok(())
+        }
+        9 => {
+            for round in 0..8 {
+                let file = bank.file(&request(&client, &format!("{k}-{round}"), &a, &b, 1))?;
+                let files = vec![file; 4];
+                let finished = race::release_together(&bank.engine, &bank.db, &files, &[])?;
+                let fresh = finished
+                    .iter()
+                    .filter(|f| f.stdout.contains("\"status\":201") && f.stdout.contains("\"replay\":false"))
+                    .count();
+                t.step(format!("round {round}: 4 processes at once, one request -> {fresh} fresh 201s"));
+                expect!(t, fresh == 1, "{fresh} processes executed the same key");
+            }
+            let (_, transfers) = bank.ledger()?;
+            expect!(t, transfers.len() == 8, "{} transfers for 8 keys", transfers.len());
+            Ok(())
+        }
+        10 => {
+            let files = (0..8)
+                .map(|p| bank.file(&request(&client, &format!("{k}-{p}"), &a, &b, 7)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let finished = race::release_together(&bank.engine, &bank.db, &files, &[])?;
+            let ok = finished.iter().filter(|f| f.stdout.contains("\"status\":201")).count();
+            t.step(format!("8 processes at once, 8 keys, one source account -> {ok} answered 201"));
+            let (balances, transfers) = bank.ledger()?;
+            let want = moved(7 * transfers.len() as i64);
+            expect!(t, transfers.len() == ok, "{} transfers, {ok} answered 201", transfers.len());
+            expect!(t, balances == want, "balances {balances:?}, wanted {want:?}: an update was lost");
+            Ok(())
+        }
+        _ => {
+            let missing = bank.run(&["--request".as_ref(), bank._dir.0.join("missing.json").as_os_str()])?;
+            t.step(format!("a missing request file -> {}", missing.short()));
+            expect!(t, missing.code == Some(3), "wanted exit 3");
+            let folder = bank.run(&["--request".as_ref(), bank._dir.0.as_os_str()])?;
+            t.step(format!("a directory as the request -> {}", folder.short()));
+            expect!(t, folder.code == Some(3), "wanted exit 3");
+            let garbage = send(&mut t, "{not json", &[])?;
+            expect!(t, garbage.code == Some(0) && garbage.status() == 400, "wanted 400, exit 0");
+            let broken = Bank::new(engine, rng, "broken", 2)?;
+            rusqlite::Connection::open(&broken.db)?.execute_batch("DROP TABLE account")?;
+            let out = broken.send(&request(&client, &k, &a, &b, 1), &[])?;
+            t.step(format!("a database without account -> {}", out.short()));
+            expect!(
+                t,
+                out.code != Some(0) && out.stdout.trim().is_empty(),
+                "wanted a clean failure: non-zero, nothing on stdout"
+            );
+            Ok(())
+        }
+    })
+}
+
+/// `t` written in +09:00, as a client in Seoul would.
+fn kst(t: crate::clock::Timestamp) -> String {
+    let local = t.plus_seconds(9 * 3600).to_string();
+    format!("{}+09:00", local.trim_end_matches('Z'))
+}
+
+fn short(text: &str) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat: String = flat.chars().take(140).collect();
+    format!("{flat} ")
+}
+
+/// Prints one line per property and the failing steps; `true` if all passed.
+pub fn report(results: &[(&str, Verdict)]) -> bool {
+    for (name, verdict) in results {
+        match verdict {
+            Ok(()) => println!("PASS  {name}"),
+            Err(steps) => {
+                println!("FAIL  {name}");
+                for step in steps {
+                    println!("        {step}");
+                }
+            }
+        }
+    }
+    results.iter().all(|(_, v)| v.is_ok())
+}
