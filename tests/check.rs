@@ -45,3 +45,64 @@ fn each_naive_engine_fails_the_property_its_mistake_breaks() {
         );
     }
 }
+
+/// Starts a server command (`idem serve` or a peer) on a fresh bank; returns
+/// its URL and the child.
+fn serve(program: &[&str], dir: &std::path::Path) -> (String, std::process::Child) {
+    use std::io::BufRead;
+    let db = dir.join("bank.db");
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance INTEGER);
+         INSERT INTO account VALUES ('A', 'a', 1000000000), ('B', 'b', 0);",
+    )
+    .unwrap();
+    let clients = dir.join("clients.json");
+    std::fs::write(&clients, r#"{"tok-1": "shop-1", "tok-2": "shop-2"}"#).unwrap();
+    let mut child = Command::new(program[0])
+        .args(&program[1..])
+        .arg("--db")
+        .arg(&db)
+        .args(["--listen", "127.0.0.1:0", "--clients"])
+        .arg(&clients)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    (line.trim().to_owned(), child)
+}
+
+fn check_url(url: &str) -> (Option<i32>, Vec<String>, String) {
+    let out = Command::new(IDEM)
+        .args(["check", "--url", url, "--token", "tok-1", "--token", "tok-2", "--seed", "5"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let failed = stdout.lines().filter_map(|l| l.strip_prefix("FAIL  ")).map(String::from).collect();
+    (out.status.code(), failed, stdout)
+}
+
+#[test]
+fn check_url_passes_idem_serve_and_catches_a_server_that_keeps_no_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, mut idem) = serve(&[IDEM, "serve"], dir.path());
+    let (code, failed, stdout) = check_url(&url);
+    idem.kill().unwrap();
+    assert_eq!((code, failed.len()), (Some(0), 0), "{stdout}");
+
+    let naive_dir = tempfile::tempdir().unwrap();
+    let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/naive_server.py");
+    let (url, mut child) = serve(&["python3", naive], naive_dir.path());
+    let (code, failed, stdout) = check_url(&url);
+    child.kill().unwrap();
+    assert_eq!(code, Some(1), "{stdout}");
+    for property in [
+        "a retry replays the first answer byte for byte, and says so",
+        "an answer lost after the commit is replayed on retry, not made again",
+        "many connections at once with one key: one answer, the others in flight or its replay",
+    ] {
+        assert!(failed.iter().any(|f| f == property), "{property}: {stdout}");
+    }
+}

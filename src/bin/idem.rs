@@ -198,9 +198,26 @@ enum Command {
     /// run on databases this check builds with its own random accounts,
     /// amounts and keys. Each failure shows the steps that show it. Exit 1 on
     /// any failure; --seed reproduces a run.
+    ///
+    /// --url URL --token T [--token T2]: an HTTP service, judged by the IETF
+    /// draft and DESIGN §2, with what the draft leaves open read from
+    /// --profile FILE (JSON: path, quote_key, replay_header, created_status,
+    /// mismatch_status, in_flight_status, missing_key_status).
     Check {
-        #[arg(long, value_name = "CMD")]
-        engine: String,
+        #[arg(long, value_name = "CMD", required_unless_present = "url", conflicts_with = "url")]
+        engine: Option<String>,
+        #[arg(long)]
+        url: Option<String>,
+        /// Bearer token(s); a second one checks the scope.
+        #[arg(long, requires = "url")]
+        token: Vec<String>,
+        /// Two accounts the service holds, the first with funds to spare.
+        #[arg(long, default_value = "A", requires = "url")]
+        src: String,
+        #[arg(long, default_value = "B", requires = "url")]
+        dst: String,
+        #[arg(long, requires = "url")]
+        profile: Option<PathBuf>,
         #[arg(long)]
         seed: Option<u64>,
     },
@@ -361,16 +378,38 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                 return Err(DayError("NOT exactly once: see chaos_report.md".into()));
             }
         }
-        Command::Check { engine, seed } => {
+        Command::Check { engine, url, token, src, dst, profile, seed } => {
+            use idem::harness::check;
             let seed = seed.unwrap_or_else(|| {
                 std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(1, |d| d.as_nanos() as u64)
             });
-            println!("idem check --engine {engine:?} --seed {seed}");
-            let engine: Vec<String> = engine.split_whitespace().map(String::from).collect();
-            let results = idem::harness::check::check_engine(&engine, seed);
-            if !idem::harness::check::report(&results) {
+            let results = match (engine, url) {
+                (Some(engine), _) => {
+                    println!("idem check --engine {engine:?} --seed {seed}");
+                    check::check_engine(
+                        &engine.split_whitespace().map(String::from).collect::<Vec<_>>(),
+                        seed,
+                    )
+                }
+                (None, Some(url)) => {
+                    println!("idem check --url {url} --seed {seed}");
+                    let profile = match profile {
+                        Some(file) => serde_json::from_str(&std::fs::read_to_string(&file)?)
+                            .map_err(|e| DayError(format!("{}: {e}", file.display())))?,
+                        None => check::Profile::default(),
+                    };
+                    if token.is_empty() {
+                        return Err(DayError("--url needs --token".into()));
+                    }
+                    let id = |s: String| s.parse::<i64>().map_or_else(|_| json!(s), |i| json!(i));
+                    let target = check::Target { url, tokens: token, src: id(src), dst: id(dst), profile };
+                    check::check_url(&target, seed)
+                }
+                (None, None) => return Err(DayError("give --engine or --url".into())),
+            };
+            if !check::report(&results) {
                 let failed = results.iter().filter(|(_, v)| v.is_err()).count();
                 return Err(DayError(format!(
                     "{failed} of {} properties failed (rerun with --seed {seed})",

@@ -416,3 +416,251 @@ pub fn report(results: &[(&str, Verdict)]) -> bool {
     }
     results.iter().all(|(_, v)| v.is_ok())
 }
+
+/// What an HTTP implementation chose where the draft leaves it open.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Profile {
+    /// The route that creates a transfer.
+    pub path: String,
+    /// Whether the key is sent as an sf-string (`"…"`) or bare.
+    pub quote_key: bool,
+    /// The header a replay carries (`None`: replays are not marked).
+    pub replay_header: Option<String>,
+    pub created_status: u16,
+    pub mismatch_status: u16,
+    pub in_flight_status: u16,
+    pub missing_key_status: u16,
+}
+
+impl Default for Profile {
+    /// DESIGN §2, idem's own choices.
+    fn default() -> Self {
+        Profile {
+            path: "/v1/transfers".into(),
+            quote_key: true,
+            replay_header: Some("idempotent-replayed".into()),
+            created_status: 201,
+            mismatch_status: 422,
+            in_flight_status: 409,
+            missing_key_status: 400,
+        }
+    }
+}
+
+/// The service under check and how to reach it.
+pub struct Target {
+    pub url: String,
+    /// One token, or two (for the scope property).
+    pub tokens: Vec<String>,
+    /// Two accounts the service holds, the first with funds to spare.
+    pub src: Value,
+    pub dst: Value,
+    pub profile: Profile,
+}
+
+struct Http {
+    status: u16,
+    replayed: bool,
+    body: String,
+}
+
+impl Http {
+    fn short(&self) -> String {
+        let body: String = self.body.chars().take(140).collect();
+        format!("{}{} {body}", self.status, if self.replayed { " (replayed)" } else { "" })
+    }
+}
+
+impl Target {
+    fn post(&self, via: &str, token: &str, key: Option<&str>, body: &str) -> Result<Http, String> {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(std::time::Duration::from_secs(20)))
+            .build()
+            .into();
+        let mut req = agent
+            .post(format!("{}{}", via.trim_end_matches('/'), self.profile.path))
+            .header("Authorization", format!("Bearer {token}"))
+            .header("Content-Type", "application/json");
+        if let Some(key) = key {
+            let value = if self.profile.quote_key { format!("\"{key}\"") } else { key.to_owned() };
+            req = req.header("Idempotency-Key", value);
+        }
+        let mut response = req.send(body).map_err(|e| e.to_string())?;
+        let replayed = self.profile.replay_header.as_ref().is_some_and(|h| {
+            response
+                .headers()
+                .get(h.as_str())
+                .is_some_and(|v| v.to_str().is_ok_and(|v| v.eq_ignore_ascii_case("true")))
+        });
+        let status = response.status().as_u16();
+        let body = response.body_mut().read_to_string().map_err(|e| e.to_string())?;
+        Ok(Http { status, replayed, body })
+    }
+
+    fn transfer(&self, amount: i64) -> String {
+        json!({"src": self.src, "dst": self.dst, "amount": amount, "currency": "KRW"}).to_string()
+    }
+}
+
+/// The properties an HTTP implementation must have, by name.
+pub const URL_PROPERTIES: [&str; 8] = [
+    "a new key is created",
+    "a retry replays the first answer byte for byte, and says so",
+    "a retry with members reordered and re-spaced replays",
+    "the same key with another body is refused (mismatch status)",
+    "a request without a key is refused",
+    "keys are scoped by client: one key string, two tokens, two transfers",
+    "many connections at once with one key: one answer, the others in flight or its replay",
+    "an answer lost after the commit is replayed on retry, not made again",
+];
+
+/// Runs every property against the service; returns each verdict.
+pub fn check_url(target: &Target, seed: u64) -> Vec<(&'static str, Verdict)> {
+    URL_PROPERTIES
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut rng = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            (*name, url_property(i, target, &mut rng).unwrap_or_else(|e| Err(vec![format!("=> FAIL: {e}")])))
+        })
+        .collect()
+}
+
+fn url_property(i: usize, target: &Target, rng: &mut Rng) -> Result<Verdict, String> {
+    let p = &target.profile;
+    let token = &target.tokens[0];
+    let k = format!("check-{:016x}", rng.next_u64());
+    let amount = 1 + rng.below(50) as i64;
+    let mut t = Trace::default();
+    let post = |t: &mut Trace, token: &str, key: Option<&str>, body: &str| -> Result<Http, String> {
+        let answer = target.post(&target.url, token, key, body)?;
+        t.step(format!("POST key={} {} -> {}", key.unwrap_or("(none)"), short(body), answer.short()));
+        Ok(answer)
+    };
+    let body = target.transfer(amount);
+    Ok(match i {
+        0 => {
+            let r = post(&mut t, token, Some(&k), &body)?;
+            expect!(t, r.status == p.created_status, "wanted {}", p.created_status);
+            Ok(())
+        }
+        1 | 2 => {
+            let first = post(&mut t, token, Some(&k), &body)?;
+            let again_body = if i == 1 {
+                body.clone()
+            } else {
+                format!(
+                    "{{ \"currency\" : \"KRW\",\n  \"amount\": {amount}, \"dst\": {}, \"src\": {} }}",
+                    target.dst, target.src
+                )
+            };
+            let again = post(&mut t, token, Some(&k), &again_body)?;
+            expect!(
+                t,
+                again.status == first.status && again.body == first.body,
+                "the retry's answer differs from the first"
+            );
+            expect!(t, p.replay_header.is_none() || again.replayed, "the replay is not marked");
+            expect!(t, !first.replayed, "the first answer is marked as a replay");
+            Ok(())
+        }
+        3 => {
+            post(&mut t, token, Some(&k), &body)?;
+            let other = post(&mut t, token, Some(&k), &target.transfer(amount + 1))?;
+            expect!(t, other.status == p.mismatch_status, "wanted {}", p.mismatch_status);
+            Ok(())
+        }
+        4 => {
+            let r = post(&mut t, token, None, &body)?;
+            expect!(t, r.status == p.missing_key_status, "wanted {}", p.missing_key_status);
+            Ok(())
+        }
+        5 => {
+            let Some(other_token) = target.tokens.get(1) else {
+                t.step("(one token given: pass --token twice to check the scope)");
+                return Ok(Ok(()));
+            };
+            let one = post(&mut t, token, Some(&k), &body)?;
+            let two = post(&mut t, other_token, Some(&k), &target.transfer(amount + 1))?;
+            expect!(
+                t,
+                two.status == p.created_status && !two.replayed,
+                "another client's key answered as the first's"
+            );
+            expect!(t, two.body != one.body, "two clients got one answer");
+            Ok(())
+        }
+        6 => {
+            let barrier = std::sync::Barrier::new(16);
+            let answers: Vec<Result<Http, String>> = std::thread::scope(|scope| {
+                let runs: Vec<_> = (0..16)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            barrier.wait();
+                            target.post(&target.url, token, Some(&k), &body)
+                        })
+                    })
+                    .collect();
+                runs.into_iter()
+                    .map(|r| r.join().unwrap_or_else(|_| Err("a thread panicked".into())))
+                    .collect()
+            });
+            let answers: Vec<Http> = answers.into_iter().collect::<Result<_, _>>()?;
+            let created: Vec<&Http> = answers.iter().filter(|a| a.status == p.created_status).collect();
+            let fresh = created.iter().filter(|a| !a.replayed).count();
+            t.step(format!(
+                "16 connections at once, one key -> statuses {:?}, {fresh} unmarked",
+                answers.iter().map(|a| a.status).collect::<Vec<_>>()
+            ));
+            expect!(t, !created.is_empty(), "nobody was answered {}", p.created_status);
+            expect!(
+                t,
+                created.iter().all(|a| a.body == created[0].body),
+                "the answers name more than one transfer"
+            );
+            expect!(
+                t,
+                answers.iter().all(|a| a.status == p.created_status || a.status == p.in_flight_status),
+                "an answer was neither the transfer nor in flight"
+            );
+            expect!(t, p.replay_header.is_none() || fresh == 1, "{fresh} answers claim to be the first");
+            Ok(())
+        }
+        _ => {
+            // Through a proxy that drops every answer: the service commits,
+            // the client hears nothing; then the retry, directly.
+            let upstream: std::net::SocketAddr = target
+                .url
+                .trim_start_matches("http://")
+                .trim_end_matches('/')
+                .parse()
+                .map_err(|_| "--url must be http://IP:PORT for the proxy property".to_string())?;
+            let odds = super::proxy::Odds {
+                drop_request: 0,
+                drop_response: 100,
+                cut_response: 0,
+                delay: 0,
+                duplicate: 0,
+            };
+            let proxy =
+                super::proxy::Proxy::start(upstream, rng.next_u64(), odds).map_err(|e| e.to_string())?;
+            let lost = target.post(&proxy.url(), token, Some(&k), &body);
+            t.step(format!(
+                "POST key={k} through a proxy that drops the answer -> {}",
+                lost.as_ref().map_or_else(|e| format!("no answer ({e})"), Http::short)
+            ));
+            let retry = post(&mut t, token, Some(&k), &body)?;
+            let again = post(&mut t, token, Some(&k), &body)?;
+            expect!(t, retry.status == p.created_status, "wanted {}", p.created_status);
+            expect!(
+                t,
+                p.replay_header.is_none() || retry.replayed,
+                "the retry was made again, not replayed: the transfer went out twice"
+            );
+            expect!(t, again.body == retry.body, "two retries got two answers");
+            Ok(())
+        }
+    })
+}
