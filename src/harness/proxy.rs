@@ -59,6 +59,9 @@ pub struct Counts {
     pub duplicated: AtomicU64,
     /// Requests that could not reach the service at all (it was down).
     pub unreachable: AtomicU64,
+    /// The answers dropped after the service committed, as the service sent
+    /// them: what a retry must replay.
+    pub dropped: Mutex<Vec<Vec<u8>>>,
 }
 
 pub struct Proxy {
@@ -215,6 +218,7 @@ fn relay(mut client: TcpStream, target: SocketAddr, fault: Fault, counts: &Count
     match fault {
         Fault::DropResponse => {
             counts.dropped_responses.fetch_add(1, Ordering::Relaxed);
+            counts.dropped.lock().unwrap_or_else(|e| e.into_inner()).push(answer);
         }
         Fault::CutResponse => {
             counts.cut_responses.fetch_add(1, Ordering::Relaxed);
