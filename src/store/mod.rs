@@ -97,6 +97,18 @@ impl KeyState {
     }
 }
 
+/// The queries of [`Store::audit`], in SQL both stores speak.
+pub(crate) mod audit_sql {
+    pub const TRANSFERS: &str = "SELECT transfer_id, amount FROM transfer ORDER BY transfer_id";
+    pub const ORPHANS: &str = "SELECT transfer_id, amount FROM transfer t WHERE NOT EXISTS
+           (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')
+         ORDER BY transfer_id";
+    pub const HOLLOW: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
+           AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))";
+    pub const IN_PROGRESS: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'";
+    pub const COMPLETED: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'";
+}
+
 /// The columns an existing `transfer` table must have for a store to use it.
 pub(crate) const TRANSFER_COLUMNS: [&str; 6] =
     ["transfer_id", "src", "dst", "amount", "currency", "created_at"];

@@ -17,6 +17,7 @@
 
 use super::{
     Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
+    audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -408,19 +409,11 @@ fn audit(conn: &Connection) -> Result<Audit, StoreError> {
         };
         Ok(Audit {
             balances,
-            transfers: ids("SELECT transfer_id, amount FROM transfer ORDER BY transfer_id")?,
-            orphans: ids("SELECT transfer_id, amount FROM transfer t WHERE NOT EXISTS
-                   (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')
-                 ORDER BY transfer_id")?
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect(),
-            hollow: count(
-                "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
-                   AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))",
-            )?,
-            keys_in_progress: count("SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'")?,
-            keys_completed: count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed'")?,
+            transfers: ids(audit_sql::TRANSFERS)?,
+            orphans: ids(audit_sql::ORPHANS)?.into_iter().map(|(id, _)| id).collect(),
+            hollow: count(audit_sql::HOLLOW)?,
+            keys_in_progress: count(audit_sql::IN_PROGRESS)?,
+            keys_completed: count(audit_sql::COMPLETED)?,
         })
     }
 }
