@@ -61,19 +61,19 @@ impl Server {
 
     /// The server's peak resident memory so far, in MiB.
     fn peak_rss_mib(&self) -> f64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
-        let kib = status
-            .lines()
-            .find(|l| l.starts_with("VmHWM:"))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok());
-        kib.unwrap_or(0.0) / 1024.0
+        self.status_mib("VmHWM:")
     }
 
     fn rss_mib(&self) -> f64 {
+        self.status_mib("VmRSS:")
+    }
+
+    /// A memory figure of /proc/PID/status, in MiB.
+    fn status_mib(&self, field: &str) -> f64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
         let kib = status
             .lines()
-            .find(|l| l.starts_with("VmRSS:"))
+            .find(|l| l.starts_with(field))
             .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok());
         kib.unwrap_or(0.0) / 1024.0
     }
