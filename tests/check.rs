@@ -20,7 +20,7 @@ fn idem_api_and_a_careful_python_engine_pass_every_property() {
     for engine in [env!("CARGO_BIN_EXE_idem_api").to_string(), format!("python3 {PEER}")] {
         let (code, failed, stdout) = check(&engine);
         assert_eq!((code, failed.len()), (Some(0), 0), "{engine}:\n{stdout}");
-        assert_eq!(stdout.lines().filter(|l| l.starts_with("PASS  ")).count(), 12, "{stdout}");
+        assert_eq!(stdout.lines().filter(|l| l.starts_with("PASS  ")).count(), 13, "{stdout}");
     }
 }
 

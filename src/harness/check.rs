@@ -162,7 +162,7 @@ fn reordered(client: &str, key: &str, src: &str, dst: &str, amount: i64) -> Stri
 }
 
 /// The properties a lab-contract engine must have, by name.
-pub const ENGINE_PROPERTIES: [&str; 12] = [
+pub const ENGINE_PROPERTIES: [&str; 13] = [
     "a new key moves the money once and answers 201",
     "a retry replays the first answer byte for byte",
     "a retry with members reordered and re-spaced replays",
@@ -175,6 +175,7 @@ pub const ENGINE_PROPERTIES: [&str; 12] = [
     "processes released together on one key pay once",
     "a burst on one hot account loses no update",
     "hostile inputs: unreadable files exit 3, broken databases fail cleanly",
+    "random days agree with a plain model of the contract (shrunk on failure)",
 ];
 
 /// Runs every property against `engine`; returns each verdict.
@@ -366,6 +367,7 @@ fn engine_property(i: usize, engine: &[String], rng: &mut Rng) -> Result<Verdict
             expect!(t, balances == want, "balances {balances:?}, wanted {want:?}: an update was lost");
             Ok(())
         }
+        12 => return random_days(engine, rng),
         _ => {
             let missing = bank.run(&["--request".as_ref(), bank._dir.0.join("missing.json").as_os_str()])?;
             t.step(format!("a missing request file -> {}", missing.short()));
@@ -668,4 +670,154 @@ fn url_property(i: usize, target: &Target, rng: &mut Rng) -> Result<Verdict, Str
             Ok(())
         }
     })
+}
+
+/// One step of a random day: a request by client `client` under key `key`
+/// moving `amount` from account `src` to `dst`, sent plainly, reordered,
+/// or crashed after its claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Op {
+    client: u8,
+    key: u8,
+    src: usize,
+    dst: usize,
+    amount: i64,
+    style: u8,
+}
+
+fn random_op(rng: &mut Rng, accounts: usize) -> Op {
+    // now and then (== accounts) an account that does not exist
+    let src = if rng.below(8) == 0 { accounts } else { rng.below(accounts as u64) as usize };
+    let dst = (src + 1 + rng.below(accounts as u64 - 1) as usize) % accounts;
+    Op {
+        client: rng.below(2) as u8,
+        key: rng.below(3) as u8,
+        src,
+        dst,
+        amount: [100, 2_500, 900_000][rng.below(3) as usize],
+        style: rng.below(5) as u8,
+    }
+}
+
+/// Random days of a few clients, keys and accounts through the engine, each
+/// answer judged against a plain model; a failing day is shrunk, one step
+/// at a time, to the shortest day that still fails.
+fn random_days(engine: &[String], rng: &mut Rng) -> Result<Verdict, DayError> {
+    for _ in 0..4 {
+        // half the steps retry an earlier one, as clients do, in another style
+        let mut day: Vec<Op> = Vec::new();
+        for _ in 0..10 {
+            let op = match day.len() {
+                n if n > 0 && rng.below(2) == 0 => {
+                    Op { style: rng.below(5) as u8, ..day[rng.below(n as u64) as usize] }
+                }
+                _ => random_op(rng, 3),
+            };
+            day.push(op);
+        }
+        let seed = rng.next_u64();
+        if let Err(steps) = run_day(engine, &day, seed)? {
+            return Ok(Err(shrink(engine, day, seed, steps)?));
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// Removes steps while the day still fails; returns the last failure seen.
+fn shrink(
+    engine: &[String],
+    mut day: Vec<Op>,
+    seed: u64,
+    mut steps: Vec<String>,
+) -> Result<Vec<String>, DayError> {
+    let mut i = day.len();
+    while i > 0 {
+        i -= 1;
+        let mut shorter = day.clone();
+        shorter.remove(i);
+        if let Err(fewer) = run_day(engine, &shorter, seed)? {
+            (day, steps) = (shorter, fewer);
+            i = i.min(day.len());
+        }
+    }
+    steps.insert(0, format!("(shrunk to {} step(s))", day.len()));
+    Ok(steps)
+}
+
+/// What a request asks for: `(src, dst, amount)`.
+type Intent = (usize, usize, i64);
+
+/// Runs one day on a fresh bank and judges it against the model.
+fn run_day(engine: &[String], day: &[Op], seed: u64) -> Result<Verdict, DayError> {
+    let mut rng = Rng::new(seed);
+    let bank = Bank::new(engine, &mut rng, "day", 3)?;
+    let mut balances = bank.balances.clone();
+    // per scoped key: the first body and the first answer's text, once answered
+    let mut keys: std::collections::BTreeMap<(u8, u8), (Intent, Option<String>)> = Default::default();
+    let mut transfers = 0;
+    let mut t = Trace::default();
+    let id = |i: usize| bank.ids.get(i).cloned().unwrap_or_else(|| "nobody".into());
+    for op in day {
+        let (client, k) = (format!("day-client-{}", op.client), format!("day-key-{}", op.key));
+        let (src, dst) = (id(op.src), id(op.dst));
+        let text = match op.style {
+            0 => reordered(&client, &k, &src, &dst, op.amount),
+            _ => request(&client, &k, &src, &dst, op.amount),
+        };
+        let crash = op.style == 4;
+        let answer = bank.send(&text, if crash { &["--crash-after-claim"] } else { &[] })?;
+        t.step(format!(
+            "send {}{} -> {}",
+            short(&text),
+            if crash { "--crash-after-claim " } else { "" },
+            answer.short()
+        ));
+        let body = (op.src, op.dst, op.amount);
+        match keys.get(&(op.client, op.key)) {
+            None if crash => {
+                expect!(t, answer.code != Some(0), "a crash after the claim answered");
+                keys.insert((op.client, op.key), (body, None));
+            }
+            None => {
+                let (status, reason) = if op.src >= bank.ids.len() {
+                    (404, "unknown_account")
+                } else if balances[op.src] < op.amount {
+                    (402, "insufficient_funds")
+                } else {
+                    balances[op.src] -= op.amount;
+                    balances[op.dst] += op.amount;
+                    transfers += 1;
+                    (201, "")
+                };
+                expect!(
+                    t,
+                    answer.status() == status && !answer.replay() && answer.reason() == reason,
+                    "wanted {status} {reason}"
+                );
+                keys.insert((op.client, op.key), (body, Some(answer.stdout.clone())));
+            }
+            Some((first, _)) if *first != body => {
+                expect!(t, answer.status() == 422, "another body under a used key: wanted 422");
+            }
+            Some((_, None)) => {
+                expect!(t, crash || answer.status() == 409, "a retry of a claimed key: wanted 409");
+            }
+            Some((_, Some(first))) => {
+                let same = answer.stdout.replacen("\"replay\":true", "\"replay\":false", 1) == *first;
+                expect!(
+                    t,
+                    answer.replay() && same,
+                    "a retry of a completed key: wanted the first answer replayed byte for byte"
+                );
+            }
+        }
+        let (now, rows) = bank.ledger()?;
+        expect!(
+            t,
+            now == balances && rows.len() == transfers,
+            "the ledger is {now:?} with {} transfers; the model says {balances:?} with {transfers}",
+            rows.len()
+        );
+    }
+    Ok(Ok(()))
 }
