@@ -221,6 +221,31 @@ fn a_lock_held_past_the_budget_and_a_full_service_are_503_with_retry_after() {
 }
 
 #[test]
+fn a_settled_key_is_answered_while_another_process_holds_the_write_lock() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
+    let serve = start(&bank);
+    let first = serve.post(TOKEN, Some("done"), &body(s, d, 5));
+    assert_eq!(first.status, 201);
+    let conn = rusqlite::Connection::open(&bank.db).unwrap();
+    conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+    // A completed key needs no write lock: its replay and a mismatch come
+    // from a read, long before the busy budget would turn them into 503s.
+    let started = std::time::Instant::now();
+    let replay = serve.post(TOKEN, Some("done"), &body(s, d, 5));
+    let mismatch = serve.post(TOKEN, Some("done"), &body(s, d, 6));
+    let waited = started.elapsed();
+    conn.execute_batch("COMMIT").unwrap();
+    assert_eq!((replay.status, replay.body.as_str()), (201, first.body.as_str()));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(mismatch.status, 422, "{}", mismatch.body);
+    let budget = idem::policy::Policy::embedded().busy_timeout_ms;
+    assert!(waited < Duration::from_millis(u64::from(budget) / 2), "waited {waited:?} behind the write lock");
+    assert_eq!(serve.stop(), Some(0));
+}
+
+#[test]
 fn get_shows_a_transfer_to_its_owner_only_and_the_operational_endpoints_answer() {
     for backend in backends() {
         let mut rng = rng();
