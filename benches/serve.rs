@@ -287,18 +287,29 @@ fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
         }
     }
     if let Some(soak) = std::env::var("IDEM_BENCH_SOAK").ok().and_then(|s| s.parse::<u64>().ok()) {
-        println!("\nSoak: 64 connections of the mix for {soak} s, RSS every tenth:");
-        let mut samples = Vec::new();
+        println!("\nSoak: 64 connections of the mix for {soak} s:");
+        let (mut samples, mut requests) = (Vec::new(), 0);
         let until = Instant::now() + Duration::from_secs(soak);
         let mut n = 0;
         while Instant::now() < until {
             n += 1;
             let (mix, _) = load(&server.address, 64, Phase::Mix, &format!("soak{n}"), &[]);
             fresh_total += mix.fresh.len();
-            samples.push(format!("{:.1}", server.rss_mib()));
+            requests += mix.latencies_us.len();
+            samples.push(server.rss_mib());
         }
         verify(db, fresh_total);
-        println!("RSS MiB: {}", samples.join(" → "));
+        // Flat means the last tenth of the soak holds no more than the first.
+        let tenth = samples.len().div_ceil(10).max(1);
+        let peak = |s: &[f64]| s.iter().copied().fold(0.0, f64::max);
+        let (first, last) = (peak(&samples[..tenth]), peak(&samples[samples.len() - tenth..]));
+        let shown: Vec<String> = samples.iter().step_by(tenth).map(|m| format!("{m:.1}")).collect();
+        println!("RSS MiB, every tenth of the soak: {}", shown.join(" → "));
+        println!(
+            "{requests} requests; peak RSS in the first tenth {first:.1} MiB, in the last {last:.1} MiB \
+             ({:+.2} MiB per million requests; target: flat).",
+            (last - first) / (requests as f64 / 1e6)
+        );
     }
     rates
 }
