@@ -76,3 +76,37 @@ fn killed_before_the_group_commit_it_answered_nothing_and_nothing_moved() {
     assert_eq!(bank.balances(), before);
     assert_eq!(retry_all(&bank), (0, REQUESTS));
 }
+
+#[test]
+fn a_group_dropped_without_its_commit_rolls_back_every_request_and_the_next_group_works() {
+    use idem::protocol::{self, Ctx, Flow, Outcome};
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let before = bank.balances();
+    let policy = idem::policy::Policy::embedded();
+    let now = idem::clock::Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
+    let mut store = idem::store::sqlite::SqliteStore::open(&bank.db, policy).unwrap();
+    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
+    let send = |group: &mut idem::store::sqlite::Group<'_>, key: &str| {
+        let text = request("shop-g", "/v1/transfers", key, s, d, 3);
+        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
+        let ctx = Ctx { policy, now, token: key };
+        match protocol::handle(group, &req, ctx, &mut |_| Flow::Continue).unwrap() {
+            Outcome::Respond(r) => r.status,
+            Outcome::Crashed(_) => unreachable!("nothing asked it to stop"),
+        }
+    };
+    // a group whose commit never comes (the commit failed, or the writer unwound)
+    let mut lost = store.group().unwrap();
+    assert_eq!(send(&mut lost, "lost"), 201);
+    drop(lost);
+    let audit = idem::store::Store::audit(&mut store).unwrap();
+    assert!(audit.transfers.is_empty(), "the dropped group's transfer survived: {audit:?}");
+    assert_eq!(bank.balances(), before);
+    // the connection is out of the dropped group: the next one begins and commits
+    let mut next = store.group().expect("the dropped group left its transaction open");
+    assert_eq!(send(&mut next, "lost"), 201, "the dropped group's key was kept");
+    next.commit().unwrap();
+    assert_eq!(bank.transfers().len(), 1);
+    assert_eq!(bank.balances(), vec![before[0] - 3, before[1] + 3]);
+}
