@@ -26,7 +26,9 @@ use crate::clock::Timestamp;
 use crate::ledger::{self, Refusal};
 use crate::policy::Policy;
 use crate::request::{self, AcctId, Request, RequestError, ScopedKey, Transfer};
-use crate::store::{self, Audit, Claim, Durability, End, KeyRecord, KeyState, Store, StoreError, Stored};
+use crate::store::{
+    self, Audit, Claim, Durability, End, KeyRecord, KeyState, Reads, Store, StoreError, Stored,
+};
 
 /// One response, as printed: `{"status","replay","reason","body"}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,7 +229,7 @@ pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Res
 /// the request on to [`claim`]. A completed key changes only when it is
 /// purged or expires, so a read a moment old answers as the claim would
 /// have; and since nothing is claimed here, nothing can be paid by it.
-pub fn settled<S: Store + ?Sized>(
+pub fn settled<S: Reads + ?Sized>(
     store: &mut S,
     req: &Request,
     ctx: Ctx,

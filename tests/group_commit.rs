@@ -99,6 +99,8 @@ fn a_group_dropped_without_its_commit_rolls_back_every_request_and_the_next_grou
     // a group whose commit never comes (the commit failed, or the writer unwound)
     let mut lost = store.group().unwrap();
     assert_eq!(send(&mut lost, "lost"), 201);
+    let inside = idem::store::Store::audit(&mut lost).unwrap();
+    assert_eq!(inside.transfers.len(), 1, "the group cannot read its own transfer");
     drop(lost);
     let audit = idem::store::Store::audit(&mut store).unwrap();
     assert!(audit.transfers.is_empty(), "the dropped group's transfer survived: {audit:?}");

@@ -18,7 +18,7 @@ use crate::protocol::{self, Ctx, Flow, Outcome, Response};
 use crate::request::Request;
 use crate::store::pg::PgStore;
 use crate::store::sqlite::SqliteStore;
-use crate::store::{Store, StoreError};
+use crate::store::{Reads, Store, StoreError};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -216,7 +216,7 @@ fn transfer<S: Store>(
 }
 
 /// A worker that runs each job on its own (PostgreSQL, and SQLite readers).
-fn one_at_a_time<S: Store>(mut store: S, jobs: &Mutex<Receiver<Job>>, policy: &Policy, clock: &Clock) {
+fn one_at_a_time<S: Reads>(mut store: S, jobs: &Mutex<Receiver<Job>>, policy: &Policy, clock: &Clock) {
     while let Some(job) = next(jobs) {
         // a client that has gone does not take the answer: the work is done anyway
         match job {

@@ -205,6 +205,12 @@ pub trait Store {
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError>;
     /// Reads back the ledger and the keys (outside any request).
     fn audit(&mut self) -> Result<Audit, StoreError>;
+}
+
+/// The plain reads the service makes outside any request, on the stores
+/// it runs (SQLite and PostgreSQL); the protocol itself needs only
+/// [`Store`].
+pub trait Reads: Store {
     /// The stored 201 body of transfer `transfer_id`, if a key of
     /// `client_id` made it (`GET /v1/transfers/{id}`). A plain read.
     fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError>;
@@ -221,15 +227,6 @@ impl<S: Store + ?Sized> Store for Box<S> {
     }
     fn audit(&mut self) -> Result<Audit, StoreError> {
         (**self).audit()
-    }
-    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
-        (**self).transfer_for(client_id, transfer_id)
-    }
-    fn ping(&mut self) -> Result<(), StoreError> {
-        (**self).ping()
-    }
-    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        (**self).peek(key)
     }
 }
 
@@ -368,15 +365,6 @@ mod tests {
         }
         fn audit(&mut self) -> Result<Audit, StoreError> {
             Ok(Audit::default())
-        }
-        fn transfer_for(&mut self, _: &str, _: i64) -> Result<Option<String>, StoreError> {
-            Ok(None)
-        }
-        fn ping(&mut self) -> Result<(), StoreError> {
-            Ok(())
-        }
-        fn peek(&mut self, _: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-            Ok(None)
         }
     }
 

@@ -30,8 +30,8 @@
 //! No error produced here carries the connection string or its password.
 
 use super::{
-    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
-    audit_sql,
+    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Reads, Store, StoreError, Stored,
+    Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -468,7 +468,9 @@ impl Store for PgStore {
             keys_completed: count(c, audit_sql::COMPLETED)?,
         })
     }
+}
 
+impl Reads for PgStore {
     fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
         self.revive()?;
         let row = self

@@ -16,8 +16,8 @@
 //! module for why that is safe).
 
 use super::{
-    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
-    audit_sql,
+    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Reads, Store, StoreError, Stored,
+    Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -352,15 +352,6 @@ impl Store for Group<'_> {
     fn audit(&mut self) -> Result<Audit, StoreError> {
         audit(self.conn)
     }
-    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
-        completed_body(self.conn, client_id, transfer_id)
-    }
-    fn ping(&mut self) -> Result<(), StoreError> {
-        ping(self.conn)
-    }
-    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        read_key(self.conn, key)
-    }
 }
 
 impl Store for SqliteStore {
@@ -372,22 +363,23 @@ impl Store for SqliteStore {
     fn audit(&mut self) -> Result<Audit, StoreError> {
         audit(&self.conn)
     }
+}
 
+impl Reads for SqliteStore {
     fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
         completed_body(&self.conn, client_id, transfer_id)
     }
 
     fn ping(&mut self) -> Result<(), StoreError> {
-        ping(&self.conn)
+        self.conn
+            .query_row("SELECT COUNT(*) FROM account", [], |r| r.get::<_, i64>(0))
+            .map(drop)
+            .map_err(backend)
     }
 
     fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
         read_key(&self.conn, key)
     }
-}
-
-fn ping(conn: &Connection) -> Result<(), StoreError> {
-    conn.query_row("SELECT COUNT(*) FROM account", [], |r| r.get::<_, i64>(0)).map(drop).map_err(backend)
 }
 
 fn audit(conn: &Connection) -> Result<Audit, StoreError> {

@@ -169,15 +169,6 @@ impl<S: Store> Store for SourceFirst<'_, S> {
     fn audit(&mut self) -> Result<Audit, StoreError> {
         self.store.audit()
     }
-    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
-        self.store.transfer_for(client_id, transfer_id)
-    }
-    fn ping(&mut self) -> Result<(), StoreError> {
-        self.store.ping()
-    }
-    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        self.store.peek(key)
-    }
 }
 
 impl Tx for SourceFirstTx<'_> {

@@ -54,15 +54,6 @@ impl Store for MemStore {
                 .count() as i64,
         })
     }
-    fn transfer_for(&mut self, _: &str, _: i64) -> Result<Option<String>, StoreError> {
-        Ok(None) // the models serve no HTTP
-    }
-    fn ping(&mut self) -> Result<(), StoreError> {
-        Ok(())
-    }
-    fn peek(&mut self, _: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        Ok(None) // the models serve no HTTP
-    }
 }
 
 fn same_version(a: &KeyRecord, b: &KeyRecord) -> bool {

@@ -80,15 +80,6 @@ impl Store for RowStore {
         let c = self.committed();
         Ok(Audit { balances: c.balances.into_iter().collect(), ..Audit::default() })
     }
-    fn transfer_for(&mut self, _: &str, _: i64) -> Result<Option<String>, StoreError> {
-        Ok(None) // the models serve no HTTP
-    }
-    fn ping(&mut self) -> Result<(), StoreError> {
-        Ok(())
-    }
-    fn peek(&mut self, _: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        Ok(None) // the models serve no HTTP
-    }
 }
 
 impl RowTx {
