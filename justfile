@@ -43,7 +43,7 @@ mutants-pg:
     IDEM_BACKENDS=postgres,serializable cargo mutants --no-config --profile mutants --timeout-multiplier 3 \
         --file src/store/pg.rs --cargo-test-arg=--test=api --cargo-test-arg=--test=scenarios \
         --cargo-test-arg=--test=storm --cargo-test-arg=--test=races --cargo-test-arg=--test=opposite \
-        --cargo-test-arg=--test=secrets --cargo-test-arg=--test=kill
+        --cargo-test-arg=--test=secrets --cargo-test-arg=--test=kill --cargo-test-arg=--test=settled
 
 # Benchmarks: medians and ratios against the Python peer and the disk's fsync rate.
 bench:
