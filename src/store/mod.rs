@@ -200,6 +200,8 @@ impl Audit {
     }
 }
 
+/// What the protocol runs on (transactions) and the harness judges by (the
+/// audit of what they left).
 pub trait Store {
     /// Starts a transaction; dropping it without [`Tx::commit`] rolls back.
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError>;
