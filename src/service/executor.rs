@@ -31,7 +31,7 @@ const READERS: usize = 2;
 pub enum Job {
     Transfer {
         req: Request,
-        reply: oneshot::Sender<Result<Outcome, StoreError>>,
+        reply: TransferReply,
     },
     /// Answer the request if its key is settled (`protocol::settled`).
     Settled {
@@ -215,20 +215,34 @@ fn transfer<S: Store>(
     protocol::handle(store, req, Ctx { policy, now: clock(), token: &token }, &mut |_| Flow::Continue)
 }
 
+type TransferReply = oneshot::Sender<Result<Outcome, StoreError>>;
+
+/// Answers `job` on the spot if it is a read; a transfer is handed back.
+/// A client that has gone does not take its answer: the work is done anyway.
+fn read_or_transfer<S: Reads>(
+    store: &mut S,
+    job: Job,
+    policy: &Policy,
+    clock: &Clock,
+) -> Option<(Request, TransferReply)> {
+    match job {
+        Job::Transfer { req, reply } => return Some((req, reply)),
+        Job::Settled { req, reply } => {
+            drop(reply.send(protocol::settled(store, &req, Ctx { policy, now: clock(), token: "" })))
+        }
+        Job::Lookup { client_id, transfer_id, reply } => {
+            drop(reply.send(store.transfer_for(&client_id, transfer_id)))
+        }
+        Job::Ping { reply } => drop(reply.send(store.ping())),
+    }
+    None
+}
+
 /// A worker that runs each job on its own (PostgreSQL, and SQLite readers).
 fn one_at_a_time<S: Reads>(mut store: S, jobs: &Mutex<Receiver<Job>>, policy: &Policy, clock: &Clock) {
     while let Some(job) = next(jobs) {
-        // a client that has gone does not take the answer: the work is done anyway
-        match job {
-            Job::Transfer { req, reply } => drop(reply.send(transfer(&mut store, &req, policy, clock))),
-            Job::Settled { req, reply } => {
-                let ctx = Ctx { policy, now: clock(), token: "" };
-                drop(reply.send(protocol::settled(&mut store, &req, ctx)));
-            }
-            Job::Lookup { client_id, transfer_id, reply } => {
-                drop(reply.send(store.transfer_for(&client_id, transfer_id)))
-            }
-            Job::Ping { reply } => drop(reply.send(store.ping())),
+        if let Some((req, reply)) = read_or_transfer(&mut store, job, policy, clock) {
+            drop(reply.send(transfer(&mut store, &req, policy, clock)));
         }
     }
 }
@@ -262,22 +276,9 @@ fn write_in_groups(
                 }
             }
         }
-        let mut transfers = Vec::new();
-        for job in group {
-            match job {
-                Job::Transfer { req, reply } => transfers.push((req, reply)),
-                // the writer's queue carries only transfers; anything else is answered on the spot
-                Job::Settled { req, reply } => drop(reply.send(protocol::settled(
-                    &mut store,
-                    &req,
-                    Ctx { policy, now: clock(), token: "" },
-                ))),
-                Job::Lookup { client_id, transfer_id, reply } => {
-                    drop(reply.send(store.transfer_for(&client_id, transfer_id)))
-                }
-                Job::Ping { reply } => drop(reply.send(store.ping())),
-            }
-        }
+        // the writer's queue carries only transfers; a read is answered on the spot
+        let transfers: Vec<_> =
+            group.into_iter().filter_map(|job| read_or_transfer(&mut store, job, policy, clock)).collect();
         if transfers.is_empty() {
             continue;
         }
