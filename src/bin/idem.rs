@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use idem::clock::Timestamp;
-use idem::harness::day::{self, DayError};
+use idem::harness::day::{self, DayError, io_at};
 use idem::policy::Policy;
 use idem::protocol;
 use idem::request::ScopedKey;
@@ -329,7 +329,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(1, |d| d.as_nanos() as u64)
             });
-            let me = std::env::current_exe()?.to_string_lossy().into_owned();
+            let me = own_path()?.to_string_lossy().into_owned();
             let serve = match serve {
                 Some(cmd) => cmd.split_whitespace().map(String::from).collect(),
                 None => vec![me, "serve".into()],
@@ -396,8 +396,10 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                 (None, Some(url)) => {
                     println!("idem check --url {url} --seed {seed}");
                     let profile = match profile {
-                        Some(file) => serde_json::from_str(&std::fs::read_to_string(&file)?)
-                            .map_err(|e| DayError(format!("{}: {e}", file.display())))?,
+                        Some(file) => {
+                            serde_json::from_str(&std::fs::read_to_string(&file).map_err(io_at(&file))?)
+                                .map_err(|e| DayError(format!("{}: {e}", file.display())))?
+                        }
                         None => check::Profile::default(),
                     };
                     if token.is_empty() {
@@ -521,7 +523,7 @@ fn now() -> Result<Timestamp, DayError> {
 /// The engine to race: the `idem_api` built next to this binary, or this
 /// binary's own `api` command (the same code) when only `idem` was built.
 fn own_engine() -> Result<Vec<String>, DayError> {
-    let me = std::env::current_exe()?;
+    let me = own_path()?;
     let sibling = me.with_file_name("idem_api");
     Ok(match sibling.is_file() {
         true => vec![sibling.to_string_lossy().into_owned()],
@@ -529,9 +531,13 @@ fn own_engine() -> Result<Vec<String>, DayError> {
     })
 }
 
+fn own_path() -> Result<PathBuf, DayError> {
+    std::env::current_exe().map_err(|e| DayError(format!("cannot find this program's own path: {e}")))
+}
+
 fn make_parent(path: &std::path::Path) -> Result<(), DayError> {
     match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => Ok(std::fs::create_dir_all(dir)?),
+        Some(dir) if !dir.as_os_str().is_empty() => std::fs::create_dir_all(dir).map_err(io_at(dir)),
         _ => Ok(()),
     }
 }

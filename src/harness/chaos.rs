@@ -12,6 +12,7 @@
 //! verdict judge a deliberately broken server (see `tests/chaos.rs`).
 
 use super::DayError as ChaosError;
+use super::day::io_at;
 use super::day::{bank, remove_db};
 use super::proxy::{Odds, Proxy};
 use crate::client::{self, Endpoint, Verdict};
@@ -134,12 +135,14 @@ fn start_server(serve: &[String], db: &str, clients: &Path, log: &Path) -> Resul
         .args(["--db", db, "--listen", "127.0.0.1:0", "--clients"])
         .arg(clients)
         .stdout(Stdio::piped())
-        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log)?)
+        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(io_at(log))?)
         .spawn()
         .map_err(|e| ChaosError(format!("cannot start {program}: {e}")))?;
     let mut line = String::new();
     let stdout = child.stdout.take().ok_or_else(|| ChaosError("no stdout from the server".into()))?;
-    BufReader::new(stdout).read_line(&mut line)?;
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| ChaosError(format!("reading the server's first line: {e}")))?;
     let address =
         line.trim().strip_prefix("http://").and_then(|a| a.parse().ok()).ok_or_else(|| {
             ChaosError(format!("the server's first line was {line:?}, not http://HOST:PORT"))
@@ -159,7 +162,7 @@ fn release_claims(db: &str, policy: &Policy) -> Result<usize, ChaosError> {
 
 /// The day. Writes `chaos.json` and `chaos_report.md` into `config.out`.
 pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
-    std::fs::create_dir_all(&config.out)?;
+    std::fs::create_dir_all(&config.out).map_err(io_at(&config.out))?;
     let file = config.out.join("chaos.db").to_string_lossy().into_owned();
     let db = match &config.db {
         Some(spec) => spec.clone(),
@@ -180,12 +183,14 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     let tokens: Vec<String> = (0..config.clients).map(|c| format!("tok-chaos-{}-{c}", config.seed)).collect();
     let map: BTreeMap<&str, String> =
         tokens.iter().enumerate().map(|(c, t)| (t.as_str(), format!("chaos-{c}"))).collect();
-    std::fs::write(&clients_file, serde_json::to_string(&map).map_err(|e| ChaosError(e.to_string()))?)?;
+    std::fs::write(&clients_file, serde_json::to_string(&map).map_err(|e| ChaosError(e.to_string()))?)
+        .map_err(io_at(&clients_file))?;
     let log = config.out.join("server.log");
     let _ = std::fs::remove_file(&log);
 
     let mut server = start_server(&config.serve, &db, &clients_file, &log)?;
-    let proxy = Proxy::start(server.address, config.seed, config.odds)?;
+    let proxy = Proxy::start(server.address, config.seed, config.odds)
+        .map_err(|e| ChaosError(format!("starting the fault proxy: {e}")))?;
     let total = config.clients * config.transfers;
     let settled = Arc::new(AtomicUsize::new(0));
     let intents = Arc::new(Mutex::new(Vec::new()));

@@ -12,7 +12,7 @@
 //! choices the draft leaves open read from a [`Profile`].
 
 use super::DayError;
-use super::day::bank;
+use super::day::{bank, io_at};
 use super::race;
 use crate::rng::Rng;
 use serde_json::{Value, json};
@@ -74,7 +74,7 @@ impl Answer {
 
 /// A fresh bank for one property: a SQLite file with random accounts.
 struct Bank {
-    _dir: tempfile_dir::Dir,
+    dir: tempfile::TempDir,
     db: PathBuf,
     ids: Vec<String>,
     balances: Vec<i64>,
@@ -82,31 +82,13 @@ struct Bank {
     files: std::cell::Cell<u32>,
 }
 
-/// A temporary directory removed on drop (the harness ships without the
-/// tempfile crate).
-mod tempfile_dir {
-    pub struct Dir(pub std::path::PathBuf);
-    impl Dir {
-        pub fn new(tag: &str) -> std::io::Result<Dir> {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos());
-            let path = std::env::temp_dir().join(format!("idem-check-{}-{tag}-{nanos}", std::process::id()));
-            std::fs::create_dir_all(&path)?;
-            Ok(Dir(path))
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 impl Bank {
     fn new(engine: &[String], rng: &mut Rng, tag: &str, accounts: usize) -> Result<Bank, DayError> {
-        let dir = tempfile_dir::Dir::new(tag)?;
-        let db = dir.0.join("bank.db");
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("idem-check-{tag}-"))
+            .tempdir()
+            .map_err(io_at(&std::env::temp_dir()))?;
+        let db = dir.path().join("bank.db");
         let salt = rng.below(1 << 20);
         let ids: Vec<String> = (0..accounts).map(|i| format!("acct-{salt:x}-{i}")).collect();
         let balances: Vec<i64> = (0..accounts).map(|_| 10_000 + rng.below(990_000) as i64).collect();
@@ -116,19 +98,25 @@ impl Bank {
             .map(|(id, b)| bank::Account { id: id.clone(), holder: "check".into(), balance: *b })
             .collect();
         bank::create(&db.to_string_lossy(), &rows)?;
-        Ok(Bank { _dir: dir, db, ids, balances, engine: engine.to_vec(), files: std::cell::Cell::new(0) })
+        Ok(Bank { dir, db, ids, balances, engine: engine.to_vec(), files: std::cell::Cell::new(0) })
     }
 
     fn file(&self, text: &str) -> Result<PathBuf, DayError> {
         self.files.set(self.files.get() + 1);
-        let path = self._dir.0.join(format!("req-{}.json", self.files.get()));
-        std::fs::write(&path, text)?;
+        let path = self.dir.path().join(format!("req-{}.json", self.files.get()));
+        std::fs::write(&path, text).map_err(io_at(&path))?;
         Ok(path)
     }
 
     fn run(&self, args: &[&std::ffi::OsStr]) -> Result<Answer, DayError> {
         let (program, rest) = self.engine.split_first().ok_or_else(|| DayError("empty --engine".into()))?;
-        let out = Command::new(program).args(rest).arg("--db").arg(&self.db).args(args).output()?;
+        let out = Command::new(program)
+            .args(rest)
+            .arg("--db")
+            .arg(&self.db)
+            .args(args)
+            .output()
+            .map_err(|e| DayError(format!("cannot run {program}: {e}")))?;
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let json = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
         Ok(Answer { code: out.status.code(), stdout, json })
@@ -342,7 +330,8 @@ fn engine_property(i: usize, engine: &[String], rng: &mut Rng) -> Result<Verdict
             for round in 0..8 {
                 let file = bank.file(&request(&client, &format!("{k}-{round}"), &a, &b, 1))?;
                 let files = vec![file; 4];
-                let finished = race::release_together(&bank.engine, &bank.db, &files, &[])?;
+                let finished = race::release_together(&bank.engine, &bank.db, &files, &[])
+                    .map_err(|e| DayError(format!("racing {:?}: {e}", bank.engine)))?;
                 let fresh = finished
                     .iter()
                     .filter(|f| f.stdout.contains("\"status\":201") && f.stdout.contains("\"replay\":false"))
@@ -358,7 +347,8 @@ fn engine_property(i: usize, engine: &[String], rng: &mut Rng) -> Result<Verdict
             let files = (0..8)
                 .map(|p| bank.file(&request(&client, &format!("{k}-{p}"), &a, &b, 7)))
                 .collect::<Result<Vec<_>, _>>()?;
-            let finished = race::release_together(&bank.engine, &bank.db, &files, &[])?;
+            let finished = race::release_together(&bank.engine, &bank.db, &files, &[])
+                .map_err(|e| DayError(format!("racing {:?}: {e}", bank.engine)))?;
             let ok = finished.iter().filter(|f| f.stdout.contains("\"status\":201")).count();
             t.step(format!("8 processes at once, 8 keys, one source account -> {ok} answered 201"));
             let (balances, transfers) = bank.ledger()?;
@@ -369,10 +359,11 @@ fn engine_property(i: usize, engine: &[String], rng: &mut Rng) -> Result<Verdict
         }
         12 => return random_days(engine, rng),
         _ => {
-            let missing = bank.run(&["--request".as_ref(), bank._dir.0.join("missing.json").as_os_str()])?;
+            let missing =
+                bank.run(&["--request".as_ref(), bank.dir.path().join("missing.json").as_os_str()])?;
             t.step(format!("a missing request file -> {}", missing.short()));
             expect!(t, missing.code == Some(3), "wanted exit 3");
-            let folder = bank.run(&["--request".as_ref(), bank._dir.0.as_os_str()])?;
+            let folder = bank.run(&["--request".as_ref(), bank.dir.path().as_os_str()])?;
             t.step(format!("a directory as the request -> {}", folder.short()));
             expect!(t, folder.code == Some(3), "wanted exit 3");
             let garbage = send(&mut t, "{not json", &[])?;

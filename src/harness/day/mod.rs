@@ -34,10 +34,10 @@ impl From<rusqlite::Error> for DayError {
     }
 }
 
-impl From<std::io::Error> for DayError {
-    fn from(e: std::io::Error) -> Self {
-        DayError(format!("io: {e}"))
-    }
+/// An I/O error that names the path it happened on: "No such file or
+/// directory" alone leaves the reader guessing which file.
+pub fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> DayError + '_ {
+    move |e| DayError(format!("{}: {e}", path.display()))
 }
 
 impl From<crate::store::StoreError> for DayError {
@@ -52,18 +52,22 @@ pub fn remove_db(path: &Path) -> Result<(), DayError> {
         let mut p = path.as_os_str().to_owned();
         p.push(suffix);
         match std::fs::remove_file(&p) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_at(Path::new(&p))(e)),
             _ => {}
         }
     }
     Ok(())
 }
 
-/// Writes `text` plus a final newline, replacing the file atomically.
+/// Writes `text` plus a final newline, replacing the file atomically: the
+/// text goes to a temporary file of its own beside `path` (a name no other
+/// writer shares), which is then renamed over it.
 pub fn write_file(path: &Path, text: &str) -> Result<(), DayError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, format!("{}\n", text.trim_end()))?;
-    std::fs::rename(&tmp, path)?;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io_at(dir))?;
+    std::io::Write::write_all(&mut tmp, format!("{}\n", text.trim_end()).as_bytes())
+        .map_err(io_at(tmp.path()))?;
+    tmp.persist(path).map_err(|e| io_at(path)(e.error))?;
     Ok(())
 }
 
@@ -109,7 +113,7 @@ pub fn prove(
     engine: &[String],
     db: Option<&str>,
 ) -> Result<replay::DayResult, DayError> {
-    std::fs::create_dir_all(dir)?;
+    std::fs::create_dir_all(dir).map_err(io_at(dir))?;
     for name in PROVE_FILES {
         remove_db(&dir.join(name))?;
     }

@@ -11,7 +11,7 @@
 //! goes into its own line of the report; the counts of `result.json` are the
 //! seq-order replay's.
 
-use super::{DayError, bank};
+use super::{DayError, bank, io_at};
 use crate::clock::Timestamp;
 use crate::harness::{self, race};
 use crate::policy::Policy;
@@ -174,11 +174,15 @@ fn race_on_a_copy(
     }
     let before = copy.audit()?.transfers.len() as i64;
     drop(copy);
-    let dir = std::env::temp_dir();
+    // The request files live in a directory of this race alone: two days
+    // proved at once (tests run in parallel threads of one process) must
+    // never share, or remove, each other's files.
+    let dir =
+        tempfile::Builder::new().prefix("idem-race-").tempdir().map_err(io_at(&std::env::temp_dir()))?;
     let mut files = Vec::new();
     for e in instant {
-        let file = dir.join(format!("idem-race-{}-seq-{}.json", std::process::id(), e.seq));
-        std::fs::write(&file, &e.raw)?;
+        let file = dir.path().join(format!("seq-{}.json", e.seq));
+        std::fs::write(&file, &e.raw).map_err(io_at(&file))?;
         files.push(file);
     }
     let now = instant[0].at.to_string();
@@ -188,9 +192,7 @@ fn race_on_a_copy(
         &files,
         &[("IDEM_NOW", now)],
     );
-    for file in &files {
-        std::fs::remove_file(file)?;
-    }
+    dir.close().map_err(io_at(&std::env::temp_dir()))?;
     let mut answers = Vec::new();
     for f in finished.map_err(|e| DayError(format!("racing {:?}: {e}", racing.engine)))? {
         let answer = serde_json::from_str::<serde_json::Value>(&f.stdout)
