@@ -4,8 +4,13 @@
 //! verdict: the outcome is unknown, retry with the same key.
 //!
 //! What is retried: a timeout, a connection error, a cut answer, 409 (the
-//! first attempt is still running), 503 and any other 5xx. What is not: any
-//! other 4xx, which is the server's final word on this request. A 2xx is done.
+//! first attempt is still running), 429 and 503 (after their `Retry-After`)
+//! and any other 5xx. What is final depends on what came before. Until an
+//! attempt may have reached the server, any other 4xx is the server's final
+//! word. After that, only the transfer's own stored answer is final: a 2xx,
+//! or a 402/404/422 problem whose `reason` is one the protocol stores. Any
+//! other refusal (a rotated token's 401, a gateway's 400) says nothing about
+//! the attempt whose answer was lost, so the verdict is "unknown".
 
 use crate::rng::Rng;
 use std::io::Write;
@@ -17,7 +22,8 @@ use std::time::{Duration, Instant};
 pub struct Policy {
     /// Everything, attempts and pauses, ends by this much after the start.
     pub budget: Duration,
-    /// The first pause's upper bound; each retry doubles it…
+    /// The pause before the second attempt is drawn below twice this; each
+    /// later pause's bound doubles…
     pub base_backoff: Duration,
     /// …up to this.
     pub max_backoff: Duration,
@@ -49,10 +55,11 @@ pub struct Endpoint {
 pub enum Verdict {
     /// 2xx: the transfer exists; `body` is the server's answer.
     Done { status: u16, body: String, replayed: bool },
-    /// A 4xx other than 409: the server's final word, not worth retrying.
+    /// The server's final word: the transfer did not and will not go out
+    /// under this key.
     Refused { status: u16, body: String },
-    /// The budget ran out without a final answer: the transfer may or may
-    /// not have gone out. Retrying with the same key will tell.
+    /// No final answer: the transfer may or may not have gone out.
+    /// Retrying with the same key will tell.
     Unknown { last: String },
 }
 
@@ -76,25 +83,116 @@ pub fn new_key() -> Result<String, getrandom::Error> {
     Ok(format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..]))
 }
 
-/// The key kept in `path`, or a new one written there (and synced) before
+/// Checks that `key` can be sent as an `Idempotency-Key` sf-string: 1 to
+/// `max_chars` characters of printable ASCII. Anything else could never be
+/// sent, so it is refused before the first attempt rather than retried.
+pub fn check_key(key: &str, max_chars: usize) -> Result<(), String> {
+    if key.is_empty() {
+        return Err("the key is empty".into());
+    }
+    if let Some(c) = key.chars().find(|c| !(' '..='~').contains(c)) {
+        return Err(format!("the key holds {c:?}: only printable ASCII can be sent in Idempotency-Key"));
+    }
+    if key.len() > max_chars {
+        return Err(format!("the key is {} characters long; at most {max_chars} are accepted", key.len()));
+    }
+    Ok(())
+}
+
+/// `key` as an sf-string (RFC 9651 §3.3.3): quoted, with `"` and `\`
+/// escaped. Call [`check_key`] first: nothing else is representable.
+pub fn sf_string(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 2);
+    out.push('"');
+    for c in key.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+/// Why a key file could not give a key.
+#[derive(Debug)]
+pub enum KeyFileError {
+    Io(std::io::Error),
+    /// The file exists but does not hold a usable key.
+    Unusable(String),
+}
+
+impl std::fmt::Display for KeyFileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyFileError::Io(e) => write!(f, "{e}"),
+            KeyFileError::Unusable(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for KeyFileError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            KeyFileError::Io(e) => Some(e),
+            KeyFileError::Unusable(_) => None,
+        }
+    }
+}
+
+impl From<std::io::Error> for KeyFileError {
+    fn from(e: std::io::Error) -> Self {
+        KeyFileError::Io(e)
+    }
+}
+
+/// The key kept in `path`, or a new one published there, durably, before
 /// anything is sent, so that a client that crashes resumes with it.
-pub fn key_in_file(path: &Path) -> std::io::Result<String> {
-    match std::fs::read_to_string(path) {
-        Ok(text) if !text.trim().is_empty() => return Ok(text.trim().to_owned()),
+///
+/// Many runs may start at once on one file: each writes its candidate to a
+/// temporary file of its own (a random name, created exclusively), then
+/// publishes it under `path` only if nothing is there yet (`renameat2`
+/// with `RENAME_NOREPLACE`, or `link`), syncs the directory, and reads the
+/// file back. Whoever published first wins, and every run sends the key the
+/// file holds: the file never names a key that some run did not send, nor
+/// a run a key the file does not hold.
+pub fn key_in_file(path: &Path, max_chars: usize) -> Result<String, KeyFileError> {
+    if let Some(key) = read_key(path, max_chars)? {
+        return Ok(key);
+    }
+    // The parent of a bare file name is "": the directory is the current one.
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let candidate = new_key().map_err(|e| std::io::Error::other(format!("no randomness for a key: {e}")))?;
+    let mut tmp = tempfile::Builder::new().prefix(".idem-key-").tempfile_in(dir)?;
+    writeln!(tmp, "{candidate}")?;
+    tmp.as_file().sync_all()?;
+    match tmp.persist_noclobber(path) {
         Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+        // another run published first: its key is the one
+        Err(e) if e.error.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e.error.into()),
     }
-    let key = new_key().map_err(|e| std::io::Error::other(e.to_string()))?;
-    let tmp = path.with_extension("tmp");
-    let mut file = std::fs::File::create(&tmp)?;
-    writeln!(file, "{key}")?;
-    file.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::File::open(dir)?.sync_all()?;
+    std::fs::File::open(dir)?.sync_all()?;
+    read_key(path, max_chars)?
+        .ok_or_else(|| KeyFileError::Unusable("the key file vanished as it was written".into()))
+}
+
+/// The key in `path`; `None` if there is no such file.
+fn read_key(path: &Path, max_chars: usize) -> Result<Option<String>, KeyFileError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let key = text.strip_suffix('\n').unwrap_or(&text);
+    let key = key.strip_suffix('\r').unwrap_or(key);
+    if key.is_empty() {
+        return Err(KeyFileError::Unusable(
+            "the file holds no key; remove it to start a new transfer".into(),
+        ));
     }
-    Ok(key)
+    check_key(key, max_chars).map_err(KeyFileError::Unusable)?;
+    Ok(Some(key.to_owned()))
 }
 
 /// What one attempt brought back.
@@ -103,8 +201,13 @@ enum Attempt {
         status: u16,
         body: String,
         replayed: bool,
+        /// `Retry-After`, in whole seconds.
+        retry_after: Option<u64>,
     },
-    /// No answer: a timeout, a refused or reset connection, a cut body.
+    /// The connection was never made: nothing was sent.
+    Unsent(String),
+    /// No answer after the request may have left: a timeout, a reset, a
+    /// cut body.
     Lost(String),
 }
 
@@ -117,56 +220,106 @@ fn attempt(endpoint: &Endpoint, key: &str, body: &str, timeout: Duration) -> Att
     let sent = agent
         .post(format!("{}/v1/transfers", endpoint.url.trim_end_matches('/')))
         .header("Authorization", format!("Bearer {}", endpoint.token))
-        .header("Idempotency-Key", format!("\"{key}\""))
+        .header("Idempotency-Key", sf_string(key))
         .header("Content-Type", "application/json")
         .send(body);
     match sent {
         Ok(mut response) => {
             let status = response.status().as_u16();
-            let replayed = response.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
+            let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok());
+            let replayed = header("idempotent-replayed") == Some("true");
+            let retry_after = header("retry-after").and_then(|v| v.trim().parse().ok());
             match response.body_mut().read_to_string() {
-                Ok(body) => Attempt::Answer { status, body, replayed },
+                Ok(body) => Attempt::Answer { status, body, replayed, retry_after },
                 Err(e) => Attempt::Lost(format!("answer cut short: {e}")),
             }
+        }
+        Err(e @ (ureq::Error::HostNotFound | ureq::Error::ConnectionFailed | ureq::Error::BadUri(_))) => {
+            Attempt::Unsent(e.to_string())
+        }
+        Err(ureq::Error::Timeout(t @ (ureq::Timeout::Resolve | ureq::Timeout::Connect))) => {
+            Attempt::Unsent(format!("timeout: {t}"))
+        }
+        Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+            Attempt::Unsent(e.to_string())
         }
         Err(e) => Attempt::Lost(e.to_string()),
     }
 }
 
+/// The reasons of the answers the protocol stores for a key: a refusal
+/// with one of them is this transfer's own final answer (or, for a
+/// mismatch, another body's hold on the key), whichever attempt it answers.
+const STORED_REASONS: [&str; 4] =
+    ["unknown_account", "insufficient_funds", "balance_overflow", "fingerprint_mismatch"];
+
+/// Whether a 4xx is the transfer's own final answer.
+fn is_stored_refusal(status: u16, body: &str) -> bool {
+    matches!(status, 402 | 404 | 422)
+        && serde_json::from_str::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v.get("reason")?.as_str().map(|r| STORED_REASONS.contains(&r)))
+            .unwrap_or(false)
+}
+
 /// Sends the transfer `body` under `key` until a final answer or the end of
 /// the budget; sleeps a random pause in `[0, min(max, base · 2^n))` between
-/// attempts (full jitter), never past the deadline.
+/// attempts (full jitter), at least a 429's or 503's `Retry-After`, never
+/// past the deadline.
 pub fn send(endpoint: &Endpoint, key: &str, body: &str, policy: &Policy, rng: &mut Rng) -> Report {
     let started = Instant::now();
     let deadline = started + policy.budget;
     let mut attempts = 0;
+    // Whether some attempt may have reached the server: from then on only
+    // the transfer's own stored answer is final.
+    let mut reached = false;
     let mut last = String::from("no attempt fitted in the budget");
+    let report = |verdict, attempts| Report { key: key.into(), verdict, attempts, took: started.elapsed() };
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Report {
-                key: key.into(),
-                verdict: Verdict::Unknown { last },
-                attempts,
-                took: started.elapsed(),
-            };
+            return report(Verdict::Unknown { last }, attempts);
         }
         attempts += 1;
+        let mut at_least = Duration::ZERO;
         last = match attempt(endpoint, key, body, policy.attempt_timeout.min(left)) {
-            Attempt::Answer { status, body, replayed } if (200..300).contains(&status) => {
-                let verdict = Verdict::Done { status, body, replayed };
-                return Report { key: key.into(), verdict, attempts, took: started.elapsed() };
+            Attempt::Answer { status, body, replayed, .. } if (200..300).contains(&status) => {
+                return report(Verdict::Done { status, body, replayed }, attempts);
             }
-            Attempt::Answer { status, body, .. } if (400..500).contains(&status) && status != 409 => {
-                let verdict = Verdict::Refused { status, body };
-                return Report { key: key.into(), verdict, attempts, took: started.elapsed() };
+            Attempt::Answer { status, body, .. }
+                if (400..500).contains(&status) && !matches!(status, 409 | 429) =>
+            {
+                if !reached || is_stored_refusal(status, &body) {
+                    return report(Verdict::Refused { status, body }, attempts);
+                }
+                let last = format!(
+                    "HTTP {status} {}: this refusal does not say what became of an earlier attempt, \
+                     which may have gone through",
+                    body.chars().take(200).collect::<String>()
+                );
+                return report(Verdict::Unknown { last }, attempts);
             }
-            Attempt::Answer { status, .. } => format!("HTTP {status}"),
-            Attempt::Lost(why) => why,
+            Attempt::Answer { status, retry_after, .. } => {
+                if matches!(status, 429 | 503) {
+                    at_least = Duration::from_secs(retry_after.unwrap_or(0));
+                }
+                reached = true;
+                format!("HTTP {status}")
+            }
+            Attempt::Unsent(why) => why,
+            Attempt::Lost(why) => {
+                reached = true;
+                why
+            }
         };
         let cap = policy.base_backoff.saturating_mul(1 << attempts.min(20)).min(policy.max_backoff);
-        let pause = Duration::from_micros(rng.below(cap.as_micros().max(1) as u64));
-        std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+        let pause = Duration::from_micros(rng.below(cap.as_micros().max(1) as u64)).max(at_least);
+        let left = deadline.saturating_duration_since(Instant::now());
+        if at_least >= left {
+            last = format!("{last}; Retry-After {} s is past the budget", at_least.as_secs());
+            return report(Verdict::Unknown { last }, attempts);
+        }
+        std::thread::sleep(pause.min(left));
     }
 }
 
@@ -189,8 +342,8 @@ mod tests {
     fn a_key_file_is_written_once_and_read_back() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("transfer.key");
-        let first = key_in_file(&path).unwrap();
-        assert_eq!(key_in_file(&path).unwrap(), first);
+        let first = key_in_file(&path, 255).unwrap();
+        assert_eq!(key_in_file(&path, 255).unwrap(), first);
         assert_eq!(std::fs::read_to_string(&path).unwrap().trim(), first);
     }
 

@@ -77,3 +77,231 @@ fn a_retry_in_flight_is_waited_out_with_backoff() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(bank.transfers().len(), 1);
 }
+
+/// Runs `idem transfer` with `args`; returns (exit code, stdout, the key it
+/// said it sent on stderr, stderr).
+fn run(url: &str, args: &[String]) -> (Option<i32>, String, Option<String>, String) {
+    let out =
+        Command::new(IDEM).args(["transfer", "--url", url, "--token", "tok"]).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let key = stderr.lines().find_map(|l| l.strip_prefix("idem: key ")).map(String::from);
+    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), key, stderr)
+}
+
+#[test]
+fn twenty_runs_on_key_files_that_differ_only_in_extension_each_send_the_key_their_file_holds() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (bank.accounts[0].as_str().unwrap(), bank.accounts[1].as_str().unwrap());
+    let serve = Serve::start(&bank.db, &[("tok", "shop-1")], &[], &[]);
+    let keys = bank.dir.path().join("keys");
+    std::fs::create_dir(&keys).unwrap();
+    let args = |n: usize| -> Vec<String> {
+        let file = keys.join(format!("order.{n}"));
+        ["--src", s, "--dst", d, "--amount", &n.to_string(), "--key-file", file.to_str().unwrap()]
+            .map(String::from)
+            .to_vec()
+    };
+    let barrier = std::sync::Barrier::new(20);
+    let firsts: Vec<_> = std::thread::scope(|scope| {
+        let runs: Vec<_> = (1..=20)
+            .map(|n| {
+                let (barrier, args) = (&barrier, args(n));
+                let url = serve.url.clone();
+                scope.spawn(move || {
+                    barrier.wait();
+                    run(&url, &args)
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    for (n, (code, stdout, key, stderr)) in (1..=20).zip(&firsts) {
+        assert_eq!(*code, Some(0), "order.{n}: {stderr}");
+        let held = std::fs::read_to_string(keys.join(format!("order.{n}"))).unwrap();
+        assert_eq!(Some(held.trim_end()), key.as_deref(), "order.{n} holds a key its run did not send");
+        // a rerun with the same file, as the README says, replays
+        let (code, again, _, stderr) = run(&serve.url, &args(n));
+        assert_eq!((code, &again), (Some(0), stdout), "order.{n}: the rerun paid again: {stderr}");
+    }
+    assert_eq!(bank.transfers().len(), 20);
+    // no temporary file is left beside the keys
+    assert_eq!(std::fs::read_dir(&keys).unwrap().count(), 20);
+}
+
+#[test]
+fn twenty_runs_on_one_key_file_all_send_one_key_and_pay_once() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (bank.accounts[0].as_str().unwrap(), bank.accounts[1].as_str().unwrap());
+    let serve = Serve::start(&bank.db, &[("tok", "shop-1")], &[], &[]);
+    let file = bank.dir.path().join("order.key");
+    let args: Vec<String> = ["--src", s, "--dst", d, "--amount", "9", "--key-file", file.to_str().unwrap()]
+        .map(String::from)
+        .to_vec();
+    let barrier = std::sync::Barrier::new(20);
+    let runs: Vec<_> = std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..20)
+            .map(|_| {
+                scope.spawn(|| {
+                    barrier.wait();
+                    run(&serve.url, &args)
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let held = std::fs::read_to_string(&file).unwrap();
+    for (code, stdout, key, stderr) in &runs {
+        assert_eq!(*code, Some(0), "{stderr}");
+        assert_eq!(key.as_deref(), Some(held.trim_end()), "{stderr}");
+        assert_eq!(stdout, &runs[0].1, "two runs of one key got two answers");
+    }
+    assert_eq!(bank.transfers().len(), 1);
+}
+
+/// A front that stands where a gateway would: the first request goes to
+/// `upstream` and its answer is read and thrown away (lost after the
+/// commit); each later request gets the next of `then`, or, when `then`
+/// has run out, is passed through to `upstream`.
+fn front(upstream: &str, then: Vec<&'static str>) -> (String, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let upstream = upstream.trim_start_matches("http://").to_owned();
+    let handle = std::thread::spawn(move || {
+        let mut scripted = then.into_iter();
+        for (n, stream) in listener.incoming().enumerate() {
+            let mut stream = stream.unwrap();
+            let request = read_request(&mut stream);
+            let pass = |stream: Option<&mut std::net::TcpStream>| {
+                let mut up = std::net::TcpStream::connect(&upstream).unwrap();
+                up.write_all(&request).unwrap();
+                let mut answer = Vec::new();
+                up.read_to_end(&mut answer).unwrap();
+                if let Some(stream) = stream {
+                    stream.write_all(&answer).unwrap();
+                }
+            };
+            if n == 0 {
+                pass(None);
+                continue;
+            }
+            match scripted.next() {
+                Some(answer) => stream.write_all(answer.as_bytes()).unwrap(),
+                None => {
+                    pass(Some(&mut stream));
+                    return;
+                }
+            }
+        }
+    });
+    (url, handle)
+}
+
+/// One HTTP/1.1 request with a Content-Length body, as the client sends it.
+fn read_request(stream: &mut std::net::TcpStream) -> Vec<u8> {
+    use std::io::Read;
+    let mut request = Vec::new();
+    let mut byte = [0u8; 1];
+    while !request.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
+        request.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&request).to_ascii_lowercase();
+    let length: usize =
+        head.lines().find_map(|l| l.strip_prefix("content-length:")).map_or(0, |v| v.trim().parse().unwrap());
+    let mut body = vec![0u8; length];
+    stream.read_exact(&mut body).unwrap();
+    // the client keeps the connection open; ask the upstream to close it
+    let head = String::from_utf8_lossy(&request).replacen("\r\n\r\n", "\r\nConnection: close\r\n\r\n", 1);
+    [head.into_bytes(), body].concat()
+}
+
+const ROTATED: &str = "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/problem+json\r\ncontent-length: 20\r\nconnection: close\r\n\r\n{\"reason\":\"expired\"}";
+const LIMITED: &str =
+    "HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+
+#[test]
+fn a_refusal_after_a_lost_answer_is_an_unknown_outcome_not_a_final_one() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (bank.accounts[0].as_str().unwrap(), bank.accounts[1].as_str().unwrap());
+    let serve = Serve::start(&bank.db, &[("tok", "shop-1")], &[], &[]);
+    // the first answer is lost after the commit; the retry meets a rotated token
+    let (url, gateway) = front(&serve.url, vec![ROTATED]);
+    let args: Vec<String> =
+        ["--src", s, "--dst", d, "--amount", "5", "--key", "k-401"].map(String::from).to_vec();
+    let (code, stdout, _, stderr) = run(&url, &args);
+    assert_eq!(
+        code,
+        Some(75),
+        "a 401 after a lost answer is not the transfer's final word: {stdout} {stderr}"
+    );
+    assert!(stderr.contains("retry with key k-401") && stderr.contains("HTTP 401"), "{stderr}");
+    assert_eq!(bank.transfers().len(), 1, "the lost attempt went out");
+    // the caller does as told: the same key, the service reached directly
+    let (code, _, _, stderr) = run(&serve.url, &args);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(bank.transfers().len(), 1, "paid twice");
+    drop(gateway);
+}
+
+#[test]
+fn a_429_is_retried_after_its_retry_after() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (bank.accounts[0].as_str().unwrap(), bank.accounts[1].as_str().unwrap());
+    let serve = Serve::start(&bank.db, &[("tok", "shop-1")], &[], &[]);
+    let (url, gateway) = front(&serve.url, vec![LIMITED]);
+    let args: Vec<String> =
+        ["--src", s, "--dst", d, "--amount", "5", "--key", "k-429"].map(String::from).to_vec();
+    let started = std::time::Instant::now();
+    let (code, stdout, _, stderr) = run(&url, &args);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(started.elapsed() >= std::time::Duration::from_secs(1), "Retry-After: 1 was not honoured");
+    let t: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(t["amount"], 5);
+    assert_eq!(bank.transfers().len(), 1, "paid twice");
+    gateway.join().unwrap();
+}
+
+#[test]
+fn keys_are_sent_as_escaped_sf_strings_and_unsendable_ones_are_refused_at_once() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (bank.accounts[0].as_str().unwrap(), bank.accounts[1].as_str().unwrap());
+    let serve = Serve::start(&bank.db, &[("tok", "shop-1")], &[], &[]);
+    let quoted: Vec<String> =
+        ["--src", s, "--dst", d, "--amount", "6", "--key", r#"x"y\z"#].map(String::from).to_vec();
+    let (code, first, _, stderr) = run(&serve.url, &quoted);
+    assert_eq!(code, Some(0), "{stderr}");
+    // the service holds the key as given: the same key, spelled by hand, replays
+    let again = serve.post(
+        Some("tok"),
+        Some(r#""x\"y\\z""#),
+        &common::serve::body(&bank.accounts[0], &bank.accounts[1], 6),
+    );
+    assert_eq!((again.status, again.body.as_str()), (201, first.trim_end()));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+
+    let file = bank.dir.path().join("broken.key");
+    std::fs::write(&file, "two\nlines\n").unwrap();
+    for extra in [
+        vec!["--key-file".to_string(), file.to_string_lossy().into_owned()],
+        vec!["--key".into(), "tab\there".into()],
+        vec!["--key".into(), String::new()],
+    ] {
+        let args: Vec<String> = ["--src", s, "--dst", d, "--amount", "7", "--budget", "20s"]
+            .map(String::from)
+            .into_iter()
+            .chain(extra.clone())
+            .collect();
+        let started = std::time::Instant::now();
+        let (code, _, _, stderr) = run(&serve.url, &args);
+        assert_eq!(code, Some(1), "{extra:?}: {stderr}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "{extra:?} was retried");
+        assert!(stderr.lines().count() == 1 && stderr.contains("key"), "{extra:?}: {stderr}");
+    }
+    assert_eq!(bank.transfers().len(), 1);
+    assert_eq!(serve.log().lines().filter(|l| l.contains("\"POST\"")).count(), 2, "{}", serve.log());
+}

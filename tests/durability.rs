@@ -87,3 +87,44 @@ fn a_replay_writes_and_syncs_nothing() {
     let Some(events) = traced(&bank, &text) else { return };
     assert_eq!(events, vec![Event::Answer]);
 }
+
+/// `idem transfer --key-file order-1.key`, a bare name as the README
+/// writes it: the key file is published and its directory synced before
+/// the first connection is opened, so a power cut after an attempt left
+/// cannot lose the key that attempt used.
+#[test]
+fn a_bare_key_file_name_is_durable_in_its_directory_before_the_first_attempt() {
+    if Command::new("strace").arg("-V").output().is_err() {
+        assert!(
+            std::env::var_os("IDEM_REQUIRE_TOOLS").is_none(),
+            "strace is missing and IDEM_REQUIRE_TOOLS is set"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("strace.txt");
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let out = Command::new("strace")
+        .args(["-f", "-y", "-e", "trace=fsync,fdatasync,rename,renameat,renameat2,link,linkat,connect", "-o"])
+        .arg(&log)
+        .arg(common::serve::IDEM)
+        .args(["transfer", "--url", &url, "--token", "t", "--src", "a", "--dst", "b", "--amount", "1"])
+        .args(["--key-file", "order-1.key", "--budget", "200ms"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stderr));
+    let trace = std::fs::read_to_string(&log).unwrap();
+    let calls: Vec<&str> =
+        trace.lines().map(|l| l.split_once(' ').map_or(l, |(_, rest)| rest.trim_start())).collect();
+    let here = format!("<{}>)", dir.path().canonicalize().unwrap().display());
+    let published = calls.iter().position(|c| c.starts_with("rename") || c.starts_with("link"));
+    let synced = calls.iter().position(|c| c.starts_with("fsync(") && c.contains(&here));
+    let connected = calls.iter().position(|c| c.starts_with("connect(") && c.contains("AF_INET"));
+    assert!(
+        matches!((published, synced, connected), (Some(p), Some(s), Some(c)) if p < s && s < c),
+        "publish {published:?}, directory sync {synced:?}, first connect {connected:?}:\n{trace}"
+    );
+}

@@ -72,8 +72,8 @@ enum Command {
     /// moving money, so releasing it lets the next retry start afresh.
     /// IDEM_NOW=<RFC 3339> fixes the clock.
     Recover {
-        /// SQLite file or PostgreSQL connection string.
-        #[arg(long)]
+        /// SQLite file or PostgreSQL connection string (or IDEM_DB, which keeps a password out of the process list).
+        #[arg(long, env = "IDEM_DB", hide_env_values = true)]
         db: String,
         /// Delete the stale claims: a line per released key, then {"released": N}.
         #[arg(long)]
@@ -86,8 +86,8 @@ enum Command {
     /// traffic waits for the write lock at most one batch at a time.
     /// IDEM_NOW=<RFC 3339> fixes the clock.
     Purge {
-        /// SQLite file or PostgreSQL connection string.
-        #[arg(long)]
+        /// SQLite file or PostgreSQL connection string (or IDEM_DB, which keeps a password out of the process list).
+        #[arg(long, env = "IDEM_DB", hide_env_values = true)]
         db: String,
         /// Keys deleted per transaction.
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
@@ -101,8 +101,8 @@ enum Command {
     /// request on stderr; SIGTERM or Ctrl-C drains and exits 0.
     /// IDEM_NOW=<RFC 3339> fixes the clock (for tests).
     Serve {
-        /// SQLite file or PostgreSQL connection string (the same key space as idem_api).
-        #[arg(long)]
+        /// SQLite file or PostgreSQL connection string, the same key space as idem_api (or IDEM_DB, which keeps a password out of the process list).
+        #[arg(long, env = "IDEM_DB", hide_env_values = true)]
         db: String,
         /// Address to listen on; port 0 picks a free one.
         #[arg(long, default_value = "127.0.0.1:8080")]
@@ -123,19 +123,26 @@ enum Command {
     /// Send one transfer over HTTP, retrying until a final answer or the budget runs out.
     ///
     /// One key for every attempt (new, given, or kept in --key-file, written
-    /// before the first attempt so a crashed client resumes with it);
-    /// exponential backoff with full jitter; retries timeouts, lost
-    /// connections, 409, 503 and other 5xx, never another 4xx.
+    /// and synced before the first attempt so a crashed client resumes with
+    /// it); exponential backoff with full jitter; retries timeouts, lost
+    /// connections, 409, 429, 503 and other 5xx (after a 429's or 503's
+    /// Retry-After). Once an attempt may have reached the server, only the
+    /// transfer's own stored answer is final (2xx, or a 402/404/422 naming a
+    /// stored reason); any other refusal then means the outcome is unknown.
     /// Exit 0: the transfer exists (its JSON on stdout). Exit 4: refused for
-    /// good (a 4xx; the problem on stdout). Exit 75: outcome unknown, retry
-    /// with the same key. Exit 1: the key file cannot be used. Exit 2: usage.
+    /// good (the problem on stdout). Exit 75: outcome unknown, retry with the
+    /// same key. Exit 1: the key or key file cannot be used, or the token
+    /// file cannot be read. Exit 2: usage.
     Transfer {
         /// The service's base URL, e.g. http://127.0.0.1:8080.
         #[arg(long)]
         url: String,
-        /// Bearer token.
-        #[arg(long)]
-        token: String,
+        /// Bearer token (visible to other users in the process list: prefer --token-file or IDEM_TOKEN).
+        #[arg(long, env = "IDEM_TOKEN", hide_env_values = true, conflicts_with = "token_file")]
+        token: Option<String>,
+        /// A file holding the bearer token (its first line).
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<PathBuf>,
         /// Source account (an integer id if it parses as one).
         #[arg(long)]
         src: String,
@@ -147,10 +154,10 @@ enum Command {
         amount: i64,
         #[arg(long, default_value = "KRW")]
         currency: String,
-        /// The idempotency key (default: a new UUID, or the one in --key-file).
+        /// The idempotency key: 1 to 255 printable ASCII characters (default: a new UUID, or the one in --key-file).
         #[arg(long, conflicts_with = "key_file")]
         key: Option<String>,
-        /// Keep the key in this file: read it if present, else write a new one first.
+        /// Keep the key in this file: read it if present, else publish a new one there first.
         #[arg(long)]
         key_file: Option<PathBuf>,
         /// The whole time allowed, attempts and pauses: e.g. 30s, 500ms, 2m.
@@ -320,8 +327,9 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             let clock = idem::service::clock_from_env().map_err(|e| DayError(e.to_string()))?;
             idem::service::run(options, policy, clock).map_err(|e| DayError(e.to_string()))?;
         }
-        Command::Transfer { url, token, src, dst, amount, currency, key, key_file, budget } => {
-            return transfer(url, token, [src, dst], amount, currency, key, key_file, budget);
+        Command::Transfer { url, token, token_file, src, dst, amount, currency, key, key_file, budget } => {
+            let token = secret(token, token_file.as_deref(), "--token or --token-file (or IDEM_TOKEN)")?;
+            return transfer(url, token, [src, dst], amount, currency, key, key_file, budget, policy);
         }
         Command::Chaos { out, seed, db, clients, transfers, kills, serve, restart_db, budget } => {
             let seed = seed.unwrap_or_else(|| {
@@ -458,13 +466,16 @@ fn transfer(
     key: Option<String>,
     key_file: Option<PathBuf>,
     budget: std::time::Duration,
+    engine: &Policy,
 ) -> Result<ExitCode, DayError> {
     use idem::client::{self, Verdict};
     let key = match (key, key_file) {
-        (Some(key), _) => key,
-        (None, Some(file)) => {
-            client::key_in_file(&file).map_err(|e| DayError(format!("{}: {e}", file.display())))?
+        (Some(key), _) => {
+            client::check_key(&key, engine.max_field_chars).map_err(|e| DayError(format!("--key: {e}")))?;
+            key
         }
+        (None, Some(file)) => client::key_in_file(&file, engine.max_field_chars)
+            .map_err(|e| DayError(format!("{}: {e}", file.display())))?,
         (None, None) => client::new_key().map_err(|e| DayError(format!("no randomness for a key: {e}")))?,
     };
     let id = |s: String| s.parse::<i64>().map_or_else(|_| json!(s), |i| json!(i));
@@ -483,7 +494,7 @@ fn transfer(
         }
         Verdict::Refused { status, body } => {
             println!("{body}");
-            eprintln!("idem: refused with {status} after {attempts} attempt(s); not retried");
+            eprintln!("idem: refused for good with {status} after {attempts} attempt(s); not retried");
             ExitCode::from(4)
         }
         Verdict::Unknown { last } => {
@@ -494,6 +505,23 @@ fn transfer(
             ExitCode::from(75)
         }
     })
+}
+
+/// A secret given inline (or by its environment variable) or in a file
+/// (its first line), so that it need not appear in the process list.
+fn secret(inline: Option<String>, file: Option<&std::path::Path>, what: &str) -> Result<String, DayError> {
+    match (inline, file) {
+        (Some(value), _) => Ok(value),
+        (None, Some(file)) => {
+            let text = std::fs::read_to_string(file).map_err(io_at(file))?;
+            let value = text.lines().next().unwrap_or("").trim();
+            match value.is_empty() {
+                true => Err(DayError(format!("{}: the file is empty", file.display()))),
+                false => Ok(value.to_owned()),
+            }
+        }
+        (None, None) => Err(DayError(format!("give {what}"))),
+    }
 }
 
 /// `30s`, `500ms`, `2m`, `1h`, or a number of seconds.
