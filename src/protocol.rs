@@ -215,10 +215,15 @@ pub fn handle<E: Engine + ?Sized>(
     unless_busy(outcome, ctx.policy)
 }
 
-/// Turns a lock wait that ran out of budget into an unstored 503.
+/// Turns a lock wait that ran out of budget, or a database that cannot be
+/// reached or written, into an unstored 503: the client retries with the
+/// same key and finds whatever did commit.
 pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Result<Outcome, StoreError> {
     match outcome {
         Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(policy.on_busy, "busy"))),
+        Err(StoreError::Unavailable(_)) => {
+            Ok(Outcome::Respond(Response::refusal(policy.on_busy, "unavailable")))
+        }
         other => other,
     }
 }
@@ -378,19 +383,24 @@ pub fn open_claims<S: Store + ?Sized>(
         .collect())
 }
 
-/// Deletes the stale claims (lease run out) and returns their keys. Safe:
-/// money moves only in the transaction that completes a key, so an
-/// in-progress key has moved none, and its next request starts afresh.
-pub fn release_stale<S: Store + ?Sized>(
+/// Deletes the stale claims (lease run out), or with `live` every claim in
+/// progress, and returns their keys. Safe for money either way: money moves
+/// only in the transaction that completes a key, and only under the claim
+/// it holds (fencing), so a released claim has moved none, and its holder,
+/// if it still runs, finds its claim gone, moves nothing and answers 409.
+/// Releasing a live claim is for holders known gone (a killed backend, a
+/// server that died after answering): its next request starts afresh.
+pub fn release_claims<S: Store + ?Sized>(
     store: &mut S,
     now: Timestamp,
+    live: bool,
     policy: &Policy,
 ) -> Result<Vec<ScopedKey>, StoreError> {
     store::atomically(store, Durability::Durable, policy, |tx| {
         let mut released = Vec::new();
         for (key, rec) in tx.in_progress()? {
             if let KeyState::InProgress { lease_until } = rec.state
-                && lease_until <= now
+                && (live || lease_until <= now)
                 && tx.release(&key, &rec.token)?
             {
                 released.push(key);

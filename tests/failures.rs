@@ -175,6 +175,17 @@ fn recover_lists_stale_claims_and_releases_only_those() {
     // the released key starts afresh at once; the live one is still held
     assert_eq!(bank.send_with(&dead, &[("IDEM_NOW", &at(lease()))]).status(), 201);
     assert_eq!(bank.send_with(&alive, &[("IDEM_NOW", &at(lease()))]).status(), 409);
+    // a holder known gone: --force-live releases the live claim too, and says so
+    let out = Command::new(idem)
+        .args(["recover", "--release", "--force-live", "--db"])
+        .arg(&bank.db)
+        .env("IDEM_NOW", at(lease()))
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("1 live claim(s)"));
+    assert_eq!(lines(String::from_utf8(out.stdout).unwrap())[0], pair("released", "alive"));
+    assert_eq!(bank.send_with(&alive, &[("IDEM_NOW", &at(lease()))]).status(), 201);
+    assert_eq!(bank.transfers().len(), 2, "each key paid once");
 }
 
 /// Runs `idem_api` on a database that must be refused: exit 5, one line on

@@ -72,6 +72,12 @@ enum Command {
     /// moving money, so releasing it lets the next retry start afresh.
     /// IDEM_NOW=<RFC 3339> fixes the clock.
     Recover {
+        /// With --release: release live claims too, for holders known gone (a
+        /// killed database backend, a server that died). Safe for money: a
+        /// holder still running finds its claim gone, moves nothing and
+        /// answers 409, and its retry executes afresh.
+        #[arg(long, requires = "release")]
+        force_live: bool,
         /// SQLite file or PostgreSQL connection string (or IDEM_DB, which keeps a password out of the process list).
         #[arg(long, env = "IDEM_DB", hide_env_values = true)]
         db: String,
@@ -98,8 +104,11 @@ enum Command {
     /// POST /v1/transfers with `Authorization: Bearer TOKEN` and an
     /// `Idempotency-Key` header; GET /v1/transfers/{id}, /healthz, /metrics,
     /// /openapi.json. Prints `http://HOST:PORT` first; logs one JSON line per
-    /// request on stderr; SIGTERM or Ctrl-C drains and exits 0.
-    /// IDEM_NOW=<RFC 3339> fixes the clock (for tests).
+    /// request on stderr (never waiting for it: lines a full stderr cannot
+    /// take are dropped and counted in /metrics); SIGTERM or Ctrl-C drains
+    /// and exits 0. IDEM_LOG_SECRET keys the logged key tags (default: a
+    /// random secret per process). IDEM_NOW=<RFC 3339> fixes the clock (for
+    /// tests).
     Serve {
         /// SQLite file or PostgreSQL connection string, the same key space as idem_api (or IDEM_DB, which keeps a password out of the process list).
         #[arg(long, env = "IDEM_DB", hide_env_values = true)]
@@ -116,6 +125,9 @@ enum Command {
         /// Transfers answered at once; more get 503 busy at once.
         #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
         max_in_flight: u32,
+        /// Connections served at once; more wait in the kernel's backlog (default: sized to the descriptor limit).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        max_connections: Option<u32>,
         /// SQLite: the most transfers one group commit (one fsync) carries; 1 commits each alone.
         #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
         group_max: u32,
@@ -285,7 +297,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                 }
             }
         }
-        Command::Recover { db, release } => {
+        Command::Recover { db, release, force_live } => {
             let now = now()?;
             let mut store = store::open(&db, policy, Usage::LongLived)?;
             let line = |state: &str, k: &ScopedKey, created_at: Timestamp, lease_until: Timestamp| {
@@ -295,7 +307,14 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             };
             let claims = protocol::open_claims(&mut store, now, policy)?;
             if release {
-                let released = protocol::release_stale(&mut store, now, policy)?;
+                if force_live {
+                    let live = claims.iter().filter(|c| !c.stale).count();
+                    eprintln!(
+                        "idem: releasing {live} live claim(s) too: a request still running under one \
+                         finds its claim gone, moves no money and answers 409; its retry executes afresh"
+                    );
+                }
+                let released = protocol::release_claims(&mut store, now, force_live, policy)?;
                 for c in claims.iter().filter(|c| released.contains(&c.key)) {
                     println!("{}", line("released", &c.key, c.created_at, c.lease_until));
                 }
@@ -315,17 +334,39 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             let purged = protocol::purge_expired(&mut store, now, batch, policy)?;
             println!("{}", json!({"purged": purged}));
         }
-        Command::Serve { db, listen, clients, pool, max_in_flight, group_max } => {
+        Command::Serve { db, listen, clients, pool, max_in_flight, max_connections, group_max } => {
+            let descriptors = idem::service::descriptor_limit();
             let options = idem::service::Options {
                 db,
-                listen,
-                clients,
+                clients: idem::service::load_clients(&clients, policy)
+                    .map_err(|e| DayError(e.to_string()))?,
                 pool: usize::from(pool),
                 max_in_flight: max_in_flight as usize,
+                max_connections: max_connections
+                    .map_or_else(|| idem::service::default_max_connections(descriptors), |n| n as usize),
                 group_max: group_max as usize,
+                log_secret: std::env::var_os("IDEM_LOG_SECRET").map(|s| s.into_encoded_bytes()),
             };
             let clock = idem::service::clock_from_env().map_err(|e| DayError(e.to_string()))?;
-            idem::service::run(options, policy, clock).map_err(|e| DayError(e.to_string()))?;
+            let listener = std::net::TcpListener::bind(&listen)
+                .map_err(|e| DayError(format!("cannot listen on {listen}: {e}")))?;
+            let address =
+                listener.local_addr().map_err(|e| DayError(format!("cannot listen on {listen}: {e}")))?;
+            let service =
+                match idem::service::Service::start(options, Box::new(std::io::stderr()), policy, clock) {
+                    Ok(service) => service,
+                    // as idem_api: a database that cannot be used is exit 5
+                    Err(e @ idem::service::ServeError::Database(_)) => {
+                        eprintln!("idem: {e}");
+                        return Ok(ExitCode::from(5));
+                    }
+                    Err(e) => return Err(DayError(e.to_string())),
+                };
+            // The first line names the bound address (port 0 picks one), once
+            // the stores are open: a client that reads it can send at once.
+            println!("http://{address}");
+            std::io::Write::flush(&mut std::io::stdout()).map_err(|e| DayError(format!("stdout: {e}")))?;
+            service.run(listener, idem::service::shutdown_signal()).map_err(|e| DayError(e.to_string()))?;
         }
         Command::Transfer { url, token, token_file, src, dst, amount, currency, key, key_file, budget } => {
             let token = secret(token, token_file.as_deref(), "--token or --token-file (or IDEM_TOKEN)")?;

@@ -157,7 +157,7 @@ fn start_server(serve: &[String], db: &str, clients: &Path, log: &Path) -> Resul
 fn release_claims(db: &str, policy: &Policy) -> Result<usize, ChaosError> {
     let mut store = store::open(db, policy, Usage::LongLived)?;
     let later = crate::clock::Timestamp::now().plus_seconds(i64::from(policy.in_progress_lease_seconds));
-    Ok(protocol::release_stale(&mut store, later, policy)?.len())
+    Ok(protocol::release_claims(&mut store, later, false, policy)?.len())
 }
 
 /// The day. Writes `chaos.json` and `chaos_report.md` into `config.out`.

@@ -3,15 +3,18 @@
 //!
 //! On SQLite, one writer owns the write connection and folds the transfers
 //! waiting in its queue into one group commit (a savepoint per request, one
-//! fsync for the group), answering each only after that commit returned;
-//! readers, each with a connection of its own, answer settled keys (replays,
-//! 422s) from a plain read without waiting for the writer. On PostgreSQL, a
-//! bounded pool of workers, each a connection, runs one request at a time.
+//! fsync for the group), answering each only after that commit returned. On
+//! PostgreSQL, a bounded pool of workers, each a connection, runs one
+//! transfer at a time. On both, readers with connections of their own answer
+//! settled keys (replays, 422s), lookups and health probes from plain reads,
+//! on a queue of their own: a read never waits behind an execution's lock
+//! wait or a group commit.
 //!
 //! A job, once queued, runs to completion whatever happens to the HTTP
 //! connection that asked for it: a client that hangs up mid-request never
 //! strands a claim. A full queue is refused at once (503, `busy`).
 
+use super::health::Health;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::protocol::{self, Ctx, Flow, Outcome, Response};
@@ -51,19 +54,20 @@ pub enum Job {
 /// The connections the service runs on.
 pub enum Stores {
     Sqlite { writer: SqliteStore, readers: Vec<SqliteStore> },
-    Postgres(Vec<PgStore>),
+    Postgres { writers: Vec<PgStore>, readers: Vec<PgStore> },
 }
 
 impl Stores {
-    /// Opens what `db` needs: a writer and its readers on SQLite, `pool`
-    /// connections on PostgreSQL.
+    /// Opens what `db` needs: a writer on SQLite, `pool` writers on
+    /// PostgreSQL, and readers beside them.
     pub fn open(db: &str, pool: usize, policy: &Policy) -> Result<Stores, StoreError> {
         if crate::store::pg::is_postgres(db) {
-            let pool = (0..pool.max(1)).map(|_| PgStore::connect(db, policy)).collect::<Result<_, _>>()?;
-            return Ok(Stores::Postgres(pool));
+            let connect = |n| (0..n).map(|_| PgStore::connect(db, policy)).collect::<Result<Vec<_>, _>>();
+            return Ok(Stores::Postgres { writers: connect(pool.max(1))?, readers: connect(READERS)? });
         }
         let path = std::path::Path::new(db);
         let writer = SqliteStore::open(path, policy)?;
+        writer.check_writable()?;
         let readers = (0..READERS).map(|_| SqliteStore::open(path, policy)).collect::<Result<_, _>>()?;
         Ok(Stores::Sqlite { writer, readers })
     }
@@ -96,7 +100,6 @@ impl Crash {
 
 pub struct Executor {
     writes: Mutex<Option<SyncSender<Job>>>,
-    /// SQLite only: the readers' queue.
     reads: Mutex<Option<SyncSender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -125,57 +128,51 @@ impl Executor {
         group_max: usize,
         policy: &'static Policy,
         clock: Clock,
+        health: Arc<Health>,
     ) -> std::io::Result<Self> {
         let crash = Crash::from_env();
         let (writes, write_jobs) = queue(capacity);
+        let (reads, read_jobs) = queue(capacity);
         let mut workers = Vec::new();
-        let reads = match stores {
+        let readers = match stores {
             Stores::Sqlite { writer, readers } => {
-                let (reads, read_jobs) = queue(capacity);
-                let clock_w = clock.clone();
+                let (clock, health) = (clock.clone(), health.clone());
                 workers.push(spawn("idem-writer".into(), move || {
-                    write_in_groups(writer, &write_jobs, group_max.max(1), policy, &clock_w, crash)
+                    write_in_groups(writer, &write_jobs, group_max.max(1), policy, &clock, &health, crash)
                 })?);
-                for (i, reader) in readers.into_iter().enumerate() {
-                    let (jobs, clock) = (read_jobs.clone(), clock.clone());
-                    workers.push(spawn(format!("idem-reader-{i}"), move || {
-                        one_at_a_time(reader, &jobs, policy, &clock)
-                    })?);
-                }
-                Some(reads)
+                readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect::<Vec<_>>()
             }
-            Stores::Postgres(pool) => {
-                for (i, store) in pool.into_iter().enumerate() {
-                    let (jobs, clock) = (write_jobs.clone(), clock.clone());
+            Stores::Postgres { writers, readers } => {
+                for (i, store) in writers.into_iter().enumerate() {
+                    let (jobs, clock, health) = (write_jobs.clone(), clock.clone(), health.clone());
                     workers.push(spawn(format!("idem-store-{i}"), move || {
-                        one_at_a_time(store, &jobs, policy, &clock)
+                        one_at_a_time(Box::new(store), &jobs, policy, &clock, &health)
                     })?);
                 }
-                None
+                readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect()
             }
         };
+        for (i, reader) in readers.into_iter().enumerate() {
+            let (jobs, clock, health) = (read_jobs.clone(), clock.clone(), health.clone());
+            workers.push(spawn(format!("idem-reader-{i}"), move || {
+                one_at_a_time(reader, &jobs, policy, &clock, &health)
+            })?);
+        }
         Ok(Executor {
             writes: Mutex::new(Some(writes)),
-            reads: Mutex::new(reads),
+            reads: Mutex::new(Some(reads)),
             workers: Mutex::new(workers),
         })
     }
 
-    /// Queues a job for the writer (or the pool); `false` when full or shut.
+    /// Queues a transfer for the writer (or the pool); `false` when full or shut.
     pub fn submit(&self, job: Job) -> bool {
         send(&self.writes, job)
     }
 
-    /// Queues a read for the readers, or for the writer (or the pool) when
-    /// there are none; `false` when full or shut.
+    /// Queues a read for the readers; `false` when full or shut.
     pub fn submit_read(&self, job: Job) -> bool {
-        let has_readers = self.reads.lock().unwrap_or_else(|e| e.into_inner()).is_some();
-        send(if has_readers { &self.reads } else { &self.writes }, job)
-    }
-
-    /// Whether settled keys are answered apart from the writer (SQLite).
-    pub fn reads_apart(&self) -> bool {
-        self.reads.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        send(&self.reads, job)
     }
 
     /// Stops taking jobs and waits for every queued one to finish.
@@ -215,11 +212,23 @@ fn transfer<S: Store>(
     protocol::handle(store, req, Ctx { policy, now: clock(), token: &token }, &mut |_| Flow::Continue)
 }
 
+/// Tells `health` what a write's outcome says of the database.
+fn report(health: &Health, outcome: &Result<Outcome, StoreError>) {
+    match outcome {
+        Ok(Outcome::Respond(r)) if r.status == 503 && r.reason.as_deref() == Some("unavailable") => {
+            health.write_failed("the database could not take a write".into())
+        }
+        Err(StoreError::Unavailable(why)) => health.write_failed(why.clone()),
+        Ok(_) => health.write_ok(),
+        Err(_) => {}
+    }
+}
+
 type TransferReply = oneshot::Sender<Result<Outcome, StoreError>>;
 
 /// Answers `job` on the spot if it is a read; a transfer is handed back.
 /// A client that has gone does not take its answer: the work is done anyway.
-fn read_or_transfer<S: Reads>(
+fn read_or_transfer<S: Reads + ?Sized>(
     store: &mut S,
     job: Job,
     policy: &Policy,
@@ -238,11 +247,19 @@ fn read_or_transfer<S: Reads>(
     None
 }
 
-/// A worker that runs each job on its own (PostgreSQL, and SQLite readers).
-fn one_at_a_time<S: Reads>(mut store: S, jobs: &Mutex<Receiver<Job>>, policy: &Policy, clock: &Clock) {
+/// A worker that runs each job on its own (PostgreSQL writers, and readers).
+fn one_at_a_time<S: Reads + ?Sized>(
+    mut store: Box<S>,
+    jobs: &Mutex<Receiver<Job>>,
+    policy: &Policy,
+    clock: &Clock,
+    health: &Health,
+) {
     while let Some(job) = next(jobs) {
-        if let Some((req, reply)) = read_or_transfer(&mut store, job, policy, clock) {
-            drop(reply.send(transfer(&mut store, &req, policy, clock)));
+        if let Some((req, reply)) = read_or_transfer(&mut *store, job, policy, clock) {
+            let outcome = transfer(&mut store, &req, policy, clock);
+            report(health, &outcome);
+            drop(reply.send(outcome));
         }
     }
 }
@@ -263,6 +280,7 @@ fn write_in_groups(
     group_max: usize,
     policy: &Policy,
     clock: &Clock,
+    health: &Health,
     crash: Option<Crash>,
 ) {
     while let Some(first) = next(jobs) {
@@ -292,12 +310,15 @@ fn write_in_groups(
         match committed {
             Ok(outcomes) => {
                 for ((_, reply), outcome) in transfers.into_iter().zip(outcomes) {
+                    report(health, &outcome);
                     drop(reply.send(outcome));
                 }
             }
             Err(e) => {
+                let outcome = protocol::unless_busy(Err(e), policy);
+                report(health, &outcome);
                 for (_, reply) in transfers {
-                    drop(reply.send(protocol::unless_busy(Err(e.clone()), policy)));
+                    drop(reply.send(outcome.clone()));
                 }
             }
         }

@@ -5,6 +5,8 @@
 //! space, scoped by `(client id from the token, route path, key)`.
 
 use super::executor::{Executor, Job};
+use super::health::Health;
+use super::log::Log;
 use super::metrics::Metrics;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -18,7 +20,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{Semaphore, oneshot};
 
@@ -28,6 +30,8 @@ const OPENAPI: &str = include_str!("openapi.json");
 const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How much of a refused request's body is read away before answering.
 const DRAIN_BYTES: usize = 1 << 20;
+/// How long a refused request's body may take to be read away.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct App {
     /// SHA-256 of each bearer token → its client id. Looking tokens up by
@@ -36,6 +40,8 @@ pub struct App {
     clients: HashMap<[u8; 32], String>,
     pub executor: Executor,
     pub metrics: Metrics,
+    pub log: Log,
+    health: Arc<Health>,
     policy: &'static Policy,
     in_flight: Semaphore,
 }
@@ -44,6 +50,8 @@ impl App {
     pub fn new(
         clients: HashMap<String, String>,
         executor: Executor,
+        health: Arc<Health>,
+        log: Log,
         policy: &'static Policy,
         max_in_flight: usize,
     ) -> Self {
@@ -52,9 +60,38 @@ impl App {
             clients,
             executor,
             metrics: Metrics::default(),
+            log,
+            health,
             policy,
             in_flight: Semaphore::new(max_in_flight),
         }
+    }
+
+    /// An accept that failed (descriptors exhausted): counted and logged;
+    /// the accept loop backs off.
+    pub fn accept_failed(&self, e: &std::io::Error) {
+        self.metrics.accept_failed();
+        self.log.line(
+            json!({"ts": Timestamp::now().to_string(), "event": "accept_failed", "error": e.to_string()})
+                .to_string(),
+        );
+    }
+
+    /// A connection that ended in error. hyper answers a request it cannot
+    /// parse (400, 414, 431) itself, before any route runs: such answers are
+    /// counted and logged here, as `route="malformed"`.
+    pub fn connection_failed(&self, e: &hyper::Error) {
+        let status = match () {
+            _ if e.is_parse_too_large() => 431,
+            _ if e.is_parse() => 400,
+            _ => return,
+        };
+        self.metrics.finished("malformed", status, false, Duration::ZERO);
+        self.log.line(
+            json!({"ts": Timestamp::now().to_string(), "route": "malformed", "status": status,
+                   "reason": "malformed_request", "error": e.to_string()})
+            .to_string(),
+        );
     }
 }
 
@@ -71,19 +108,21 @@ struct Note {
     key: Option<String>,
     replay: bool,
     reason: Option<String>,
+    /// A store error behind a 5xx, for the operator (never in a response).
+    error: Option<String>,
 }
 
 /// Answers one request, counts it and logs it.
-pub async fn handle(app: &App, req: Request<Incoming>) -> Reply {
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Reply {
     let started = Instant::now();
     app.metrics.started();
     let (method, path) = (req.method().clone(), req.uri().path().to_owned());
     let route = route_of(&path);
     let mut note = Note::default();
-    let reply = dispatch(app, req, &mut note).await;
+    let reply = dispatch(&app, req, &mut note).await;
     let took = started.elapsed();
     app.metrics.finished(route, reply.status().as_u16(), note.replay, took);
-    log(&method, &path, &reply, &note, took);
+    log(&app, &method, &path, &reply, &note, took);
     reply
 }
 
@@ -98,48 +137,57 @@ fn route_of(path: &str) -> &'static str {
     }
 }
 
-/// One JSON line on stderr per request. The key is logged as a hash: keys
-/// are the client's, and a log is read by more people than the database.
-fn log(method: &Method, path: &str, reply: &Reply, note: &Note, took: Duration) {
-    let key = note
-        .key
-        .as_ref()
-        .map(|k| digest(k.as_bytes())[..6].iter().map(|b| format!("{b:02x}")).collect::<String>());
+/// One JSON line per request. The key is logged as a keyed hash, and the
+/// reason as its code alone: a log is read by more people than the
+/// database, and neither may carry what the client wrote.
+fn log(app: &App, method: &Method, path: &str, reply: &Reply, note: &Note, took: Duration) {
+    let key = note.key.as_ref().map(|k| app.log.key_tag(note.client.as_deref().unwrap_or(""), k));
+    let reason = note.reason.as_deref().map(|r| r.split(':').next().unwrap_or(r));
     let line = json!({
         "ts": Timestamp::now().to_string(),
         "method": method.as_str(),
         "path": path.chars().take(200).collect::<String>(),
         "client": note.client,
-        "key_sha256": key,
+        "key_tag": key,
         "status": reply.status().as_u16(),
         "replay": note.replay,
-        "reason": note.reason,
+        "reason": reason,
+        "error": note.error,
         "latency_ms": (took.as_secs_f64() * 1e6).round() / 1e3,
     });
-    let _ = writeln!(std::io::stderr().lock(), "{line}");
+    app.log.line(line.to_string());
 }
 
 async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
     let path = req.uri().path().to_owned();
-    let method = req.method().clone();
+    // HEAD is GET without the body; hyper leaves the body out.
+    let method = match req.method() {
+        &Method::HEAD => Method::GET,
+        other => other.clone(),
+    };
     match (&method, path.as_str()) {
-        (&Method::GET, "/healthz") => health(app).await,
-        (&Method::GET, "/metrics") => text(StatusCode::OK, "text/plain; version=0.0.4", app.metrics.render()),
+        (&Method::GET, "/healthz") => health(app, note).await,
+        (&Method::GET, "/metrics") => {
+            text(StatusCode::OK, "text/plain; version=0.0.4", app.metrics.render(app.log.dropped()))
+        }
         (&Method::GET, "/openapi.json") => text(StatusCode::OK, "application/json", OPENAPI.to_owned()),
         (&Method::POST, TRANSFERS) => transfer(app, req, note).await,
         (&Method::GET, p) if p.starts_with("/v1/transfers/") => {
             lookup(app, req.headers(), &p[14..], note).await
         }
-        (_, "/healthz" | "/metrics" | "/openapi.json") => not_allowed("GET", note),
+        (_, "/healthz" | "/metrics" | "/openapi.json") => not_allowed("GET, HEAD", note),
         (_, TRANSFERS) => not_allowed("POST", note),
-        (_, p) if p.starts_with("/v1/transfers/") => not_allowed("GET", note),
+        (_, p) if p.starts_with("/v1/transfers/") => not_allowed("GET, HEAD", note),
         _ => problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note),
     }
 }
 
 /// The caller's client id, from `Authorization: Bearer <token>`.
 fn authenticate(app: &App, headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    // Authorization is a singleton: two of them is no credential at all.
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else { return None };
+    let value = value.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     if !scheme.eq_ignore_ascii_case("bearer") {
         return None;
@@ -166,9 +214,27 @@ async fn transfer(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
     let mut body = Some(body);
     let reply = refuse_or_transfer(app, Request::from_parts(parts, ()), &mut body, note).await;
     if let Some(rest) = body {
-        let _ = tokio::time::timeout(BODY_TIMEOUT, Limited::new(rest, DRAIN_BYTES).collect()).await;
+        drain(rest).await;
     }
     reply
+}
+
+/// Reads a refused body away frame by frame, keeping none of it, up to
+/// [`DRAIN_BYTES`] and [`DRAIN_TIMEOUT`]; past either the connection is
+/// closed instead. Nothing is buffered, so a crowd of unauthenticated
+/// uploads costs the server no memory.
+async fn drain(mut body: Incoming) {
+    let mut left = DRAIN_BYTES;
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        while let Some(Ok(frame)) = body.frame().await {
+            let n = frame.data_ref().map_or(0, |d| d.len());
+            if n >= left {
+                return;
+            }
+            left -= n;
+        }
+    })
+    .await;
 }
 
 async fn refuse_or_transfer(
@@ -199,7 +265,7 @@ async fn refuse_or_transfer(
         Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail, note),
     };
     note.key = Some(key.clone());
-    let Some(incoming) = body.take() else { return internal(note) };
+    let Some(incoming) = body.take() else { return failed(note) };
     let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
         Err(_) => {
             return problem(
@@ -227,18 +293,16 @@ async fn refuse_or_transfer(
     };
     let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
     // A settled key (a replay, another body) is answered by a reader,
-    // without queueing behind the writer's group commits.
-    if app.executor.reads_apart() {
-        let (reply, answer) = oneshot::channel();
-        if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
-            return busy(app, note);
-        }
-        match answer.await {
-            Ok(Ok(Some(settled))) => return respond(settled, note),
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => return store_error(&e, note),
-            Err(_) => return internal(note),
-        }
+    // without queueing behind the writers' executions and group commits.
+    let (reply, answer) = oneshot::channel();
+    if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
+        return busy(app, note);
+    }
+    match answer.await {
+        Ok(Ok(Some(settled))) => return respond(settled, note),
+        Ok(Ok(None)) => {}
+        Ok(Err(e)) => return store_error(app, &e, note),
+        Err(_) => return failed(note),
     }
     let (reply, answer) = oneshot::channel();
     if !app.executor.submit(Job::Transfer { req: parsed, reply }) {
@@ -246,8 +310,8 @@ async fn refuse_or_transfer(
     }
     match answer.await {
         Ok(Ok(Outcome::Respond(answer))) => respond(answer, note),
-        Ok(Ok(Outcome::Crashed(_))) | Err(_) => internal(note),
-        Ok(Err(e)) => store_error(&e, note),
+        Ok(Ok(Outcome::Crashed(_))) | Err(_) => failed(note),
+        Ok(Err(e)) => store_error(app, &e, note),
     }
 }
 
@@ -337,6 +401,7 @@ fn detail_of(reason: &str) -> &str {
         "insufficient_funds" => "The source account's balance is below the amount.",
         "balance_overflow" => "The destination account cannot hold the amount.",
         "busy" => "The service is busy; retry shortly.",
+        "unavailable" => "The database cannot take requests now; retry shortly with the same key.",
         other => other, // invalid_request: … carries its own explanation
     }
 }
@@ -346,14 +411,25 @@ fn busy(app: &App, note: &mut Note) -> Reply {
     respond(answer, note)
 }
 
-fn store_error(e: &StoreError, note: &mut Note) -> Reply {
-    // The detail goes to the log only: a response never carries database text.
-    note.reason = Some(format!("internal_error: {e}"));
-    internal(note)
+/// A store error as an answer: a database that is unavailable or busy is a
+/// 503 the client retries; anything else a 500. The error's text goes to
+/// the log only: a response never carries database text.
+fn store_error(app: &App, e: &StoreError, note: &mut Note) -> Reply {
+    note.error = Some(e.to_string());
+    match e {
+        StoreError::Busy => respond(Answer::refusal(app.policy.on_busy, "busy"), note),
+        StoreError::Unavailable(_) => respond(Answer::refusal(app.policy.on_busy, "unavailable"), note),
+        _ => failed(note),
+    }
 }
 
-fn internal(note: &mut Note) -> Reply {
+fn failed(note: &mut Note) -> Reply {
     problem(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", "The request could not be completed.", note)
+}
+
+/// The answer of a request task that did not end (it panicked).
+pub fn internal() -> Reply {
+    failed(&mut Note::default())
 }
 
 async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Reply {
@@ -368,19 +444,37 @@ async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Re
     match answer.await {
         Ok(Ok(Some(body))) => text(StatusCode::OK, "application/json", body),
         Ok(Ok(None)) => not_found(note),
-        Ok(Err(e)) => store_error(&e, note),
-        Err(_) => internal(note),
+        Ok(Err(e)) => store_error(app, &e, note),
+        Err(_) => failed(note),
     }
 }
 
-async fn health(app: &App) -> Reply {
-    let (reply, answer) = oneshot::channel();
-    let healthy = app.executor.submit_read(Job::Ping { reply }) && matches!(answer.await, Ok(Ok(())));
-    match healthy {
-        true => text(StatusCode::OK, "application/json", r#"{"status":"ok"}"#.into()),
-        false => {
-            let mut note = Note::default();
-            problem(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", "The database does not answer.", &mut note)
+/// `/healthz`: the last probe's verdict, a new probe at most once per
+/// second (see [`Health`]), and the last write's failure if it failed.
+async fn health(app: &App, note: &mut Note) -> Reply {
+    if app.health.probe_due() {
+        let (reply, answer) = oneshot::channel();
+        let probed = match app.executor.submit_read(Job::Ping { reply }) {
+            false => Err("the readers' queue is full".to_owned()),
+            true => match answer.await {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(_) => Err("the reader stopped".to_owned()),
+            },
+        };
+        app.health.probed(probed);
+    }
+    match app.health.verdict() {
+        Ok(()) => text(StatusCode::OK, "application/json", r#"{"status":"ok"}"#.into()),
+        Err(why) => {
+            note.error = Some(why);
+            let mut reply = problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unhealthy",
+                "The database does not answer, or cannot take writes.",
+                note,
+            );
+            reply.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            reply
         }
     }
 }

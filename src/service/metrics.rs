@@ -16,18 +16,31 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     replays: AtomicU64,
     in_flight: AtomicI64,
+    accept_errors: AtomicU64,
     /// One count per bucket, then the overflow (+Inf).
     latency: [AtomicU64; BUCKETS.len() + 1],
     latency_sum_micros: AtomicU64,
 }
 
 impl Metrics {
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn accept_failed(&self) {
+        self.accept_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn started(&self) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A request answered (`route = "malformed"`: one hyper answered itself,
+    /// which was never started).
     pub fn finished(&self, route: &'static str, status: u16, replay: bool, took: Duration) {
-        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if route != "malformed" {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
         if let Ok(mut requests) = self.requests.lock() {
             *requests.entry((route, status)).or_insert(0) += 1;
         }
@@ -40,8 +53,9 @@ impl Metrics {
         self.latency_sum_micros.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self) -> String {
+    /// The Prometheus text exposition; `log_dropped` is the log's count of
+    /// lines dropped.
+    pub fn render(&self, log_dropped: u64) -> String {
         let mut out = String::new();
         out.push_str("# HELP idem_requests_total HTTP requests answered, by route and status.\n");
         out.push_str("# TYPE idem_requests_total counter\n");
@@ -55,11 +69,21 @@ impl Metrics {
             "# HELP idem_replays_total Answers replayed from a completed key.\n# TYPE idem_replays_total counter\n\
              idem_replays_total {}\n\
              # HELP idem_requests_in_flight Requests being answered now.\n# TYPE idem_requests_in_flight gauge\n\
-             idem_requests_in_flight {}\n\
-             # HELP idem_request_duration_seconds Time to answer a request.\n\
-             # TYPE idem_request_duration_seconds histogram\n",
+             idem_requests_in_flight {}\n",
             self.replays.load(Ordering::Relaxed),
             self.in_flight.load(Ordering::Relaxed),
+        );
+        let _ = write!(
+            out,
+            "# HELP idem_log_lines_dropped_total Log lines dropped because the log's sink did not keep up.\n\
+             # TYPE idem_log_lines_dropped_total counter\nidem_log_lines_dropped_total {log_dropped}\n\
+             # HELP idem_accept_errors_total Connections the listener failed to accept (e.g. descriptors exhausted).\n\
+             # TYPE idem_accept_errors_total counter\nidem_accept_errors_total {}\n",
+            self.accept_errors.load(Ordering::Relaxed),
+        );
+        out.push_str(
+            "# HELP idem_request_duration_seconds Time to answer a request.\n\
+             # TYPE idem_request_duration_seconds histogram\n",
         );
         let mut cumulative = 0;
         for (i, count) in self.latency.iter().enumerate() {

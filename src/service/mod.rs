@@ -9,7 +9,9 @@
 //! drain, and exits 0: no claim is left behind by a shutdown.
 
 pub mod executor;
+pub mod health;
 pub mod http;
+pub mod log;
 pub mod metrics;
 
 use crate::clock::Timestamp;
@@ -20,131 +22,311 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use std::collections::HashMap;
-use std::io::Write;
-use std::path::PathBuf;
+use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a client may take to send its request headers.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most a connection buffers of what it reads: the request head must
+/// fit in it (431 otherwise), and a body is read through it frame by frame.
+/// hyper's default grows to 400 KiB under a fast sender, which two thousand
+/// uploading connections turn into most of a gigabyte.
+const READ_BUFFER_BYTES: usize = 16 * 1024;
 /// How long a shutdown waits for the requests in flight.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// The longest pause after a failed accept (descriptors exhausted): the
+/// failure repeats at once until something is closed, so retrying at once
+/// would burn a core and starve the requests that could free one.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct Options {
     pub db: String,
-    pub listen: String,
-    pub clients: PathBuf,
-    /// Connections to PostgreSQL (each with a worker thread); SQLite has one
-    /// writer and two readers.
+    /// Bearer token → client id.
+    pub clients: HashMap<String, String>,
+    /// Connections to PostgreSQL (each with a worker thread) that run
+    /// transfers; SQLite has one writer. Two readers serve reads on either.
     pub pool: usize,
     /// Transfers answered at once; more get 503 at once.
     pub max_in_flight: usize,
+    /// Connections served at once; more wait in the kernel's backlog.
+    pub max_connections: usize,
     /// SQLite: the most transfers one group commit carries (1: a commit each).
     pub group_max: usize,
+    /// The secret that keys the logged key tags (`None`: a random one).
+    pub log_secret: Option<Vec<u8>>,
 }
 
 /// Why the service could not start (or stop cleanly).
 #[derive(Debug)]
-pub struct ServeError(pub String);
+pub enum ServeError {
+    /// The database cannot be used (`idem serve` exits 5, as `idem_api`).
+    Database(StoreError),
+    Other(String),
+}
 
 impl std::fmt::Display for ServeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            ServeError::Database(e) => write!(f, "{e}"),
+            ServeError::Other(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for ServeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ServeError::Database(e) => Some(e),
+            ServeError::Other(_) => None,
+        }
     }
 }
 
 impl From<StoreError> for ServeError {
     fn from(e: StoreError) -> Self {
-        ServeError(e.to_string())
-    }
-}
-
-impl From<std::io::Error> for ServeError {
-    fn from(e: std::io::Error) -> Self {
-        ServeError(e.to_string())
+        ServeError::Database(e)
     }
 }
 
 /// Reads the clients file: a JSON object mapping each bearer token to its
-/// client id.
-pub fn load_clients(path: &std::path::Path, policy: &Policy) -> Result<HashMap<String, String>, ServeError> {
+/// client id. A token listed twice is refused, naming its second line (not
+/// the token): which client it should stand for is a guess.
+pub fn load_clients(path: &Path, policy: &Policy) -> Result<HashMap<String, String>, ServeError> {
     let text = std::fs::read_to_string(path)
-        .map_err(|e| ServeError(format!("cannot read the clients file {}: {e}", path.display())))?;
-    let clients: HashMap<String, String> = serde_json::from_str(&text).map_err(|e| {
-        ServeError(format!("{}: not a JSON object of token → client id ({e})", path.display()))
+        .map_err(|e| ServeError::Other(format!("cannot read the clients file {}: {e}", path.display())))?;
+    let pairs = parse_pairs(&text).map_err(|e| {
+        ServeError::Other(format!("{}: not a JSON object of token → client id ({e})", path.display()))
     })?;
-    if clients.is_empty() {
-        return Err(ServeError(format!("{}: no clients", path.display())));
+    if pairs.is_empty() {
+        return Err(ServeError::Other(format!("{}: no clients", path.display())));
     }
-    for (token, client) in &clients {
-        if token.trim().is_empty() || token.trim() != token || token.contains(char::is_whitespace) {
-            return Err(ServeError(format!("{}: a token is empty or holds white space", path.display())));
+    let mut clients = HashMap::new();
+    for (n, (token, client)) in pairs.into_iter().enumerate() {
+        if token.trim().is_empty() || token.contains(|c: char| c.is_whitespace() || c.is_control()) {
+            return Err(ServeError::Other(format!(
+                "{}: a token is empty or holds white space",
+                path.display()
+            )));
         }
         if client.is_empty() || client.chars().count() > policy.max_field_chars {
-            return Err(ServeError(format!(
+            return Err(ServeError::Other(format!(
                 "{}: client ids must be 1 to {} characters",
                 path.display(),
                 policy.max_field_chars
+            )));
+        }
+        if clients.insert(token, client).is_some() {
+            return Err(ServeError::Other(format!(
+                "{}:{}: this entry's token is listed earlier in the file too; each token must stand for one client",
+                path.display(),
+                key_lines(&text).get(n).copied().unwrap_or(0)
             )));
         }
     }
     Ok(clients)
 }
 
-/// Runs the service until SIGTERM or Ctrl-C.
-pub fn run(options: Options, policy: &'static Policy, clock: Clock) -> Result<(), ServeError> {
-    let clients = load_clients(&options.clients, policy)?;
-    let stores = executor::Stores::open(&options.db, options.pool, policy)?;
-    let executor =
-        Executor::start(stores, options.max_in_flight.max(1) * 2, options.group_max, policy, clock)?;
-    let app = Arc::new(http::App::new(clients, executor, policy, options.max_in_flight.max(1)));
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let served = runtime.block_on(serve(&options.listen, app.clone()));
-    // Every connection is closed: let the workers finish what was queued.
-    app.executor.drain();
-    served
-}
-
-async fn serve(listen: &str, app: Arc<http::App>) -> Result<(), ServeError> {
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .map_err(|e| ServeError(format!("cannot listen on {listen}: {e}")))?;
-    let address = listener.local_addr()?;
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "http://{address}")?;
-        out.flush()?;
-    }
-    let graceful = GracefulShutdown::new();
-    let mut stop = std::pin::pin!(shutdown_signal());
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let app = app.clone();
-                let service = service_fn(move |req| {
-                    let app = app.clone();
-                    async move { Ok::<_, std::convert::Infallible>(http::handle(&app, req).await) }
-                });
-                let connection = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(HEADER_TIMEOUT)
-                    .serve_connection(TokioIo::new(stream), service);
-                let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                });
+/// The members of a JSON object of strings, in file order, duplicates kept.
+fn parse_pairs(text: &str) -> Result<Vec<(String, String)>, serde_json::Error> {
+    struct Pairs;
+    impl<'de> serde::de::Visitor<'de> for Pairs {
+        type Value = Vec<(String, String)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of strings")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut pairs = Vec::new();
+            while let Some(pair) = map.next_entry()? {
+                pairs.push(pair);
             }
-            () = &mut stop => break,
+            Ok(pairs)
         }
     }
-    drop(listener); // stop accepting at once
-    let _ = tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await;
-    Ok(())
+    let mut de = serde_json::Deserializer::from_str(text);
+    let pairs = serde::Deserializer::deserialize_map(&mut de, Pairs)?;
+    de.end()?;
+    Ok(pairs)
 }
 
-async fn shutdown_signal() {
+/// The line of each member name of a JSON object whose values are strings:
+/// at depth one, string literals alternate name, value.
+fn key_lines(text: &str) -> Vec<usize> {
+    let (mut lines, mut line, mut depth, mut strings) = (Vec::new(), 1, 0, 0);
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\n' => line += 1,
+            '{' | '[' => depth += 1,
+            '}' | ']' => depth -= 1,
+            '"' => {
+                if depth == 1 && strings % 2 == 0 {
+                    lines.push(line);
+                }
+                strings += 1;
+                while let Some(c) = chars.next() {
+                    match c {
+                        '\\' => drop(chars.next()),
+                        '"' => break,
+                        '\n' => line += 1,
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    lines
+}
+
+/// Raises the soft limit on open descriptors to the hard one (as servers
+/// do) and returns it: the default `--max-connections` is sized from it.
+pub fn descriptor_limit() -> u64 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit only read and write `limit`.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return 1024;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit.rlim_cur = limit.rlim_max;
+            }
+        }
+    }
+    limit.rlim_cur
+}
+
+/// Connections served at once by default: the descriptor limit, less what
+/// the database connections, the log and the process itself keep open.
+pub fn default_max_connections(descriptors: u64) -> usize {
+    usize::try_from(descriptors.saturating_sub(64).max(16)).unwrap_or(usize::MAX).min(1 << 20)
+}
+
+/// A service whose stores are open and whose workers run, ready to serve.
+pub struct Service {
+    app: Arc<http::App>,
+    max_connections: usize,
+}
+
+impl Service {
+    /// Opens the stores and starts the workers and the log writer (logs go
+    /// to `log_sink`); nothing listens yet.
+    pub fn start(
+        options: Options,
+        log_sink: Box<dyn std::io::Write + Send>,
+        policy: &'static Policy,
+        clock: Clock,
+    ) -> Result<Service, ServeError> {
+        let stores = executor::Stores::open(&options.db, options.pool, policy)?;
+        let health = Arc::new(health::Health::default());
+        let capacity = options.max_in_flight.max(1) * 2;
+        let executor = Executor::start(stores, capacity, options.group_max, policy, clock, health.clone())
+            .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
+        let log = log::Log::start(log_sink, options.log_secret)
+            .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;
+        let app =
+            http::App::new(options.clients, executor, health, log, policy, options.max_in_flight.max(1));
+        Ok(Service { app: Arc::new(app), max_connections: options.max_connections.max(1) })
+    }
+
+    /// Serves `listener` until `shutdown` resolves, then lets the requests
+    /// in flight finish and the workers drain.
+    pub fn run(
+        self,
+        listener: std::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ServeError::Other(format!("cannot start the runtime: {e}")))?;
+        listener.set_nonblocking(true).map_err(|e| ServeError::Other(format!("listener: {e}")))?;
+        let served = runtime.block_on(async {
+            let listener = tokio::net::TcpListener::from_std(listener)
+                .map_err(|e| ServeError::Other(format!("listener: {e}")))?;
+            serve(listener, self.app.clone(), self.max_connections, shutdown).await;
+            Ok(())
+        });
+        // Every connection is closed and every request task has ended (or
+        // the grace period has): let the workers finish what was queued.
+        self.app.executor.drain();
+        self.app.log.flush(Duration::from_secs(1));
+        served
+    }
+}
+
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Arc<http::App>,
+    max_connections: usize,
+    shutdown: impl Future<Output = ()>,
+) {
+    let graceful = GracefulShutdown::new();
+    let connections = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let mut stop = std::pin::pin!(shutdown);
+    let mut backoff = Duration::ZERO;
+    loop {
+        // At the cap, stop accepting: new connections wait in the backlog.
+        let permit = tokio::select! {
+            permit = connections.clone().acquire_owned() => permit,
+            () = &mut stop => break,
+        };
+        let Ok(permit) = permit else { break };
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => {
+                backoff = Duration::ZERO;
+                stream
+            }
+            Err(e) => {
+                backoff = (backoff * 2).clamp(Duration::from_millis(5), ACCEPT_BACKOFF_MAX);
+                app.accept_failed(&e);
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => continue,
+                    () = &mut stop => break,
+                }
+            }
+        };
+        let handler = app.clone();
+        let service = service_fn(move |req| {
+            // The request runs as a task of its own: a client that hangs up
+            // drops the connection, not the request, which still ends, is
+            // logged and is counted.
+            let task = tokio::spawn(http::handle(handler.clone(), req));
+            async move { Ok::<_, std::convert::Infallible>(task.await.unwrap_or_else(|_| http::internal())) }
+        });
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_TIMEOUT)
+            .max_buf_size(READ_BUFFER_BYTES)
+            .serve_connection(TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        let app = app.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                app.connection_failed(&e);
+            }
+            drop(permit);
+        });
+    }
+    drop(listener); // stop accepting at once
+    let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
+    let _ = tokio::time::timeout_at(deadline, graceful.shutdown()).await;
+    // Requests whose client hung up run on without a connection.
+    while app.metrics.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(mut term) => {
@@ -164,9 +346,24 @@ async fn shutdown_signal() {
 pub fn clock_from_env() -> Result<Clock, ServeError> {
     match std::env::var("IDEM_NOW") {
         Ok(text) => {
-            let fixed = Timestamp::parse(&text).map_err(|e| ServeError(format!("IDEM_NOW: {e}")))?;
+            let fixed = Timestamp::parse(&text).map_err(|e| ServeError::Other(format!("IDEM_NOW: {e}")))?;
             Ok(Arc::new(move || fixed))
         }
         Err(_) => Ok(Arc::new(Timestamp::now)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_names_are_found_on_their_lines() {
+        let text = "{\n  \"a\": \"x\",\n  \"b\\\"\": \"y\\n{\",\n\n  \"c\": \"z\"}";
+        assert_eq!(key_lines(text), vec![2, 3, 5]);
+        assert_eq!(parse_pairs(text).unwrap().len(), 3);
+        let twice = "{\"t\": \"a\",\n \"t\": \"b\"}";
+        assert_eq!(parse_pairs(twice).unwrap(), vec![("t".into(), "a".into()), ("t".into(), "b".into())]);
+        assert!(parse_pairs("{\"t\": 1}").is_err() && parse_pairs("{} x").is_err());
     }
 }

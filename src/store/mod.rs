@@ -54,6 +54,11 @@ pub enum StoreError {
     /// Another transaction changed what this one read (a serialization
     /// failure, a deadlock, a lost compare-and-set): run the work again.
     Conflict,
+    /// The database cannot take this request now: its connection was lost
+    /// (a restart, a failover, a killed backend), or it cannot write (disk
+    /// full, an I/O error). Whatever the request did is either committed, and
+    /// a retry finds it, or gone; the caller may try again later.
+    Unavailable(String),
     /// The database is not one the engine can use (no account table, a
     /// schema of another version, a balance that is not an integer).
     Schema(String),
@@ -66,6 +71,7 @@ impl fmt::Display for StoreError {
         match self {
             StoreError::Busy => f.write_str("database is busy: lock wait exceeded busy_timeout_ms"),
             StoreError::Conflict => f.write_str("concurrent update: retries exceeded busy_timeout_ms"),
+            StoreError::Unavailable(why) => write!(f, "database unavailable: {why}"),
             StoreError::Schema(why) | StoreError::Backend(why) => f.write_str(why),
         }
     }

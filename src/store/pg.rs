@@ -106,11 +106,34 @@ impl PgStore {
     /// failed transaction; the next one runs on the new connection.
     fn revive(&mut self) -> Result<(), StoreError> {
         if self.client.is_closed() {
-            let mut client = session(&self.spec, &self.policy)?;
-            self.sql = Statements::prepare(&mut client, &self.shape).map_err(pg)?;
-            self.client = client;
+            self.reconnect()?;
         }
         Ok(())
+    }
+
+    fn reconnect(&mut self) -> Result<(), StoreError> {
+        let mut client =
+            session(&self.spec, &self.policy).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        self.sql = Statements::prepare(&mut client, &self.shape).map_err(pg)?;
+        self.client = client;
+        Ok(())
+    }
+
+    /// Runs `read` on the connection, on a new one if it is found dead: a
+    /// killed backend is noticed by the first statement after it, and a
+    /// read is safe to run again.
+    fn reading<R>(
+        &mut self,
+        read: impl Fn(&mut Self) -> Result<R, postgres::Error>,
+    ) -> Result<R, StoreError> {
+        self.revive()?;
+        match read(self) {
+            Err(e) if lost(&e) => {
+                self.reconnect()?;
+                read(self).map_err(pg)
+            }
+            other => other.map_err(pg),
+        }
     }
 }
 
@@ -181,14 +204,23 @@ pub fn pg(e: postgres::Error) -> StoreError {
             StoreError::Conflict
         }
         Some(c) if *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::QUERY_CANCELED => StoreError::Busy,
-        // The server went away (restart, failover, a killed backend): nothing
-        // of the transaction is known to have committed but what a retry will
-        // find; try again later, on a new connection.
-        Some(c) if c.code().starts_with("57P") || c.code().starts_with("08") => StoreError::Busy,
-        None if e.is_closed() || std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>()) => {
-            StoreError::Busy
-        }
+        _ if lost(&e) => StoreError::Unavailable(format!("PostgreSQL: {}", describe(&e))),
         _ => StoreError::Backend(format!("PostgreSQL: {}", describe(&e))),
+    }
+}
+
+/// Whether `e` says this connection cannot go on: the server went away (a
+/// restart, a failover, a killed backend: 57P, 08), is out of resources
+/// (53: disk full, memory, connections), or is a standby that cannot write
+/// (25006). Nothing of the transaction is known to have committed but what
+/// a retry will find; the next transaction runs on a new connection.
+fn lost(e: &postgres::Error) -> bool {
+    match e.code() {
+        Some(c) => {
+            let c = c.code();
+            c.starts_with("57P") || c.starts_with("08") || c.starts_with("53") || c == "25006"
+        }
+        None => e.is_closed() || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
     }
 }
 
@@ -435,12 +467,14 @@ fn record(row: &Row) -> Result<KeyRecord, StoreError> {
 
 impl Store for PgStore {
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
-        self.revive()?;
-        let mut tx = self.client.transaction().map_err(pg)?;
-        if durability == Durability::Lazy {
-            tx.batch_execute("SET LOCAL synchronous_commit = off").map_err(pg)?;
-        }
-        Ok(Box::new(PgTx { tx, shape: &self.shape, sql: &self.sql }))
+        // BEGIN is where a dead connection is found: nothing has run on it
+        // yet, so it is replaced and the transaction starts on a new one.
+        let setting = match durability {
+            Durability::Lazy => "BEGIN; SET LOCAL synchronous_commit = off",
+            Durability::Durable => "BEGIN",
+        };
+        self.reading(|s| s.client.batch_execute(setting))?;
+        Ok(Box::new(PgTx { client: &mut self.client, shape: &self.shape, sql: &self.sql, open: true }))
     }
 
     fn audit(&mut self) -> Result<Audit, StoreError> {
@@ -472,37 +506,44 @@ impl Store for PgStore {
 
 impl Reads for PgStore {
     fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
-        self.revive()?;
-        let row = self
-            .client
-            .query_opt(
+        let row = self.reading(|s| {
+            s.client.query_opt(
                 "SELECT body FROM idem_key
                  WHERE transfer_id = $1 AND client_id = $2 AND state = 'completed' AND status = 201",
                 &[&transfer_id, &client_id],
             )
-            .map_err(pg)?;
+        })?;
         Ok(row.map(|r| r.get(0)))
     }
 
     fn ping(&mut self) -> Result<(), StoreError> {
-        self.revive()?;
-        self.client.batch_execute("SELECT 1 FROM account LIMIT 1").map_err(pg)
+        self.reading(|s| s.client.batch_execute("SELECT 1"))
     }
 
     fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        self.revive()?;
-        let row = self
-            .client
-            .query_opt(&self.sql.read_key, &[&key.client_id, &key.endpoint, &key.idem_key])
-            .map_err(pg)?;
+        let row = self.reading(|s| {
+            s.client.query_opt(&s.sql.read_key, &[&key.client_id, &key.endpoint, &key.idem_key])
+        })?;
         row.as_ref().map(record).transpose()
     }
 }
 
+/// A transaction begun by hand (`BEGIN` with its settings in one round
+/// trip); dropped without [`Tx::commit`], it rolls back.
 pub struct PgTx<'a> {
-    tx: postgres::Transaction<'a>,
+    client: &'a mut Client,
     shape: &'a Shape,
     sql: &'a Statements,
+    open: bool,
+}
+
+impl Drop for PgTx<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // On a dead connection there is nothing to roll back.
+            let _ = self.client.batch_execute("ROLLBACK");
+        }
+    }
 }
 
 impl PgTx<'_> {
@@ -529,12 +570,12 @@ impl PgTx<'_> {
         if let Some((token, state)) = &seen {
             params.extend([token as &(dyn postgres::types::ToSql + Sync), state]);
         }
-        self.tx.execute(statement, &params).map_err(pg)
+        self.client.execute(statement, &params).map_err(pg)
     }
 
     fn key_row(&mut self, statement: &Statement, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
         let row =
-            self.tx.query_opt(statement, &[&key.client_id, &key.endpoint, &key.idem_key]).map_err(pg)?;
+            self.client.query_opt(statement, &[&key.client_id, &key.endpoint, &key.idem_key]).map_err(pg)?;
         row.as_ref().map(record).transpose()
     }
 }
@@ -557,7 +598,10 @@ impl Tx for PgTx<'_> {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
-        match self.tx.query_opt(&self.sql.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key]) {
+        match self
+            .client
+            .query_opt(&self.sql.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key])
+        {
             Ok(Some(_)) => {}
             Ok(None) => return Ok(false),
             // The row is locked: its execution is running. The transaction
@@ -585,7 +629,7 @@ impl Tx for PgTx<'_> {
     ) -> Result<bool, StoreError> {
         let (status, at) = (i32::from(response.status), at.to_string());
         let changed = self
-            .tx
+            .client
             .execute(
                 &self.sql.complete,
                 &[
@@ -606,7 +650,7 @@ impl Tx for PgTx<'_> {
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
         let n = self
-            .tx
+            .client
             .execute(&self.sql.release, &[&key.client_id, &key.endpoint, &key.idem_key, &token])
             .map_err(pg)?;
         Ok(n == 1)
@@ -614,7 +658,7 @@ impl Tx for PgTx<'_> {
 
     fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
         let Some(bound) = self.shape.bind(id) else { return Ok(None) };
-        let Some(row) = self.tx.query_opt(&self.sql.lock_account, &[&bound]).map_err(pg)? else {
+        let Some(row) = self.client.query_opt(&self.sql.lock_account, &[&bound]).map_err(pg)? else {
             return Ok(None);
         };
         let id = self.shape.id(row.get(0))?;
@@ -624,7 +668,7 @@ impl Tx for PgTx<'_> {
 
     fn add_to_balance(&mut self, id: &AcctId, delta: i64) -> Result<i64, StoreError> {
         let bound = self.shape.bind(id).unwrap_or_default();
-        let rows = self.tx.query(&self.sql.add_to_balance, &[&bound, &delta]).map_err(pg)?;
+        let rows = self.client.query(&self.sql.add_to_balance, &[&bound, &delta]).map_err(pg)?;
         match rows.as_slice() {
             [row] => balance(id, row.get(0)),
             rows => Err(StoreError::Schema(format!(
@@ -640,7 +684,7 @@ impl Tx for PgTx<'_> {
             (self.shape.bind(t.src).unwrap_or_default(), self.shape.bind(t.dst).unwrap_or_default());
         let at = t.created_at.to_string();
         let row = self
-            .tx
+            .client
             .query_one(&self.sql.insert_transfer, &[&src, &dst, &t.amount, &t.currency, &at])
             .map_err(pg)?;
         Ok(row.get(0))
@@ -648,7 +692,7 @@ impl Tx for PgTx<'_> {
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
         let (before, limit) = (before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX));
-        self.tx
+        self.client
             .execute(
                 "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
                    (SELECT client_id, endpoint, idem_key FROM idem_key
@@ -660,7 +704,7 @@ impl Tx for PgTx<'_> {
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
         let rows = self
-            .tx
+            .client
             .query(
                 &format!(
                     "SELECT {KEY_COLUMNS}, client_id, endpoint, idem_key FROM idem_key WHERE state = 'in_progress'
@@ -677,7 +721,8 @@ impl Tx for PgTx<'_> {
             .collect()
     }
 
-    fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        self.tx.commit().map_err(pg)
+    fn commit(mut self: Box<Self>) -> Result<(), StoreError> {
+        self.open = false;
+        self.client.batch_execute("COMMIT").map_err(pg)
     }
 }

@@ -43,23 +43,35 @@ impl Serve {
     /// Starts `idem serve` on `db` with `clients` (token, client id) and
     /// extra arguments; waits for its first line.
     pub fn start(db: &Path, clients: &[(&str, &str)], args: &[&str], env: &[(&str, &str)]) -> Serve {
+        Self::start_with(db, clients, args, |cmd| {
+            cmd.envs(env.iter().copied());
+        })
+    }
+
+    /// [`Serve::start`], with `configure` applied to the command last (its
+    /// stderr, limits, environment).
+    pub fn start_with(
+        db: &Path,
+        clients: &[(&str, &str)],
+        args: &[&str],
+        configure: impl FnOnce(&mut Command),
+    ) -> Serve {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("clients.json");
         let map: BTreeMap<&str, &str> = clients.iter().copied().collect();
         std::fs::write(&file, serde_json::to_string(&map).unwrap()).unwrap();
         let stderr = dir.path().join("serve.log");
-        let mut child = Command::new(IDEM)
-            .arg("serve")
+        let mut cmd = Command::new(IDEM);
+        cmd.arg("serve")
             .arg("--db")
             .arg(db)
             .args(["--listen", "127.0.0.1:0", "--clients"])
             .arg(&file)
             .args(args)
-            .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .unwrap();
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        configure(&mut cmd);
+        let mut child = cmd.spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         assert!(
@@ -99,6 +111,24 @@ impl Serve {
         }
         let template = if path.starts_with("/v1/transfers/") { "/v1/transfers/{id}" } else { path };
         documented("get", template, read(req.call()))
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    /// The server's user plus system CPU time so far, and its peak RSS.
+    pub fn cpu_and_peak_rss(&self) -> (std::time::Duration, u64) {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
+        let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .map_or(0, |v| v.trim().trim_end_matches("kB").trim().parse().unwrap());
+        (std::time::Duration::from_millis(ticks * 1000 / hz), kib * 1024)
     }
 
     /// SIGTERM; returns the exit code.
