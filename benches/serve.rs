@@ -44,9 +44,13 @@ struct Server {
 
 impl Server {
     fn start(db: &str, dir: &Path, extra: &[&str]) -> Server {
+        Server::start_bin(IDEM, db, dir, extra)
+    }
+
+    fn start_bin(bin: &str, db: &str, dir: &Path, extra: &[&str]) -> Server {
         let clients = dir.join("clients.json");
         std::fs::write(&clients, format!("{{\"{TOKEN}\": \"bench\"}}")).unwrap();
-        let mut child = Command::new(IDEM)
+        let mut child = Command::new(bin)
             .args(["serve", "--db", db, "--listen", "127.0.0.1:0", "--pool", "64", "--clients"])
             .arg(&clients)
             .args(extra)
@@ -444,6 +448,9 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         seconds().as_secs_f64()
     );
+    if let Ok(baseline) = std::env::var("IDEM_BENCH_BASELINE") {
+        return before_and_after(&baseline, dir);
+    }
     let fsync = fsync_rate(dir);
     println!("\nThe disk: overwrite 4 KiB + fdatasync, median: {fsync:.0}/s.");
 
@@ -494,4 +501,44 @@ fn main() {
         "| {big} | {big_us:.0} µs ({:.2}× of 10^4; target ≤ 1.5×) | {big_purge:.1} ms (target ≤ 50 ms) |",
         big_us / small_us
     );
+}
+
+/// `IDEM_BENCH_BASELINE=<another idem binary>`: instead of the tables,
+/// this build against that one, in the same run, alternating five rounds of
+/// each at 1 and 64 connections (new transfers, then replays of them), each
+/// on a fresh database; medians and their ratio. A change that must not
+/// slow a transfer is held to this.
+fn before_and_after(baseline: &str, dir: &Path) {
+    println!("\n## This build against {baseline}, medians of 5 alternating rounds\n");
+    println!("| connections | | baseline | this build | ratio |\n|---:|---|---:|---:|---:|");
+    for connections in [1, 64] {
+        let mut rates: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+        for round in 0..5 {
+            for (side, bin) in [baseline, IDEM].into_iter().enumerate() {
+                let db = dir.join(format!("ab-{connections}-{round}-{side}.db")).to_string_lossy().into_owned();
+                idem::harness::day::bank::create(&db, &accounts()).unwrap();
+                let server = Server::start_bin(bin, &db, dir, &[]);
+                let run = format!("ab{connections}x{round}x{side}");
+                let (new, took) = load(&server.address, connections, Phase::New, &run, &[]);
+                let per: Vec<Vec<String>> = (0..connections)
+                    .map(|c| {
+                        new.fresh.iter().filter(|k| k.split('-').nth(1) == Some(&c.to_string())).cloned().collect()
+                    })
+                    .collect();
+                let (replay, took_r) = load(&server.address, connections, Phase::Replay, "unused", &per);
+                drop(server);
+                verify(&db, new.fresh.len());
+                rates[side].0.push(new.fresh.len() as f64 / took.as_secs_f64());
+                rates[side].1.push(replay.replays as f64 / took_r.as_secs_f64());
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let [(mut bn, mut br), (mut tn, mut tr)] = rates;
+        let (bn, br, tn, tr) = (median(&mut bn), median(&mut br), median(&mut tn), median(&mut tr));
+        println!("| {connections} | new transfers/s | {bn:.0} | {tn:.0} | {:.2}× |", tn / bn);
+        println!("| {connections} | replays/s | {br:.0} | {tr:.0} | {:.2}× |", tr / br);
+    }
 }

@@ -1,0 +1,691 @@
+//! `idem check --engine`: a program of the lab's command-line contract,
+//! judged on SQLite databases this module builds, each with its own random
+//! accounts, balances, amounts and keys.
+//!
+//! What the lab fixes is judged as fixed: 201 for a new transfer with a
+//! `transfer_id` (of any JSON type), 409 `in_progress`, 422 for another
+//! body, 400 for a malformed request (its key not consumed), a replay with
+//! the first status, `replay: true` and the raw text of `body` (and of
+//! `status`, `reason`) unchanged, whatever the spacing of the envelope. What
+//! it leaves open (the reason of a 400, the status of a business refusal)
+//! comes from a [`Profile`], or else any stable 4xx is accepted.
+
+use super::{Property, Trace, model, short};
+use crate::harness::race;
+use crate::rng::Rng;
+use rusqlite::Connection;
+use serde_json::Value;
+use serde_json::value::RawValue;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// What an engine chose where the lab leaves it open (all optional).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Profile {
+    /// The status of a transfer from or to an account that does not exist.
+    pub unknown_account_status: Option<u16>,
+    /// The status of a transfer larger than the source's balance.
+    pub insufficient_funds_status: Option<u16>,
+    /// What every 400's reason starts with.
+    pub invalid_reason_prefix: Option<String>,
+    /// The reason of a 422.
+    pub mismatch_reason: Option<String>,
+}
+
+/// The engine under check: its command (program and arguments) and profile.
+pub struct Engine {
+    pub command: Vec<String>,
+    pub profile: Profile,
+    pub seed: u64,
+}
+
+/// One answer of the lab's contract, parsed.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    /// The envelope, when stdout is one JSON object holding the four members.
+    pub envelope: Option<Envelope>,
+}
+
+/// `{"status", "replay", "reason", "body"}`, each member also as the raw
+/// text it was printed as: "byte for byte" is judged on those.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    pub status: i64,
+    pub replay: bool,
+    pub reason: Option<String>,
+    pub body: Value,
+    pub raw_status: String,
+    pub raw_reason: String,
+    pub raw_body: String,
+}
+
+impl Envelope {
+    pub fn parse(text: &str) -> Option<Envelope> {
+        #[derive(serde::Deserialize)]
+        struct Raw<'a> {
+            #[serde(borrow)]
+            status: &'a RawValue,
+            #[serde(borrow)]
+            replay: &'a RawValue,
+            #[serde(borrow)]
+            reason: &'a RawValue,
+            #[serde(borrow)]
+            body: &'a RawValue,
+        }
+        let raw: Raw = serde_json::from_str(text.trim()).ok()?;
+        Some(Envelope {
+            status: serde_json::from_str(raw.status.get()).ok()?,
+            replay: serde_json::from_str(raw.replay.get()).ok()?,
+            reason: serde_json::from_str(raw.reason.get()).ok()?,
+            body: serde_json::from_str(raw.body.get()).ok()?,
+            raw_status: raw.status.get().to_owned(),
+            raw_reason: raw.reason.get().to_owned(),
+            raw_body: raw.body.get().to_owned(),
+        })
+    }
+
+    /// The transfer id the body names, as text (ids may be numbers or strings).
+    pub fn transfer_id(&self) -> Option<String> {
+        match self.body.get("transfer_id")? {
+            Value::Null => None,
+            Value::String(s) => Some(s.clone()),
+            other => Some(other.to_string()),
+        }
+    }
+
+    /// Whether `self` replays `first`: marked, and its status, reason and
+    /// body the same text.
+    pub fn replays(&self, first: &Envelope) -> bool {
+        self.replay
+            && self.raw_status == first.raw_status
+            && self.raw_reason == first.raw_reason
+            && self.raw_body == first.raw_body
+    }
+
+    pub fn fresh_201(&self) -> bool {
+        self.status == 201 && !self.replay
+    }
+}
+
+impl Answer {
+    pub fn status(&self) -> i64 {
+        self.envelope.as_ref().map_or(-1, |e| e.status)
+    }
+
+    /// An envelope printed with exit 0, as every answer must be.
+    pub fn answered(&self) -> Option<&Envelope> {
+        self.envelope.as_ref().filter(|_| self.code == Some(0))
+    }
+
+    pub fn short(&self) -> String {
+        let err = match self.stderr.trim() {
+            "" => String::new(),
+            e => format!(" (stderr: {})", short(e)),
+        };
+        format!("exit {:?}: {}{err}", self.code, short(&self.stdout))
+    }
+}
+
+/// A transfer row, ids as text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub id: String,
+    pub amount: i64,
+}
+
+/// A fresh bank: a SQLite file holding only `account`, with random ids and
+/// balances.
+pub struct Bank {
+    dir: tempfile::TempDir,
+    pub db: PathBuf,
+    pub ids: Vec<String>,
+    pub balances: Vec<i64>,
+    pub command: Vec<String>,
+    files: std::cell::Cell<u32>,
+}
+
+impl Bank {
+    pub fn new(command: &[String], rng: &mut Rng, accounts: usize) -> Result<Bank, String> {
+        let dir = tempfile::Builder::new().prefix("idem-check-").tempdir().map_err(|e| e.to_string())?;
+        let db = dir.path().join("bank.db");
+        let salt = rng.below(1 << 20);
+        let ids: Vec<String> = (0..accounts).map(|i| format!("acct-{salt:x}-{i}")).collect();
+        let balances: Vec<i64> = (0..accounts).map(|_| 10_000 + rng.below(990_000) as i64).collect();
+        let conn = Connection::open(&db).map_err(|e| e.to_string())?;
+        conn.execute_batch("CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)")
+            .map_err(|e| e.to_string())?;
+        for (id, balance) in ids.iter().zip(&balances) {
+            conn.execute("INSERT INTO account VALUES (?1, 'check', ?2)", (id, balance)).map_err(|e| e.to_string())?;
+        }
+        Ok(Bank { dir, db, ids, balances, command: command.to_vec(), files: std::cell::Cell::new(0) })
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn file(&self, text: &str) -> Result<PathBuf, String> {
+        self.files.set(self.files.get() + 1);
+        let path = self.path(&format!("req-{}.json", self.files.get()));
+        std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(path)
+    }
+
+    /// Runs the engine with `--db` and `args`.
+    pub fn run(&self, args: &[&std::ffi::OsStr]) -> Result<Answer, String> {
+        let (program, rest) = self.command.split_first().ok_or("empty --engine")?;
+        let out = Command::new(program)
+            .args(rest)
+            .arg("--db")
+            .arg(&self.db)
+            .args(args)
+            .output()
+            .map_err(|e| format!("cannot run {program}: {e}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let envelope = Envelope::parse(&stdout);
+        Ok(Answer { code: out.status.code(), stdout, stderr: String::from_utf8_lossy(&out.stderr).into_owned(), envelope })
+    }
+
+    /// Sends the request `text` (with extra flags), as a step of `t`.
+    pub fn send(&self, t: &mut Trace, text: &str, extra: &[&str]) -> Result<Answer, String> {
+        let file = self.file(text)?;
+        let mut args: Vec<&std::ffi::OsStr> = vec!["--request".as_ref(), file.as_os_str()];
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        let answer = self.run(&args)?;
+        t.step(format!("send {} {}-> {}", short(text), extra.iter().map(|e| format!("{e} ")).collect::<String>(), answer.short()));
+        Ok(answer)
+    }
+
+    /// Processes released together, one per request text.
+    pub fn race(&self, texts: &[String]) -> Result<Vec<Answer>, String> {
+        let files = texts.iter().map(|t| self.file(t)).collect::<Result<Vec<_>, _>>()?;
+        let finished =
+            race::release_together(&self.command, &self.db, &files, &[]).map_err(|e| format!("racing: {e}"))?;
+        Ok(finished
+            .into_iter()
+            .map(|f| Answer { code: f.code, envelope: Envelope::parse(&f.stdout), stdout: f.stdout, stderr: f.stderr })
+            .collect())
+    }
+
+    /// The balances now, in the order of `ids`, and the transfer rows, read
+    /// straight from the file (never through the engine under judgement).
+    pub fn ledger(&self) -> Result<(Vec<i64>, Vec<Row>), String> {
+        let conn = Connection::open(&self.db).map_err(|e| e.to_string())?;
+        let read = || -> rusqlite::Result<(Vec<i64>, Vec<Row>)> {
+            let mut balances = Vec::new();
+            for id in &self.ids {
+                balances.push(conn.query_row("SELECT balance FROM account WHERE acct_id = ?1", [id], |r| r.get(0))?);
+            }
+            let has_transfer: bool = conn.query_row(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'transfer')",
+                [],
+                |r| r.get(0),
+            )?;
+            let mut rows = Vec::new();
+            if has_transfer {
+                let mut stmt = conn.prepare("SELECT CAST(transfer_id AS TEXT), amount FROM transfer")?;
+                rows = stmt.query_map([], |r| Ok(Row { id: r.get(0)?, amount: r.get(1)? }))?.collect::<Result<_, _>>()?;
+            }
+            Ok((balances, rows))
+        };
+        read().map_err(|e| format!("reading the ledger: {e}"))
+    }
+
+    /// The opening balances with `amount` moved from account 0 to account 1.
+    pub fn moved(&self, amount: i64) -> Vec<i64> {
+        let mut want = self.balances.clone();
+        want[0] -= amount;
+        want[1] += amount;
+        want
+    }
+
+    /// Checks the ledger: balances as `want`, `transfers` rows.
+    pub fn expect_ledger(&self, t: &mut Trace, want: &[i64], transfers: usize) -> Result<(), String> {
+        let (balances, rows) = self.ledger()?;
+        t.expect(balances == want && rows.len() == transfers, || {
+            format!("the ledger holds {} transfer(s) and balances {balances:?}; wanted {transfers} and {want:?}", rows.len())
+        });
+        Ok(())
+    }
+}
+
+pub fn request(client: &str, endpoint: &str, key: &str, src: &str, dst: &str, amount: &str) -> String {
+    let q = |s: &str| Value::from(s).to_string();
+    format!(
+        r#"{{"client_id":{},"endpoint":{},"idem_key":{},"body":{{"src":{},"dst":{},"amount":{amount},"currency":"KRW"}}}}"#,
+        q(client),
+        q(endpoint),
+        q(key),
+        q(src),
+        q(dst)
+    )
+}
+
+/// The same request with its members reordered and re-spaced.
+pub fn reordered(client: &str, endpoint: &str, key: &str, src: &str, dst: &str, amount: &str) -> String {
+    let q = |s: &str| Value::from(s).to_string();
+    format!(
+        "{{ \"body\" : {{ \"currency\":\"KRW\", \"amount\": {amount},\n \"dst\":{}, \"src\":{} }},\n\t\"idem_key\":{}, \"endpoint\":{}, \"client_id\":{} }}",
+        q(dst),
+        q(src),
+        q(key),
+        q(endpoint),
+        q(client)
+    )
+}
+
+pub const ENDPOINT: &str = "/v1/transfers";
+
+/// One property's setting: a fresh bank, two accounts, an amount, a key, a
+/// client, all random.
+pub struct Setting {
+    pub bank: Bank,
+    pub a: String,
+    pub b: String,
+    pub amount: i64,
+    pub key: String,
+    pub client: String,
+}
+
+impl Setting {
+    fn new(engine: &Engine, salt: u64) -> Result<(Setting, Rng), String> {
+        let mut rng = Rng::new(engine.seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let bank = Bank::new(&engine.command, &mut rng, 3)?;
+        let (a, b) = (bank.ids[0].clone(), bank.ids[1].clone());
+        let amount = 1 + rng.below(bank.balances[0] as u64 / 4) as i64;
+        // keys are fresh per run, not per seed: a rerun never meets its own keys
+        let key = format!("key-{:012x}-{:08x}", rng.next_u64() & 0xffff_ffff_ffff, run_nonce());
+        let client = format!("client-{}", rng.below(1000));
+        Ok((Setting { bank, a, b, amount, key, client }, rng))
+    }
+
+    fn request(&self, key: &str, amount: i64) -> String {
+        request(&self.client, ENDPOINT, key, &self.a, &self.b, &amount.to_string())
+    }
+}
+
+/// A number drawn once per process, mixed into every key.
+pub fn run_nonce() -> u32 {
+    static NONCE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| {
+        let mut b = [0u8; 4];
+        let _ = getrandom::fill(&mut b);
+        u32::from_le_bytes(b)
+    })
+}
+
+/// Whether `status` is a refusal of the right class: the profile's status,
+/// or without one any 4xx but 409 (in flight) and 422 (mismatch).
+fn refusal_ok(status: i64, wanted: Option<u16>) -> bool {
+    match wanted {
+        Some(w) => status == i64::from(w),
+        None => (400..500).contains(&status) && status != 409 && status != 422,
+    }
+}
+
+fn expect_fresh(t: &mut Trace, answer: &Answer) -> Option<Envelope> {
+    let e = answer.answered().cloned();
+    let ok = e.as_ref().is_some_and(|e| e.fresh_201() && e.transfer_id().is_some());
+    t.expect(ok, || "wanted 201, replay false, a transfer_id in the body, exit 0".into());
+    e.filter(|_| ok)
+}
+
+fn fresh_transfer(t: &mut Trace, s: &Setting) -> Result<(), String> {
+    let first = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
+    if let Some(e) = expect_fresh(t, &first) {
+        let (_, rows) = s.bank.ledger()?;
+        let id = e.transfer_id().unwrap_or_default();
+        t.expect(rows.iter().any(|r| r.id == id && r.amount == s.amount), || {
+            format!("no transfer row with the answered transfer_id {id} and amount {}", s.amount)
+        });
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(s.amount), 1)
+}
+
+fn replay_after_other_money_moved(t: &mut Trace, s: &Setting, reorder: bool) -> Result<(), String> {
+    let first = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
+    let first = expect_fresh(t, &first);
+    // money moves between the first answer and the retry: a replay rebuilt
+    // from the ledger now cannot look like the first
+    let other = s.bank.send(t, &s.request(&format!("{}-other", s.key), 7), &[])?;
+    expect_fresh(t, &other);
+    let text = match reorder {
+        false => s.request(&s.key, s.amount),
+        true => reordered(&s.client, ENDPOINT, &s.key, &s.a, &s.b, &s.amount.to_string()),
+    };
+    let again = s.bank.send(t, &text, &[])?;
+    if let (Some(first), Some(again)) = (&first, again.answered()) {
+        t.expect(again.replays(first), || {
+            format!(
+                "wanted the first answer replayed: status {}, replay true, body {}; got status {}, replay {}, body {}",
+                first.raw_status,
+                short(&first.raw_body),
+                again.raw_status,
+                again.replay,
+                short(&again.raw_body)
+            )
+        });
+    } else {
+        t.expect(false, || "the retry did not answer an envelope with exit 0".into());
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(s.amount + 7), 2)
+}
+
+fn mismatch(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+    s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
+    let other = s.bank.send(t, &s.request(&s.key, s.amount + 1), &[])?;
+    let e = other.answered();
+    t.expect(e.is_some_and(|e| e.status == 422 && !e.replay), || "wanted 422, replay false".into());
+    if let (Some(e), Some(reason)) = (e, &engine.profile.mismatch_reason) {
+        t.expect(e.reason.as_ref() == Some(reason), || format!("the profile's mismatch reason is {reason:?}"));
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(s.amount), 1)
+}
+
+fn crash_after_claim(t: &mut Trace, s: &Setting) -> Result<(), String> {
+    let crashed = s.bank.send(t, &s.request(&s.key, s.amount), &["--crash-after-claim"])?;
+    t.expect(crashed.code != Some(0) && crashed.envelope.is_none(), || "a crash must exit non-zero and answer nothing".into());
+    s.bank.expect_ledger(t, &s.bank.balances, 0)?;
+    let retry = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
+    t.expect(
+        retry.answered().is_some_and(|e| e.status == 409 && !e.replay && e.reason.as_deref() == Some("in_progress")),
+        || "wanted 409 with reason in_progress".into(),
+    );
+    s.bank.expect_ledger(t, &s.bank.balances, 0)
+}
+
+/// Amounts that are not a positive integer, in JSON: each must be a 400
+/// that leaves its key free. Then amounts a careful engine may read as
+/// well-formed but unaffordable: a 400 or a stored refusal.
+const MALFORMED: [&str; 8] = ["0", "-5", "1.5", "true", "\"100\"", "null", "[1]", "1e3"];
+const AMBIGUOUS: [&str; 2] = ["9007199254740992", "100000000000000000000000000000"];
+
+fn malformed(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+    let invalid = |e: &Envelope| {
+        e.status == 400
+            && !e.replay
+            && engine.profile.invalid_reason_prefix.as_ref().is_none_or(|p| e.reason.as_deref().unwrap_or("").starts_with(p))
+    };
+    let mut moved = 0;
+    let mut rows = 0;
+    for (n, amount) in MALFORMED.iter().chain(&AMBIGUOUS).enumerate() {
+        let key = format!("{}-{n}", s.key);
+        let bad = request(&s.client, ENDPOINT, &key, &s.a, &s.b, amount);
+        let answer = s.bank.send(t, &bad, &[])?;
+        let strict = n < MALFORMED.len();
+        let e = answer.answered();
+        let was_400 = e.is_some_and(invalid);
+        if strict {
+            t.expect(was_400, || format!("amount {amount} is not a positive integer: wanted 400{}", reason_note(engine)));
+        } else {
+            t.expect(e.is_some_and(|e| was_400 || refusal_ok(e.status, engine.profile.insufficient_funds_status)), || {
+                format!("amount {amount} is beyond any balance: wanted 400 or a refusal")
+            });
+        }
+        if was_400 {
+            // the key is free: the good request under it is new
+            let good = s.bank.send(t, &s.request(&key, s.amount), &[])?;
+            t.expect(good.answered().is_some_and(Envelope::fresh_201), || "the 400 consumed its key".into());
+            moved += s.amount;
+            rows += 1;
+        }
+    }
+    for text in ["{not json", r#"{"client_id":"c","endpoint":"/e","idem_key":"k"}"#] {
+        let answer = s.bank.send(t, text, &[])?;
+        t.expect(answer.answered().is_some_and(invalid), || format!("wanted 400, exit 0{}", reason_note(engine)));
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(moved), rows)
+}
+
+fn reason_note(engine: &Engine) -> String {
+    engine.profile.invalid_reason_prefix.as_ref().map_or(String::new(), |p| format!(", a reason starting {p:?}"))
+}
+
+fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+    let p = &engine.profile;
+    let ghost = format!("ghost-{}", run_nonce());
+    let cases = [
+        (request(&s.client, ENDPOINT, &s.key, &ghost, &s.b, "1"), p.unknown_account_status, "unknown account"),
+        (s.request(&format!("{}-2", s.key), s.bank.balances[0] + 1), p.insufficient_funds_status, "insufficient funds"),
+    ];
+    for (text, wanted, what) in cases {
+        let first = s.bank.send(t, &text, &[])?;
+        let ok = first.answered().is_some_and(|e| refusal_ok(e.status, wanted) && !e.replay);
+        t.expect(ok, || match wanted {
+            Some(w) => format!("{what}: wanted {w} (the profile's)"),
+            None => format!("{what}: wanted a 4xx refusal (not 409 or 422), replay false"),
+        });
+        // money moves between, so a refusal rebuilt from the ledger differs
+        s.bank.send(t, &s.request(&format!("{}-{what}", s.key), 3), &[])?;
+        let again = s.bank.send(t, &text, &[])?;
+        if let (Some(first), Some(again)) = (first.answered().filter(|_| ok), again.answered()) {
+            t.expect(again.replays(first), || format!("{what}: the refusal was not stored and replayed as it was"));
+        }
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(6), 2)
+}
+
+fn scoped(t: &mut Trace, s: &Setting) -> Result<(), String> {
+    let one = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
+    let others = [
+        (request(&format!("{}-other", s.client), ENDPOINT, &s.key, &s.a, &s.b, &(s.amount + 1).to_string()), "client"),
+        (request(&s.client, "/v1/other", &s.key, &s.a, &s.b, &(s.amount + 2).to_string()), "endpoint"),
+    ];
+    let first = expect_fresh(t, &one);
+    for (text, what) in others {
+        let two = s.bank.send(t, &text, &[])?;
+        let e = two.answered();
+        t.expect(e.is_some_and(Envelope::fresh_201), || format!("another {what}'s use of the key answered as if it were the first's"));
+        if let (Some(first), Some(e)) = (&first, e) {
+            t.expect(e.transfer_id() != first.transfer_id(), || format!("two {what}s share a transfer"));
+        }
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(3 * s.amount + 3), 3)
+}
+
+/// `at` written with a UTC offset of `hours`, as a client there would.
+fn at_offset(at: crate::clock::Timestamp, hours: i64) -> String {
+    let local = at.plus_seconds(hours * 3600).to_string();
+    let sign = if hours < 0 { '-' } else { '+' };
+    format!("{}{sign}{:02}:00", local.trim_end_matches('Z'), hours.abs())
+}
+
+fn purge(t: &mut Trace, s: &Setting) -> Result<(), String> {
+    use crate::clock::Timestamp;
+    let early = format!("{}-early", s.key);
+    let t1 = Timestamp::now();
+    s.bank.send(t, &s.request(&early, 5), &[])?;
+    std::thread::sleep(std::time::Duration::from_millis(2100));
+    let t2 = Timestamp::now();
+    s.bank.send(t, &s.request(&s.key, 6), &[])?;
+    let t3 = Timestamp::now();
+    // text order and time order disagree on each cut: +09:00 reads later
+    // than it is, -09:00 earlier
+    let cuts = [
+        (at_offset(t1.plus_seconds(-3600), 9), 0, "an hour before both keys, written in +09:00"),
+        (at_offset(t2.plus_millis(-500), -9), 1, "between the two keys, written in -09:00"),
+        (at_offset(t3.plus_seconds(3600), 9), 1, "an hour after the second key, written in +09:00"),
+    ];
+    for (cut, want, what) in cuts {
+        let out = s.bank.run(&["--purge-before".as_ref(), cut.as_ref()])?;
+        t.step(format!("purge-before {cut} ({what}) -> {}", out.short()));
+        let purged = serde_json::from_str::<Value>(out.stdout.trim()).ok().and_then(|v| v.get("purged")?.as_i64());
+        t.expect(out.code == Some(0) && purged == Some(want), || format!("wanted exit 0 and {{\"purged\": {want}}}"));
+    }
+    for key in [&early, &s.key] {
+        let again = s.bank.send(t, &s.request(key, 7), &[])?;
+        t.expect(again.answered().is_some_and(Envelope::fresh_201), || "a purged key must be new again".into());
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(25), 4)
+}
+
+fn race_one_key(t: &mut Trace, s: &Setting) -> Result<(), String> {
+    const ROUNDS: usize = 6;
+    for round in 0..ROUNDS {
+        let text = s.request(&format!("{}-{round}", s.key), 1);
+        let answers = s.bank.race(&vec![text; 5])?;
+        let fresh: Vec<&Envelope> = answers.iter().filter_map(Answer::answered).filter(|e| e.fresh_201()).collect();
+        t.step(format!(
+            "round {round}: 5 processes at once on one key -> {}",
+            answers.iter().map(|a| a.status().to_string()).collect::<Vec<_>>().join(", ")
+        ));
+        for a in answers.iter().filter(|a| a.answered().is_none()) {
+            t.expect(false, || format!("a process did not answer: {}", a.short()));
+        }
+        t.expect(fresh.len() == 1, || format!("{} processes executed the same key", fresh.len()));
+        if let Some(first) = fresh.first() {
+            for e in answers.iter().filter_map(Answer::answered).filter(|e| !e.fresh_201()) {
+                let ok = (e.status == 409 && e.reason.as_deref() == Some("in_progress")) || e.replays(first);
+                t.expect(ok, || format!("an answer was neither 409 in_progress nor the replay: {}", short(&e.raw_body)));
+            }
+        }
+    }
+    s.bank.expect_ledger(t, &s.bank.moved(ROUNDS as i64), ROUNDS)
+}
+
+fn hot_account(t: &mut Trace, s: &Setting) -> Result<(), String> {
+    let texts: Vec<String> = (0..8).map(|p| s.request(&format!("{}-{p}", s.key), 7)).collect();
+    let answers = s.bank.race(&texts)?;
+    let ok = answers.iter().filter(|a| a.answered().is_some_and(Envelope::fresh_201)).count();
+    t.step(format!("8 processes at once, 8 keys, one source account -> {ok} answered 201"));
+    for a in answers.iter().filter(|a| a.answered().is_none()) {
+        t.expect(false, || format!("a process did not answer: {}", a.short()));
+    }
+    let (balances, rows) = s.bank.ledger()?;
+    t.expect(rows.len() == ok, || format!("{} transfers, {ok} answered 201", rows.len()));
+    let want = s.bank.moved(7 * rows.len() as i64);
+    t.expect(balances == want, || format!("balances {balances:?}, wanted {want:?}: an update was lost"));
+    Ok(())
+}
+
+fn hostile(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+    let missing = s.bank.path("missing.json");
+    let folder = s.bank.path("");
+    for (path, what) in [(&missing, "a missing request file"), (&folder, "a directory as the request")] {
+        let out = s.bank.run(&["--request".as_ref(), path.as_os_str()])?;
+        t.step(format!("{what} -> {}", out.short()));
+        t.expect(out.code == Some(3), || "wanted exit 3".into());
+    }
+    let broken = Bank::new(&engine.command, &mut Rng::new(engine.seed), 2)?;
+    Connection::open(&broken.db).and_then(|c| c.execute_batch("DROP TABLE account")).map_err(|e| e.to_string())?;
+    let out = broken.run(&["--request".as_ref(), broken.file(&s.request(&s.key, 1))?.as_os_str()])?;
+    t.step(format!("a database without account -> {}", out.short()));
+    t.expect(out.code != Some(0) && out.envelope.is_none(), || "wanted a clean failure: non-zero, no answer".into());
+    Ok(())
+}
+
+macro_rules! property {
+    ($name:expr, $contract:expr, $salt:expr, |$e:ident, $t:ident, $s:ident| $body:expr) => {
+        Property {
+            name: $name,
+            contract: $contract,
+            judge: |$e: &Engine, $t: &mut Trace| -> Result<(), String> {
+                let ($s, _) = Setting::new($e, $salt)?;
+                let _ = &$e;
+                $body
+            },
+        }
+    };
+}
+
+/// The properties of the lab's contract, each with the sentence it rests on.
+pub static PROPERTIES: [Property<Engine>; 13] = [
+    property!(
+        "a new key moves the money once and answers 201",
+        "lab, notes: if it was newly executed, it is status 201 and replay false, and body holds a transfer_id",
+        1,
+        |e, t, s| fresh_transfer(t, &s)
+    ),
+    property!(
+        "a retry replays the first answer byte for byte, even after other money moved",
+        "lab step 6: the status is the same as the first response, replay is true, and the body must not differ by a single character; replay is not recomputing",
+        2,
+        |e, t, s| replay_after_other_money_moved(t, &s, false)
+    ),
+    property!(
+        "a retry with members reordered and re-spaced replays",
+        "lab step 4: the same body with only the field order different is the same request (RFC 8785: key sorting and whitespace removal)",
+        3,
+        |e, t, s| replay_after_other_money_moved(t, &s, true)
+    ),
+    property!(
+        "the same key with another amount is 422 and moves nothing",
+        "lab step 4: reject with 422 when the same key comes with a different body",
+        4,
+        |e, t, s| mismatch(e, t, &s)
+    ),
+    property!(
+        "a retry after a crash after the claim is 409 in_progress and moves nothing",
+        "lab step 5: --crash-after-claim must claim only and end with a nonzero code without a transfer; a retry of an in-progress key is 409 with the reason in_progress",
+        5,
+        |e, t, s| crash_after_claim(t, &s)
+    ),
+    property!(
+        "a malformed request is 400 and does not consume its key",
+        "DESIGN §1 (the lab's contract): a malformed request or body (amount not a positive integer, not JSON, a missing field) is 400, and the key is not consumed",
+        6,
+        |e, t, s| malformed(e, t, &s)
+    ),
+    property!(
+        "unknown accounts and insufficient funds are refused, stored and replayed",
+        "DESIGN §1: a business refusal (a 4xx of the implementation's choice) is stored and a retry replays it; lab step 6: a replay has the first status",
+        7,
+        |e, t, s| refusals_stored(e, t, &s)
+    ),
+    property!(
+        "keys are scoped by (client_id, endpoint, idem_key)",
+        "lab step 7: widen the key scope to (client_id, endpoint, idem_key); another client's or endpoint's use of one key string is its own request",
+        8,
+        |e, t, s| scoped(t, &s)
+    ),
+    property!(
+        "purge deletes exactly the keys created before the cut, read as an instant",
+        "lab step 7: --purge-before <RFC 3339 instant> deletes keys older than that and prints {\"purged\": N}; after purge the same request is new",
+        9,
+        |e, t, s| purge(t, &s)
+    ),
+    property!(
+        "processes released together on one key pay once, and every one answers",
+        "lab step 5: the grader sends two retries that arrive at the same moment; exactly one of the two must be newly executed",
+        10,
+        |e, t, s| race_one_key(t, &s)
+    ),
+    property!(
+        "a burst on one hot account loses no update, and every process answers",
+        "lab notes (locking): BEGIN IMMEDIATE where writing is certain, PRAGMA busy_timeout for waiting; the execution contract: one JSON answer, exit 0",
+        11,
+        |e, t, s| hot_account(t, &s)
+    ),
+    property!(
+        "hostile inputs: unreadable files exit 3, a broken database fails cleanly",
+        "execution contract: if the request file cannot be read, the exit code is 3; DESIGN §1: any other failure exits non-zero without an answer",
+        12,
+        |e, t, s| hostile(e, t, &s)
+    ),
+    property!(
+        "random days agree with a plain model of the contract (shrunk on failure)",
+        "all of the above at once: every answer, the transfer table and the balances after each step of a random day",
+        13,
+        |e, t, s| model::random_days(e, t, &s)
+    ),
+];
+
+/// Splits `--engine`'s text as a shell would (quotes and backslashes), so a
+/// path with a space can be given quoted; `extra` (`--engine-arg`) follows.
+pub fn command(text: &str, extra: &[String]) -> Result<Vec<String>, String> {
+    let mut words = shlex::split(text).ok_or_else(|| format!("--engine {text:?}: unbalanced quotes"))?;
+    words.extend(extra.iter().cloned());
+    if words.is_empty() {
+        return Err("--engine is empty".into());
+    }
+    Ok(words)
+}
+
+/// The database of a bank, for the model.
+pub fn db_of(bank: &Bank) -> &Path {
+    &bank.db
+}

@@ -1,0 +1,125 @@
+//! `idem check`: the harness pointed at anyone's implementation. It judges
+//! the contract, never the spelling: answers are parsed, not compared as
+//! idem prints them; statuses and reasons the contract leaves open are read
+//! from a profile, or accepted as any stable answer of the right class;
+//! and every verdict names the sentence of the contract it rests on.
+//!
+//! Two targets: a command that speaks the lab's contract ([`engine`]: `CMD
+//! --db DB --request REQ [--crash-after-claim]`, `CMD --db DB --purge-before
+//! T`), judged on SQLite databases the check builds with its own random
+//! accounts, amounts and keys; or an HTTP service ([`url`]), judged by the
+//! IETF draft and DESIGN §2. [`model`] holds the plain model that random
+//! days are judged against.
+//!
+//! A property runs all its steps even after one fails, so a report shows
+//! every failure a property found; a property that cannot be decided
+//! without guessing the implementation's choices is a SKIP, with why.
+
+pub mod engine;
+pub mod model;
+pub mod url;
+
+/// One property's verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    /// The steps that show the failures, each failure marked `=> FAIL`.
+    Fail(Vec<String>),
+    /// Why the property could not be decided.
+    Skip(String),
+}
+
+impl Verdict {
+    pub fn failed(&self) -> bool {
+        matches!(self, Verdict::Fail(_))
+    }
+}
+
+/// A property: its name, the sentence of the contract it rests on, and
+/// how to judge it.
+pub struct Property<T: ?Sized> {
+    pub name: &'static str,
+    pub contract: &'static str,
+    pub judge: fn(&T, &mut Trace) -> Result<(), String>,
+}
+
+/// The steps a property took, and the failures it found among them.
+#[derive(Default)]
+pub struct Trace {
+    steps: Vec<String>,
+    failures: usize,
+    skipped: Option<String>,
+}
+
+impl Trace {
+    pub fn step(&mut self, what: impl Into<String>) {
+        self.steps.push(what.into());
+    }
+
+    /// Records a failure unless `ok`; the property goes on.
+    pub fn expect(&mut self, ok: bool, why: impl FnOnce() -> String) -> bool {
+        if !ok {
+            self.failures += 1;
+            self.steps.push(format!("=> FAIL: {}", why()));
+        }
+        ok
+    }
+
+    /// The property cannot be decided (unless something failed already).
+    pub fn skip(&mut self, why: impl Into<String>) {
+        self.skipped.get_or_insert(why.into());
+    }
+
+    fn verdict(self, error: Result<(), String>) -> Verdict {
+        let mut steps = self.steps;
+        match (error, self.failures, self.skipped) {
+            (Err(e), _, _) => {
+                steps.push(format!("=> FAIL: {e}"));
+                Verdict::Fail(steps)
+            }
+            (Ok(()), 0, Some(why)) => Verdict::Skip(why),
+            (Ok(()), 0, None) => Verdict::Pass,
+            (Ok(()), _, _) => Verdict::Fail(steps),
+        }
+    }
+}
+
+/// Judges every property of `table` on `target`.
+pub fn judge<'a, T: ?Sized>(table: &'a [Property<T>], target: &T) -> Vec<(&'a Property<T>, Verdict)> {
+    table
+        .iter()
+        .map(|p| {
+            let mut trace = Trace::default();
+            let error = (p.judge)(target, &mut trace);
+            (p, trace.verdict(error))
+        })
+        .collect()
+}
+
+/// Prints one line per property (PASS, FAIL, SKIP), and under each failure
+/// its contract sentence and the steps that show it; `true` unless one failed.
+pub fn report<T: ?Sized>(results: &[(&Property<T>, Verdict)]) -> bool {
+    for (property, verdict) in results {
+        match verdict {
+            Verdict::Pass => println!("PASS  {}", property.name),
+            Verdict::Skip(why) => println!("SKIP  {} ({why})", property.name),
+            Verdict::Fail(steps) => {
+                println!("FAIL  {}", property.name);
+                println!("        contract: {}", property.contract);
+                for step in steps {
+                    println!("        {step}");
+                }
+            }
+        }
+    }
+    let failed = results.iter().filter(|(_, v)| v.failed()).count();
+    let skipped = results.iter().filter(|(_, v)| matches!(v, Verdict::Skip(_))).count();
+    println!("{} passed, {failed} failed, {skipped} skipped", results.len() - failed - skipped);
+    failed == 0
+}
+
+/// `text` flattened to one line of at most 140 characters, for a step.
+pub fn short(text: &str) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    flat.chars().take(140).collect()
+}

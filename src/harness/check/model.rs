@@ -1,0 +1,179 @@
+//! Random days of a few clients, keys and accounts through an engine, each
+//! answer judged against a plain model of the contract: a map from scoped
+//! key to the first body and the first answer, and the balances. A failing
+//! day is shrunk, one step at a time, to the shortest day that still fails.
+
+use super::engine::{Bank, Engine, Envelope, Setting, request, reordered};
+use super::{Trace, short};
+use crate::rng::Rng;
+use std::collections::BTreeMap;
+
+/// One step: a request by client `client` under key `key` moving `amount`
+/// from account `src` to `dst`, sent plainly, reordered, or crashed after
+/// its claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Op {
+    client: u8,
+    key: u8,
+    src: usize,
+    dst: usize,
+    amount: i64,
+    style: Style,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Style {
+    Plain,
+    Reordered,
+    CrashAfterClaim,
+}
+
+fn random_op(rng: &mut Rng, accounts: usize) -> Op {
+    // now and then (== accounts) an account that does not exist
+    let src = if rng.below(8) == 0 { accounts } else { rng.below(accounts as u64) as usize };
+    let dst = (src + 1 + rng.below(accounts as u64 - 1) as usize) % accounts;
+    Op {
+        client: rng.below(2) as u8,
+        key: rng.below(3) as u8,
+        src,
+        dst,
+        amount: [100, 2_500, 900_000][rng.below(3) as usize],
+        style: style(rng),
+    }
+}
+
+fn style(rng: &mut Rng) -> Style {
+    match rng.below(5) {
+        0 => Style::Reordered,
+        4 => Style::CrashAfterClaim,
+        _ => Style::Plain,
+    }
+}
+
+/// Four random days; the first that fails is shrunk and reported.
+pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<(), String> {
+    let mut rng = Rng::new(engine.seed ^ 0x5eed);
+    for _ in 0..4 {
+        // half the steps retry an earlier one, as clients do, in another style
+        let mut day: Vec<Op> = Vec::new();
+        for _ in 0..10 {
+            let op = match day.len() {
+                n if n > 0 && rng.below(2) == 0 => Op { style: style(&mut rng), ..day[rng.below(n as u64) as usize] },
+                _ => random_op(&mut rng, 3),
+            };
+            day.push(op);
+        }
+        let seed = rng.next_u64();
+        let (failed, steps) = run_day(engine, setting, &day, seed)?;
+        if failed {
+            let (day, steps) = shrink(engine, setting, day, seed, steps)?;
+            t.step(format!("(shrunk to {} step(s))", day.len()));
+            for step in steps {
+                t.step(step);
+            }
+            t.expect(false, || "the day above disagrees with the model".into());
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Removes steps while the day still fails; returns the shortest failing
+/// day and its steps.
+fn shrink(
+    engine: &Engine,
+    setting: &Setting,
+    mut day: Vec<Op>,
+    seed: u64,
+    mut steps: Vec<String>,
+) -> Result<(Vec<Op>, Vec<String>), String> {
+    let mut i = day.len();
+    while i > 0 {
+        i -= 1;
+        let mut shorter = day.clone();
+        shorter.remove(i);
+        let (failed, fewer) = run_day(engine, setting, &shorter, seed)?;
+        if failed {
+            (day, steps) = (shorter, fewer);
+            i = i.min(day.len());
+        }
+    }
+    Ok((day, steps))
+}
+
+/// What a key holds in the model: its first body, and its first answer
+/// (`None` while a crashed claim holds it).
+type Held = ((usize, usize, i64), Option<Envelope>);
+
+/// Runs one day on a fresh bank; returns whether it failed, and its steps.
+fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<(bool, Vec<String>), String> {
+    let mut rng = Rng::new(seed);
+    let bank = Bank::new(&engine.command, &mut rng, 3)?;
+    let mut balances = bank.balances.clone();
+    let mut keys: BTreeMap<(u8, u8), Held> = BTreeMap::new();
+    let mut transfers = 0;
+    let mut t = Trace::default();
+    let id = |i: usize| bank.ids.get(i).cloned().unwrap_or_else(|| format!("nobody-{}", bank.ids.len()));
+    let p = &engine.profile;
+    for op in day {
+        let client = format!("{}-day-{}", setting.client, op.client);
+        let key = format!("{}-day-{}", setting.key, op.key);
+        let (src, dst, amount) = (id(op.src), id(op.dst), op.amount.to_string());
+        let text = match op.style {
+            Style::Reordered => reordered(&client, super::engine::ENDPOINT, &key, &src, &dst, &amount),
+            _ => request(&client, super::engine::ENDPOINT, &key, &src, &dst, &amount),
+        };
+        let crash = op.style == Style::CrashAfterClaim;
+        let answer = bank.send(&mut t, &text, if crash { &["--crash-after-claim"] } else { &[] })?;
+        let e = answer.answered();
+        let body = (op.src, op.dst, op.amount);
+        match keys.get(&(op.client, op.key)) {
+            None if crash => {
+                t.expect(answer.code != Some(0) && answer.envelope.is_none(), || "a crash after the claim answered".into());
+                keys.insert((op.client, op.key), (body, None));
+            }
+            None => {
+                let (ok, wanted) = if op.src >= bank.ids.len() {
+                    (e.is_some_and(|e| refusal(e, p.unknown_account_status)), "a stored refusal (unknown account)")
+                } else if balances[op.src] < op.amount {
+                    (e.is_some_and(|e| refusal(e, p.insufficient_funds_status)), "a stored refusal (insufficient funds)")
+                } else {
+                    balances[op.src] -= op.amount;
+                    balances[op.dst] += op.amount;
+                    transfers += 1;
+                    (e.is_some_and(|e| e.fresh_201()), "201, replay false")
+                };
+                t.expect(ok, || format!("a new key: wanted {wanted}"));
+                keys.insert((op.client, op.key), (body, e.cloned()));
+            }
+            Some((first, _)) if *first != body => {
+                t.expect(e.is_some_and(|e| e.status == 422), || "another body under a used key: wanted 422".into());
+            }
+            Some((_, None)) => {
+                let held = e.is_some_and(|e| e.status == 409 && e.reason.as_deref() == Some("in_progress"));
+                let crashed_again = crash && answer.code != Some(0) && answer.envelope.is_none();
+                t.expect(held || crashed_again, || "a retry of a claimed key: wanted 409 in_progress".into());
+            }
+            Some((_, Some(first))) => {
+                t.expect(e.is_some_and(|e| e.replays(first)), || {
+                    format!("a retry of a completed key: wanted {} replayed as it was", short(&first.raw_body))
+                });
+            }
+        }
+        let (now, rows) = bank.ledger()?;
+        t.expect(now == balances && rows.len() == transfers, || {
+            format!("the ledger is {now:?} with {} transfers; the model says {balances:?} with {transfers}", rows.len())
+        });
+    }
+    let failed = t.failures > 0;
+    Ok((failed, t.steps))
+}
+
+/// A refusal of the right class (see `engine::refusal_ok`), not a replay.
+fn refusal(e: &Envelope, wanted: Option<u16>) -> bool {
+    !e.replay
+        && match wanted {
+            Some(w) => e.status == i64::from(w),
+            None => (400..500).contains(&e.status) && e.status != 409 && e.status != 422,
+        }
+}

@@ -1,0 +1,679 @@
+//! `idem check --url`: an HTTP service, judged by
+//! draft-ietf-httpapi-idempotency-key-header and DESIGN §2, with what the
+//! draft leaves open read from a [`Profile`].
+//!
+//! The check speaks HTTP/1.1 itself, one request per connection, so that it
+//! controls every byte: it sends two `Authorization` headers or a key in
+//! both spellings, releases racing requests by their last byte at one
+//! instant (the window is open whatever the service's speed), and reads an
+//! answer as HTTP says (a chunked body is decoded, not compared raw).
+
+use super::{Property, Trace, short};
+use crate::harness::proxy::{Odds, Proxy};
+use crate::rng::Rng;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+/// What a service chose where the draft leaves it open; the defaults are
+/// DESIGN §2, idem's own choices.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Profile {
+    /// The route that creates a transfer.
+    pub path: String,
+    /// Whether the key is sent as an sf-string (`"…"`) or bare.
+    pub quote_key: bool,
+    /// Whether the sf-string and the bare spelling of a key are one key.
+    pub both_key_forms: bool,
+    /// The header a replay carries (`None`: replays are not marked).
+    pub replay_header: Option<String>,
+    pub created_status: u16,
+    pub mismatch_status: u16,
+    pub in_flight_status: u16,
+    /// Whether an in-flight answer carries `Retry-After`.
+    pub in_flight_retry_after: bool,
+    pub missing_key_status: u16,
+    pub invalid_status: u16,
+    pub unauthorized_status: u16,
+    pub unknown_account_status: Option<u16>,
+    /// Whether errors are `application/problem+json` (RFC 9457).
+    pub problem_json: bool,
+    /// A transfer's own resource, `{id}` standing for its `transfer_id`.
+    pub get_path: Option<String>,
+    /// Token → client id, for the tokens given: which are one client.
+    /// Without it, each token is taken for a client of its own.
+    pub clients: Option<BTreeMap<String, String>>,
+    /// An account of known balance that nothing else uses, to catch lost
+    /// updates by draining it (spent by the check: give a fresh one).
+    pub drain: Option<Drain>,
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Drain {
+    pub src: Value,
+    pub dst: Value,
+    pub balance: i64,
+}
+
+impl Default for Profile {
+    fn default() -> Self {
+        Profile {
+            path: "/v1/transfers".into(),
+            quote_key: true,
+            both_key_forms: true,
+            replay_header: Some("idempotent-replayed".into()),
+            created_status: 201,
+            mismatch_status: 422,
+            in_flight_status: 409,
+            in_flight_retry_after: true,
+            missing_key_status: 400,
+            invalid_status: 400,
+            unauthorized_status: 401,
+            unknown_account_status: None,
+            problem_json: true,
+            get_path: Some("/v1/transfers/{id}".into()),
+            clients: None,
+            drain: None,
+        }
+    }
+}
+
+/// The service under check and how to reach it.
+pub struct Target {
+    pub address: SocketAddr,
+    /// The `Host` header: the URL's host and port.
+    pub host: String,
+    pub tokens: Vec<String>,
+    /// Two accounts the service holds, the first with funds to spare.
+    pub src: Value,
+    pub dst: Value,
+    pub profile: Profile,
+    pub seed: u64,
+}
+
+impl Target {
+    /// Reads `http://HOST:PORT` (a name is resolved, `localhost` too).
+    pub fn new(url: &str, tokens: Vec<String>, src: Value, dst: Value, profile: Profile, seed: u64) -> Result<Target, String> {
+        let host = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("--url {url:?}: only http://HOST:PORT is supported"))?
+            .trim_end_matches('/')
+            .to_owned();
+        if host.contains('/') {
+            return Err(format!("--url {url:?}: give the service's root; the route comes from the profile's path"));
+        }
+        let address = host
+            .to_socket_addrs()
+            .map_err(|e| format!("--url {url:?}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("--url {url:?}: the name resolves to no address"))?;
+        if tokens.is_empty() {
+            return Err("--url needs --token".into());
+        }
+        Ok(Target { address, host, tokens, src, dst, profile, seed })
+    }
+
+    fn transfer(&self, amount: i64) -> String {
+        json!({"src": self.src, "dst": self.dst, "amount": amount, "currency": "KRW"}).to_string()
+    }
+
+    fn key_header(&self, key: &str) -> String {
+        match self.profile.quote_key {
+            true => format!("\"{key}\""),
+            false => key.to_owned(),
+        }
+    }
+
+    /// The request bytes of a POST to the profile's path.
+    fn post_bytes(&self, headers: &[(&str, String)], body: &str) -> Vec<u8> {
+        let mut head = format!("POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n", self.profile.path, self.host);
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str(&format!("Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()));
+        head.into_bytes()
+    }
+
+    /// POST with `token` and `key` (either may be absent).
+    fn post(&self, t: &mut Trace, token: Option<&str>, key: Option<&str>, body: &str) -> Result<Http, String> {
+        let mut headers = Vec::new();
+        if let Some(token) = token {
+            headers.push(("Authorization", format!("Bearer {token}")));
+        }
+        if let Some(key) = key {
+            headers.push(("Idempotency-Key", self.key_header(key)));
+        }
+        self.send(t, &headers, body)
+    }
+
+    fn send(&self, t: &mut Trace, headers: &[(&str, String)], body: &str) -> Result<Http, String> {
+        let answer = exchange(self.address, &self.post_bytes(headers, body))?;
+        let shown: Vec<String> = headers.iter().map(|(n, v)| format!("{n}: {}", short(v))).collect();
+        t.step(format!("POST [{}] {} -> {}", shown.join("; "), short(body), answer.short()));
+        Ok(answer)
+    }
+
+    fn get(&self, t: &mut Trace, path: &str, token: &str) -> Result<Http, String> {
+        let bytes = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n",
+            self.host
+        );
+        let answer = exchange(self.address, bytes.as_bytes())?;
+        t.step(format!("GET {path} as {token} -> {}", answer.short()));
+        Ok(answer)
+    }
+
+    fn replayed(&self, h: &Http) -> bool {
+        self.profile.replay_header.as_ref().is_some_and(|name| h.header(name).is_some_and(|v| v.eq_ignore_ascii_case("true")))
+    }
+
+    /// Whether `again` replays `first`: the same status and body, marked
+    /// if the profile says replays are.
+    fn replays(&self, again: &Http, first: &Http) -> bool {
+        again.status == first.status && again.body == first.body && (self.profile.replay_header.is_none() || self.replayed(again))
+    }
+
+    /// Two tokens of distinct clients, and two of one client, if the
+    /// profile says which tokens are whose.
+    fn clients(&self) -> (Option<(&str, &str)>, Option<(&str, &str)>) {
+        let owner = |tok: &String| self.profile.clients.as_ref().and_then(|m| m.get(tok)).cloned();
+        let mut distinct = None;
+        let mut same = None;
+        for (i, a) in self.tokens.iter().enumerate() {
+            for b in &self.tokens[i + 1..] {
+                match (self.profile.clients.is_some(), owner(a), owner(b)) {
+                    (false, _, _) => distinct = distinct.or(Some((a.as_str(), b.as_str()))),
+                    (true, Some(x), Some(y)) if x != y => distinct = distinct.or(Some((a.as_str(), b.as_str()))),
+                    (true, Some(_), Some(_)) => same = same.or(Some((a.as_str(), b.as_str()))),
+                    _ => {}
+                }
+            }
+        }
+        (distinct, same)
+    }
+}
+
+/// One HTTP answer, its body decoded.
+#[derive(Debug, Clone, Default)]
+pub struct Http {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Http {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    fn short(&self) -> String {
+        format!("{} {}", self.status, short(&self.body))
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+/// Sends `request` on a new connection and reads the answer to its end.
+pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, String> {
+    let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5)).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    stream.write_all(request).map_err(|e| format!("send: {e}"))?;
+    read_answer(&mut stream)
+}
+
+fn read_answer(stream: &mut TcpStream) -> Result<Http, String> {
+    let mut bytes = Vec::new();
+    match stream.read_to_end(&mut bytes) {
+        Ok(_) => {}
+        // a reset after a whole answer still leaves the answer
+        Err(_) if !bytes.is_empty() => {}
+        Err(e) => return Err(format!("no answer: {e}")),
+    }
+    parse_answer(&bytes).ok_or_else(|| format!("not an HTTP answer: {}", short(&String::from_utf8_lossy(&bytes))))
+}
+
+/// An HTTP/1.1 answer from its bytes: the body by `Content-Length`, by
+/// chunked transfer coding, or to the end.
+pub fn parse_answer(bytes: &[u8]) -> Option<Http> {
+    let end = bytes.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&bytes[..end]).ok()?;
+    let mut lines = head.split("\r\n");
+    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
+    let headers: Vec<(String, String)> =
+        lines.filter_map(|l| l.split_once(':')).map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned())).collect();
+    let find = |name: &str| headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str());
+    let rest = &bytes[end + 4..];
+    let body = if find("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
+        dechunk(rest)?
+    } else if let Some(length) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        rest.get(..length)?.to_vec()
+    } else {
+        rest.to_vec()
+    };
+    Some(Http { status, headers, body: String::from_utf8_lossy(&body).into_owned() })
+}
+
+fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        let line_end = rest.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = std::str::from_utf8(&rest[..line_end]).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        rest = &rest[line_end + 2..];
+        if size == 0 {
+            return Some(body);
+        }
+        body.extend_from_slice(rest.get(..size)?);
+        rest = rest.get(size + 2..)?;
+    }
+}
+
+/// A fresh key: from the seed, and a number of this run, so a rerun with
+/// the same seed never meets the keys of the run before.
+fn key(target: &Target, salt: u64) -> String {
+    let mut rng = Rng::new(target.seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    format!("check-{:012x}-{:08x}", rng.next_u64() & 0xffff_ffff_ffff, super::engine::run_nonce())
+}
+
+fn created(target: &Target, t: &mut Trace, h: &Http) -> bool {
+    let p = &target.profile;
+    t.expect(h.status == p.created_status && !target.replayed(h), || format!("wanted {}, not marked as a replay", p.created_status))
+}
+
+fn new_key(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let k = key(target, 1);
+    let first = target.post(t, Some(&target.tokens[0]), Some(&k), &target.transfer(3))?;
+    created(target, t, &first);
+    Ok(())
+}
+
+fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), String> {
+    let k = key(target, 2 + u64::from(reorder));
+    let token = Some(target.tokens[0].as_str());
+    let amount = 4;
+    let first = target.post(t, token, Some(&k), &target.transfer(amount))?;
+    created(target, t, &first);
+    // other money moves in between: a body rebuilt from the ledger differs
+    target.post(t, token, Some(&format!("{k}-other")), &target.transfer(1))?;
+    let body = match reorder {
+        false => target.transfer(amount),
+        true => format!(
+            "{{ \"currency\" : \"KRW\",\n  \"amount\": {amount}, \"dst\": {}, \"src\": {} }}",
+            target.dst, target.src
+        ),
+    };
+    let again = target.post(t, token, Some(&k), &body)?;
+    t.expect(again.status == first.status && again.body == first.body, || "the retry's answer differs from the first".into());
+    t.expect(target.profile.replay_header.is_none() || target.replayed(&again), || "the replay is not marked".into());
+    Ok(())
+}
+
+fn mismatch(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let k = key(target, 4);
+    let token = Some(target.tokens[0].as_str());
+    target.post(t, token, Some(&k), &target.transfer(5))?;
+    let other = target.post(t, token, Some(&k), &target.transfer(6))?;
+    let want = target.profile.mismatch_status;
+    t.expect(other.status == want, || format!("wanted {want}"));
+    Ok(())
+}
+
+fn missing_key(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let r = target.post(t, Some(&target.tokens[0]), None, &target.transfer(7))?;
+    let want = target.profile.missing_key_status;
+    t.expect(r.status == want, || format!("wanted {want}: a transfer without a key must not be processed"));
+    Ok(())
+}
+
+fn key_forms(target: &Target, t: &mut Trace) -> Result<(), String> {
+    if !target.profile.both_key_forms {
+        t.skip("the profile says the service takes one spelling of a key");
+        return Ok(());
+    }
+    let k = key(target, 5);
+    let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
+    let first = target.send(t, &[auth.clone(), ("Idempotency-Key", format!("\"{k}\""))], &target.transfer(8))?;
+    created(target, t, &first);
+    let bare = target.send(t, &[auth, ("Idempotency-Key", k)], &target.transfer(8))?;
+    t.expect(target.replays(&bare, &first), || "the key as an sf-string and bare are two keys".into());
+    Ok(())
+}
+
+fn scoped(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let (distinct, same) = target.clients();
+    let Some((a, b)) = distinct else {
+        t.skip("give two --token of distinct clients to check the scope");
+        return Ok(());
+    };
+    if target.profile.clients.is_none() {
+        t.step("(no clients map in the profile: the tokens are taken for distinct clients)");
+    }
+    let k = key(target, 6);
+    let one = target.post(t, Some(a), Some(&k), &target.transfer(9))?;
+    let two = target.post(t, Some(b), Some(&k), &target.transfer(10))?;
+    created(target, t, &two);
+    t.expect(two.body != one.body, || "two clients got one answer".into());
+    if let Some((c, d)) = same {
+        let k = key(target, 7);
+        let first = target.post(t, Some(c), Some(&k), &target.transfer(11))?;
+        let again = target.post(t, Some(d), Some(&k), &target.transfer(11))?;
+        t.expect(target.replays(&again, &first), || "two tokens of one client are two scopes".into());
+    }
+    Ok(())
+}
+
+/// Sixteen requests on one key, released by their last byte at one instant.
+fn race(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let k = key(target, 8);
+    let p = &target.profile;
+    let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
+    let request = target.post_bytes(&[auth, ("Idempotency-Key", target.key_header(&k))], &target.transfer(12));
+    let (head, last) = request.split_at(request.len() - 1);
+    let mut streams = Vec::new();
+    for _ in 0..16 {
+        let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+        s.write_all(head).map_err(|e| e.to_string())?;
+        streams.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let barrier = std::sync::Barrier::new(streams.len());
+    let answers: Vec<Result<Http, String>> = std::thread::scope(|scope| {
+        let runs: Vec<_> = streams
+            .into_iter()
+            .map(|mut s| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    barrier.wait();
+                    s.write_all(last).map_err(|e| e.to_string())?;
+                    read_answer(&mut s)
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap_or_else(|_| Err("a thread panicked".into()))).collect()
+    });
+    let answers: Vec<Http> = answers.into_iter().collect::<Result<_, _>>()?;
+    let created: Vec<&Http> = answers.iter().filter(|a| a.status == p.created_status).collect();
+    let fresh = created.iter().filter(|a| !target.replayed(a)).count();
+    t.step(format!(
+        "16 requests on one key, released at once -> statuses {:?}, {fresh} unmarked",
+        answers.iter().map(|a| a.status).collect::<Vec<_>>()
+    ));
+    t.expect(!created.is_empty(), || format!("nobody was answered {}", p.created_status));
+    t.expect(created.iter().all(|a| a.body == created[0].body), || "the answers name more than one transfer".into());
+    t.expect(answers.iter().all(|a| a.status == p.created_status || a.status == p.in_flight_status), || {
+        "an answer was neither the transfer nor in flight".into()
+    });
+    t.expect(p.replay_header.is_none() || fresh == 1, || format!("{fresh} answers claim to be the first"));
+    if p.in_flight_retry_after {
+        let bare = answers.iter().filter(|a| a.status == p.in_flight_status && a.header("retry-after").is_none()).count();
+        t.expect(bare == 0, || format!("{bare} in-flight answers without Retry-After"));
+    }
+    Ok(())
+}
+
+/// Through a proxy that drops every answer: the service commits, the client
+/// hears nothing; then the retry, directly.
+fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let k = key(target, 9);
+    let no_answers = Odds { drop_request: 0, drop_response: 100, cut_response: 0, delay: 0, duplicate: 0 };
+    let proxy = Proxy::start(target.address, target.seed, no_answers).map_err(|e| e.to_string())?;
+    let via: SocketAddr = proxy.url().trim_start_matches("http://").parse().map_err(|_| "proxy address")?;
+    let request = target.post_bytes(
+        &[("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(&k))],
+        &target.transfer(13),
+    );
+    let lost = exchange(via, &request);
+    let dropped = proxy.counts.dropped.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+    let sent = parse_answer(&dropped).unwrap_or_default();
+    t.step(format!(
+        "POST key={k} through a proxy that drops the answer -> {}; the service had answered {}",
+        lost.as_ref().map_or_else(|e| format!("no answer ({e})"), Http::short),
+        sent.short()
+    ));
+    let retry = target.post(t, Some(&target.tokens[0]), Some(&k), &target.transfer(13))?;
+    t.expect(retry.status == sent.status && retry.body == sent.body, || {
+        "the retry was made again, not replayed: the transfer went out twice".into()
+    });
+    t.expect(target.profile.replay_header.is_none() || target.replayed(&retry), || "the replay is not marked".into());
+    Ok(())
+}
+
+fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let k = key(target, 10);
+    let token = Some(target.tokens[0].as_str());
+    let bad = json!({"src": target.src, "dst": target.dst, "amount": 0, "currency": "KRW"}).to_string();
+    let refused = target.post(t, token, Some(&k), &bad)?;
+    let want = target.profile.invalid_status;
+    t.expect(refused.status == want, || format!("an amount of 0: wanted {want}"));
+    let good = target.post(t, token, Some(&k), &target.transfer(14))?;
+    t.expect(good.status == target.profile.created_status && !target.replayed(&good), || "the refused request consumed its key".into());
+    Ok(())
+}
+
+fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let k = key(target, 11);
+    let token = Some(target.tokens[0].as_str());
+    let ghost = json!({"src": format!("ghost-{k}"), "dst": target.dst, "amount": 1, "currency": "KRW"}).to_string();
+    let first = target.post(t, token, Some(&k), &ghost)?;
+    let p = &target.profile;
+    let ok = match p.unknown_account_status {
+        Some(w) => first.status == w,
+        None => (400..500).contains(&first.status) && ![p.mismatch_status, p.in_flight_status].contains(&first.status),
+    };
+    t.expect(ok, || "an unknown account: wanted a 4xx refusal".into());
+    target.post(t, token, Some(&format!("{k}-other")), &target.transfer(1))?;
+    let again = target.post(t, token, Some(&k), &ghost)?;
+    t.expect(target.replays(&again, &first), || "the refusal was not stored and replayed".into());
+    Ok(())
+}
+
+fn auth_first(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let want = target.profile.unauthorized_status;
+    let nobody = ("Authorization", "Bearer not-a-token-of-anyone".to_owned());
+    let r = target.send(t, &[nobody.clone(), ("Idempotency-Key", "\"\"".into())], "{")?;
+    t.expect(r.status == want, || format!("a bad token with a bad key and body: wanted {want} before any 400"));
+    let k = key(target, 12);
+    let r = target.send(t, &[nobody, ("Idempotency-Key", target.key_header(&k))], &target.transfer(15))?;
+    t.expect(r.status == want, || format!("wanted {want}"));
+    let good = target.post(t, Some(&target.tokens[0]), Some(&k), &target.transfer(16))?;
+    t.expect(good.status == target.profile.created_status && !target.replayed(&good), || {
+        "a request refused for its token consumed or read its key".into()
+    });
+    let twice = target.send(
+        t,
+        &[
+            ("Authorization", format!("Bearer {}", target.tokens[0])),
+            ("Authorization", format!("Bearer {}", target.tokens.last().cloned().unwrap_or_default())),
+            ("Idempotency-Key", target.key_header(&key(target, 13))),
+        ],
+        &target.transfer(17),
+    )?;
+    t.expect(twice.status == want, || format!("two Authorization headers: wanted {want}"));
+    Ok(())
+}
+
+fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let (Some(path), (Some((a, b)), _)) = (&target.profile.get_path, target.clients()) else {
+        t.skip("needs the profile's get_path and two --token of distinct clients");
+        return Ok(());
+    };
+    let k = key(target, 14);
+    let made = target.post(t, Some(a), Some(&k), &target.transfer(18))?;
+    let id = match made.json().get("transfer_id") {
+        Some(Value::String(s)) => s.clone(),
+        Some(v) if !v.is_null() => v.to_string(),
+        _ => {
+            t.skip("the created answer names no transfer_id");
+            return Ok(());
+        }
+    };
+    let path = path.replace("{id}", &id);
+    let own = target.get(t, &path, a)?;
+    t.expect(own.status == 200, || "the owner cannot read its transfer".into());
+    let other = target.get(t, &path, b)?;
+    t.expect((400..500).contains(&other.status) && !other.body.contains(&id), || "another client read the transfer".into());
+    Ok(())
+}
+
+/// Error answers the other properties provoke, each checked as RFC 9457
+/// asks, and for what a body must never show.
+fn error_bodies(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let token = Some(target.tokens[0].as_str());
+    let k = key(target, 15);
+    let mut errors = vec![
+        target.post(t, token, None, &target.transfer(1))?,
+        target.post(t, None, Some(&k), &target.transfer(1))?,
+        target.post(t, token, Some(&format!("{k}-a")), "{\"src\": ")?,
+        target.post(t, token, Some(&format!("{k}-b")), "[1, 2, 3]")?,
+        target.post(t, token, Some(&format!("{k}-c")), &json!({"src": target.src, "dst": target.dst, "amount": "1e999", "currency": "KRW"}).to_string())?,
+        target.post(t, token, Some(&format!("{k}-d")), &json!({"src": [target.src], "dst": {"x": 1}, "amount": 1, "currency": "KRW"}).to_string())?,
+    ];
+    errors.retain(|h| h.status >= 400);
+    const LEAKS: [&str; 12] = [
+        "Traceback", "Exception", "exception", "SELECT ", "INSERT ", "sqlite", "psycopg", "postgres",
+        "node_modules", "at Object.", "File \"/", "panicked",
+    ];
+    for h in &errors {
+        if let Some(leak) = LEAKS.iter().find(|l| h.body.contains(**l)) {
+            t.expect(false, || format!("an error body shows the service's internals ({leak:?}): {}", short(&h.body)));
+        }
+        if target.profile.problem_json {
+            let p = h.json();
+            let ok = h.header("content-type").is_some_and(|c| c.starts_with("application/problem+json"))
+                && p.get("status").and_then(Value::as_u64) == Some(u64::from(h.status));
+            t.expect(ok, || format!("a {} is not application/problem+json with its status", h.status));
+        }
+    }
+    Ok(())
+}
+
+/// Twice as many transfers as the drain account can pay, all at once, each
+/// with its own key: exactly half may succeed.
+fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), String> {
+    let Some(drain) = &target.profile.drain else {
+        t.skip("needs the profile's drain: an account of known balance that nothing else uses");
+        return Ok(());
+    };
+    const PAY: i64 = 8;
+    let amount = drain.balance / PAY;
+    if amount < 1 {
+        return Err(format!("the drain account's balance must be at least {PAY}"));
+    }
+    let body = json!({"src": drain.src, "dst": drain.dst, "amount": amount, "currency": "KRW"}).to_string();
+    let k = key(target, 16);
+    let requests: Vec<Vec<u8>> = (0..2 * PAY)
+        .map(|i| {
+            target.post_bytes(
+                &[("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(&format!("{k}-{i}")))],
+                &body,
+            )
+        })
+        .collect();
+    let barrier = std::sync::Barrier::new(requests.len());
+    let answers: Vec<Result<Http, String>> = std::thread::scope(|scope| {
+        let runs: Vec<_> = requests
+            .iter()
+            .map(|r| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    barrier.wait();
+                    exchange(target.address, r)
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap_or_else(|_| Err("a thread panicked".into()))).collect()
+    });
+    let answers: Vec<Http> = answers.into_iter().collect::<Result<_, _>>()?;
+    let paid = answers.iter().filter(|a| a.status == target.profile.created_status).count() as i64;
+    t.step(format!("{} transfers of {amount} at once from an account holding {} -> {paid} paid", 2 * PAY, drain.balance));
+    t.expect(paid <= PAY, || format!("{paid} transfers of {amount} were paid from {}: updates were lost", drain.balance));
+    Ok(())
+}
+
+macro_rules! property {
+    ($name:expr, $contract:expr, $judge:expr) => {
+        Property { name: $name, contract: $contract, judge: $judge }
+    };
+}
+
+/// The properties an HTTP implementation must have, each with its sentence.
+pub static PROPERTIES: [Property<Target>; 15] = [
+    property!("a new key is created", "draft §2: the first request with a key is processed as usual", new_key),
+    property!(
+        "a retry replays the first answer byte for byte, and says so, even after other money moved",
+        "draft §2.6: a retry of a completed request returns the stored response; DESIGN §2: the first status and body byte for byte, Idempotent-Replayed: true",
+        |t, tr| replay(t, tr, false)
+    ),
+    property!(
+        "a retry with members reordered and re-spaced replays",
+        "draft §2.4: the fingerprint is of the request payload, not its bytes (DESIGN §2: RFC 8785)",
+        |t, tr| replay(t, tr, true)
+    ),
+    property!(
+        "the same key with another body is refused (mismatch status)",
+        "draft §2.7: reusing a key with a different payload is an error (422)",
+        mismatch
+    ),
+    property!(
+        "a request without a key is refused",
+        "draft §2.7: a missing Idempotency-Key on an endpoint that requires one is 400",
+        missing_key
+    ),
+    property!(
+        "the key's sf-string and bare spellings are one key",
+        "draft §2.1: the key is an sf-string; DESIGN §2: a bare value is the same key",
+        key_forms
+    ),
+    property!(
+        "keys are scoped by client: distinct clients own distinct keys, one client's tokens share them",
+        "draft §2.2: keys are unique per client (DESIGN §2: the client comes from the token's owner)",
+        scoped
+    ),
+    property!(
+        "requests on one key released at one instant: one answer, the others in flight (with Retry-After) or its replay",
+        "draft §2.7: a request while the first is in flight is 409; DESIGN §2: with Retry-After",
+        race
+    ),
+    property!(
+        "an answer lost after the commit is replayed on retry, not made again",
+        "draft §1: the retry of a request whose answer was lost must not repeat its effect",
+        lost_answer
+    ),
+    property!(
+        "a malformed request is refused and does not consume its key",
+        "DESIGN §2: an invalid body is 400 and the key is not consumed",
+        invalid_keeps_key
+    ),
+    property!(
+        "a business refusal is stored and replayed",
+        "draft §2.6: the stored response, whatever its status, is returned (DESIGN §2: 404/402 stored and replayed)",
+        refusal_stored
+    ),
+    property!(
+        "authentication comes first: a bad or doubled token is refused before the key is read",
+        "DESIGN §2: a request without a valid token gets 401 before any 400; Authorization is a singleton (RFC 9110 §11.6.2)",
+        auth_first
+    ),
+    property!(
+        "a transfer is read by its own client only",
+        "DESIGN §2: GET /v1/transfers/{id} is 200 if it belongs to the caller, else 404",
+        get_across_clients
+    ),
+    property!(
+        "errors are problem+json and show no internals",
+        "draft §2.7 and RFC 9457: errors as problem details; DESIGN §2: no body carries SQL, a path or a trace",
+        error_bodies
+    ),
+    property!(
+        "concurrent transfers on one account lose no update",
+        "DESIGN §1: balances move by guarded updates; no more is paid than the account holds",
+        no_lost_update
+    ),
+];
