@@ -515,14 +515,19 @@ fn before_and_after(baseline: &str, dir: &Path) {
         let mut rates: [(Vec<f64>, Vec<f64>); 2] = Default::default();
         for round in 0..5 {
             for (side, bin) in [baseline, IDEM].into_iter().enumerate() {
-                let db = dir.join(format!("ab-{connections}-{round}-{side}.db")).to_string_lossy().into_owned();
+                let db =
+                    dir.join(format!("ab-{connections}-{round}-{side}.db")).to_string_lossy().into_owned();
                 idem::harness::day::bank::create(&db, &accounts()).unwrap();
                 let server = Server::start_bin(bin, &db, dir, &[]);
                 let run = format!("ab{connections}x{round}x{side}");
                 let (new, took) = load(&server.address, connections, Phase::New, &run, &[]);
                 let per: Vec<Vec<String>> = (0..connections)
                     .map(|c| {
-                        new.fresh.iter().filter(|k| k.split('-').nth(1) == Some(&c.to_string())).cloned().collect()
+                        new.fresh
+                            .iter()
+                            .filter(|k| k.split('-').nth(1) == Some(&c.to_string()))
+                            .cloned()
+                            .collect()
                     })
                     .collect();
                 let (replay, took_r) = load(&server.address, connections, Phase::Replay, "unused", &per);

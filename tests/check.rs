@@ -1,108 +1,335 @@
-//! `idem check --engine`: it passes idem, passes a careful engine written in
-//! Python, and fails each deliberately naive one on the property its mistake
-//! breaks, showing the steps.
+//! `idem check` is only trusted once it passed correct implementations
+//! nobody tuned it to, written in other styles, and failed broken ones for
+//! the right reason. This runs the whole cohort: every correct engine and
+//! service must pass every property (at most with a profile); every broken
+//! one must fail the properties its mistake breaks and no other. The table
+//! it prints (`-- --nocapture`) is the README's engines × properties table.
 
-use std::process::Command;
+use std::collections::BTreeSet;
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
 
 const IDEM: &str = env!("CARGO_BIN_EXE_idem");
-const PEER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/lab_engine.py");
+const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers");
 
-/// Runs the check; returns (exit code, the FAIL lines).
-fn check(engine: &str) -> (Option<i32>, Vec<String>, String) {
-    let out = Command::new(IDEM).args(["check", "--engine", engine, "--seed", "11"]).output().unwrap();
+/// One run of `idem check`: its exit code and each property's verdict line.
+struct Run {
+    code: Option<i32>,
+    verdicts: Vec<(String, String)>,
+    stdout: String,
+}
+
+fn check(args: &[String]) -> Run {
+    let out = Command::new(IDEM).arg("check").args(args).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let failed = stdout.lines().filter_map(|l| l.strip_prefix("FAIL  ")).map(String::from).collect();
-    (out.status.code(), failed, stdout)
+    let verdicts = stdout
+        .lines()
+        .filter_map(|l| {
+            let (verdict, rest) = l.split_once("  ")?;
+            ["PASS", "FAIL", "SKIP"].contains(&verdict).then(|| (verdict.to_owned(), rest.to_owned()))
+        })
+        .collect();
+    Run { code: out.status.code(), verdicts, stdout }
+}
+
+fn failed(run: &Run) -> BTreeSet<String> {
+    run.verdicts.iter().filter(|(v, _)| v == "FAIL").map(|(_, n)| n.clone()).collect()
+}
+
+/// The verdict of the property named `long` (a SKIP line adds its reason).
+fn verdict<'a>(run: &'a Run, long: &str) -> Option<&'a str> {
+    run.verdicts.iter().find(|(_, n)| n.starts_with(long)).map(|(v, _)| v.as_str())
+}
+
+/// A job of [`run_all`]: a whole `idem check`, or a server and its checks.
+type Job<'a, T> = Box<dyn FnOnce() -> T + Send + 'a>;
+
+/// Runs `jobs` three at a time.
+fn run_all<T: Send>(jobs: Vec<Job<'_, T>>) -> Vec<T> {
+    let queue = Mutex::new(jobs.into_iter().enumerate().collect::<Vec<_>>());
+    let results = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..3 {
+            scope.spawn(|| {
+                loop {
+                    let Some((i, job)) = queue.lock().unwrap().pop() else { return };
+                    let r = job();
+                    results.lock().unwrap().push((i, r));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap();
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+/// The short names of the engine properties, for the table.
+const ENGINE_PROPERTIES: [(&str, &str); 13] = [
+    ("new", "a new key moves the money once and answers 201"),
+    ("replay", "a retry replays the first answer byte for byte, even after other money moved"),
+    ("reorder", "a retry with members reordered and re-spaced replays"),
+    ("422", "the same key with another amount is 422 and moves nothing"),
+    ("crash", "a retry after a crash after the claim is 409 in_progress and moves nothing"),
+    ("400", "a malformed request is 400 and does not consume its key"),
+    ("refusals", "unknown accounts and insufficient funds are refused, stored and replayed"),
+    ("scope", "keys are scoped by (client_id, endpoint, idem_key)"),
+    ("purge", "purge deletes exactly the keys created before the cut, read as an instant"),
+    ("race", "processes released together on one key pay once, and every one answers"),
+    ("hot", "a burst on one hot account loses no update, and every process answers"),
+    ("hostile", "hostile inputs: unreadable files exit 3, a broken database fails cleanly"),
+    ("days", "random days agree with a plain model of the contract (shrunk on failure)"),
+];
+
+fn names(short: &[&str], table: &[(&str, &str)]) -> BTreeSet<String> {
+    short.iter().map(|s| table.iter().find(|(n, _)| n == s).unwrap().1.to_owned()).collect()
+}
+
+fn row(name: &str, run: &Run, table: &[(&str, &str)]) -> String {
+    let cells: Vec<&str> = table
+        .iter()
+        .map(|(_, long)| match verdict(run, long) {
+            Some("PASS") => "·",
+            Some("FAIL") => "**FAIL**",
+            Some("SKIP") => "skip",
+            _ => "?",
+        })
+        .collect();
+    format!("| {name} | {} |", cells.join(" | "))
 }
 
 #[test]
-fn idem_api_and_a_careful_python_engine_pass_every_property() {
-    for engine in [env!("CARGO_BIN_EXE_idem_api").to_string(), format!("python3 {PEER}")] {
-        let (code, failed, stdout) = check(&engine);
-        assert_eq!((code, failed.len()), (Some(0), 0), "{engine}:\n{stdout}");
-        assert_eq!(stdout.lines().filter(|l| l.starts_with("PASS  ")).count(), 13, "{stdout}");
+fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_property() {
+    let engine = |cmd: String, profile: Option<&str>| {
+        let mut args = vec!["--engine".to_string(), cmd, "--seed".into(), "11".into()];
+        if let Some(p) = profile {
+            args.extend(["--profile".into(), format!("{PEERS}/engines/{p}")]);
+        }
+        args
+    };
+    let py = |file: &str| format!("python3 {PEERS}/engines/{file}");
+    let correct: Vec<(&str, Vec<String>)> = vec![
+        ("idem_api", engine(env!("CARGO_BIN_EXE_idem_api").into(), None)),
+        ("dumps.py (json.dumps spacing, 402/404)", engine(py("dumps.py"), None)),
+        ("uuid_ids.py (UUID ids, 422 for funds)", engine(py("uuid_ids.py"), Some("uuid_ids.json"))),
+        ("textual_ids.py (text ids, 409 for funds)", engine(py("textual_ids.py"), Some("textual_ids.json"))),
+        (
+            "procedural.py (pretty-printed, stored 400 for funds)",
+            engine(py("procedural.py"), Some("procedural.json")),
+        ),
+    ];
+    // each mistake, and the properties it must fail (random days, which
+    // judge everything at once, may fail too unless the mistake needs
+    // concurrency, an endpoint or a purge, which random days do not have)
+    let broken: Vec<(&str, &[&str])> = vec![
+        ("lookup", &["race"]),
+        ("completed-first", &["crash"]),
+        ("raw-fingerprint", &["reorder"]),
+        ("recompute", &["replay", "reorder"]),
+        ("global", &["scope"]),
+        ("no-endpoint", &["scope"]),
+        ("purge-all", &["purge"]),
+        ("purge-text", &["purge"]),
+        ("purge-expiry", &["purge"]),
+        ("invalid-stored", &["400"]),
+        ("lost-update", &["hot"]),
+        ("no-fingerprint", &["422"]),
+        ("replay-200", &["replay", "reorder", "refusals", "race"]),
+        ("crash-moves-money", &["crash"]),
+        ("no-busy-timeout", &["race", "hot"]),
+        ("loose-amount", &["400"]),
+    ];
+    let mut jobs: Vec<Job<'_, Run>> = Vec::new();
+    for (_, args) in &correct {
+        let args = args.clone();
+        jobs.push(Box::new(move || check(&args)));
     }
+    for (mistake, _) in &broken {
+        let args = engine(format!("{} --mistake {mistake}", py("dumps.py")), None);
+        jobs.push(Box::new(move || check(&args)));
+    }
+    let runs = run_all(jobs);
+    let header: Vec<&str> = ENGINE_PROPERTIES.iter().map(|(n, _)| *n).collect();
+    println!("| engine | {} |\n|---|{}", header.join(" | "), "---|".repeat(header.len()));
+    let mut wrong = Vec::new();
+    for ((name, _), run) in correct.iter().zip(&runs) {
+        println!("{}", row(name, run, &ENGINE_PROPERTIES));
+        if run.code != Some(0) || run.verdicts.len() != 13 || !failed(run).is_empty() {
+            wrong.push(format!("{name} (correct) did not pass:\n{}", run.stdout));
+        }
+    }
+    for ((mistake, must), run) in broken.iter().zip(&runs[correct.len()..]) {
+        println!("{}", row(&format!("dumps.py --mistake {mistake}"), run, &ENGINE_PROPERTIES));
+        let must = names(must, &ENGINE_PROPERTIES);
+        let allowed: BTreeSet<String> =
+            must.iter().cloned().chain(names(&["days"], &ENGINE_PROPERTIES)).collect();
+        let got = failed(run);
+        if run.code != Some(1) || !must.is_subset(&got) || !got.is_subset(&allowed) {
+            wrong.push(format!("--mistake {mistake}: must fail {must:?}, failed {got:?}:\n{}", run.stdout));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
 }
 
 #[test]
-fn each_naive_engine_fails_the_property_its_mistake_breaks() {
-    for (mistake, property) in [
-        ("lookup", "processes released together on one key pay once"),
-        ("recompute", "a retry replays the first answer byte for byte"),
-        ("global", "keys are scoped by client: one key string, two clients, two transfers"),
-    ] {
-        let (code, failed, stdout) = check(&format!("python3 {PEER} --mistake {mistake}"));
-        assert_eq!(code, Some(1), "{stdout}");
-        assert!(failed.iter().any(|f| f == property), "{mistake}: {stdout}");
-        // the failure shows the requests that show it
-        let steps = stdout.split(&format!("FAIL  {property}")).nth(1).unwrap_or("");
-        assert!(
-            steps
-                .lines()
-                .nth(1)
-                .is_some_and(|l| l.trim_start().starts_with("send") || l.contains("processes")),
-            "{stdout}"
-        );
-    }
+fn an_engine_path_with_a_space_is_taken_quoted_or_as_an_engine_arg() {
+    let dir = tempfile::Builder::new().prefix("idem check ").tempdir().unwrap();
+    let copy = dir.path().join("my engine.py");
+    std::fs::copy(format!("{PEERS}/engines/textual_ids.py"), &copy).unwrap();
+    let profile = format!("{PEERS}/engines/textual_ids.json");
+    let quoted = check(&[
+        "--engine".into(),
+        format!("python3 '{}'", copy.display()),
+        "--profile".into(),
+        profile.clone(),
+    ]);
+    assert_eq!(quoted.code, Some(0), "{}", quoted.stdout);
+    let arg = check(&[
+        "--engine".into(),
+        "python3".into(),
+        "--engine-arg".into(),
+        copy.display().to_string(),
+        "--profile".into(),
+        profile,
+    ]);
+    assert_eq!(arg.code, Some(0), "{}", arg.stdout);
 }
 
-/// Starts a server command (`idem serve` or a peer) on a fresh bank; returns
-/// its URL and the child.
+/// Starts a server command (`idem serve` or a peer) on a fresh bank with
+/// accounts A (funded), B and D (800, for the drain); returns its URL
+/// (spelled with `localhost`) and the child.
 fn serve(program: &[&str], dir: &std::path::Path) -> (String, std::process::Child) {
-    use std::io::BufRead;
     let db = dir.join("bank.db");
     let conn = rusqlite::Connection::open(&db).unwrap();
     conn.execute_batch(
         "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance INTEGER);
-         INSERT INTO account VALUES ('A', 'a', 1000000000), ('B', 'b', 0);",
+         INSERT INTO account VALUES ('A', 'a', 1000000000), ('B', 'b', 0), ('D', 'd', 800);",
     )
     .unwrap();
     let clients = dir.join("clients.json");
-    std::fs::write(&clients, r#"{"tok-1": "shop-1", "tok-2": "shop-2"}"#).unwrap();
+    std::fs::write(&clients, r#"{"tok-1": "shop-1", "tok-2": "shop-2", "tok-1b": "shop-1"}"#).unwrap();
     let mut child = Command::new(program[0])
         .args(&program[1..])
         .arg("--db")
         .arg(&db)
         .args(["--listen", "127.0.0.1:0", "--clients"])
         .arg(&clients)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    (line.trim().to_owned(), child)
+    (line.trim().replace("127.0.0.1", "localhost"), child)
 }
 
-fn check_url(url: &str) -> (Option<i32>, Vec<String>, String) {
-    let out = Command::new(IDEM)
-        .args(["check", "--url", url, "--token", "tok-1", "--token", "tok-2", "--seed", "5"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let failed = stdout.lines().filter_map(|l| l.strip_prefix("FAIL  ")).map(String::from).collect();
-    (out.status.code(), failed, stdout)
+const URL_PROPERTIES: [(&str, &str); 15] = [
+    ("new", "a new key is created"),
+    ("replay", "a retry replays the first answer byte for byte, and says so, even after other money moved"),
+    ("reorder", "a retry with members reordered and re-spaced replays"),
+    ("mismatch", "the same key with another body is refused (mismatch status)"),
+    ("no key", "a request without a key is refused"),
+    ("\"K\"=K", "the key's sf-string and bare spellings are one key"),
+    (
+        "scope",
+        "keys are scoped by client: distinct clients own distinct keys, one client's tokens share them",
+    ),
+    (
+        "race",
+        "requests on one key released at one instant: one answer, the others in flight (with Retry-After) or its replay",
+    ),
+    ("lost", "an answer lost after the commit is replayed on retry, not made again"),
+    ("400", "a malformed request is refused and does not consume its key"),
+    ("refusal", "a business refusal is stored and replayed"),
+    ("auth", "authentication comes first: a bad or doubled token is refused before the key is read"),
+    ("GET", "a transfer is read by its own client only"),
+    ("errors", "errors are problem+json and show no internals"),
+    ("drain", "concurrent transfers on one account lose no update"),
+];
+
+fn check_url(url: &str, seed: &str) -> Run {
+    let profile = format!("{PEERS}/service.json");
+    let args: Vec<String> = ["--url", url, "--token", "tok-1", "--token", "tok-2", "--token", "tok-1b"]
+        .into_iter()
+        .chain(["--profile", &profile, "--seed", seed])
+        .map(String::from)
+        .collect();
+    check(&args)
 }
 
 #[test]
-fn check_url_passes_idem_serve_and_catches_a_server_that_keeps_no_keys() {
-    let dir = tempfile::tempdir().unwrap();
-    let (url, mut idem) = serve(&[IDEM, "serve"], dir.path());
-    let (code, failed, stdout) = check_url(&url);
-    idem.kill().unwrap();
-    assert_eq!((code, failed.len()), (Some(0), 0), "{stdout}");
-
-    let naive_dir = tempfile::tempdir().unwrap();
-    let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/naive_server.py");
-    let (url, mut child) = serve(&["python3", naive], naive_dir.path());
-    let (code, failed, stdout) = check_url(&url);
-    child.kill().unwrap();
-    assert_eq!(code, Some(1), "{stdout}");
-    for property in [
-        "a retry replays the first answer byte for byte, and says so",
-        "an answer lost after the commit is replayed on retry, not made again",
-        "many connections at once with one key: one answer, the others in flight or its replay",
-    ] {
-        assert!(failed.iter().any(|f| f == property), "{property}: {stdout}");
+fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
+    let service = format!("{PEERS}/http_service.py");
+    let correct: Vec<(&str, Vec<String>)> = vec![
+        ("idem serve", vec![IDEM.into(), "serve".into()]),
+        ("http_service.py (stdlib, threads)", vec!["python3".into(), service.clone()]),
+        (
+            "http_service.py --mistake chunked (correct, chunked answers)",
+            vec!["python3".into(), service.clone(), "--mistake".into(), "chunked".into()],
+        ),
+    ];
+    let broken: Vec<(&str, &[&str])> = vec![
+        ("no-replay-header", &["replay", "reorder", "\"K\"=K", "scope", "race", "lost", "refusal"]),
+        ("recompute", &["replay", "reorder"]),
+        ("lookup-insert", &["race"]),
+        ("invalid-consumes", &["400"]),
+        ("refusals-not-stored", &["refusal"]),
+        ("get-across-clients", &["GET"]),
+        ("no-retry-after", &["race"]),
+        ("no-scope", &["scope"]),
+        ("key-before-auth", &["auth"]),
+        ("doubled-auth", &["auth"]),
+        ("plain-errors", &["errors"]),
+        ("leak", &["errors"]),
+        ("quoted-distinct", &["\"K\"=K"]),
+        ("token-scope", &["scope"]),
+        ("lost-update", &["drain"]),
+        ("no-key-processed", &["no key"]),
+    ];
+    let mut jobs: Vec<Job<'_, (Run, Option<Run>)>> = Vec::new();
+    for (i, (_, program)) in correct.iter().enumerate() {
+        let program = program.clone();
+        jobs.push(Box::new(move || {
+            let dir = tempfile::tempdir().unwrap();
+            let refs: Vec<&str> = program.iter().map(String::as_str).collect();
+            let (url, mut child) = serve(&refs, dir.path());
+            let first = check_url(&url, "5");
+            // the same seed again against the same running service: keys are fresh per run
+            let again = (i == 0).then(|| check_url(&url, "5"));
+            child.kill().unwrap();
+            (first, again)
+        }));
     }
+    for (mistake, _) in &broken {
+        let service = service.clone();
+        jobs.push(Box::new(move || {
+            let dir = tempfile::tempdir().unwrap();
+            let (url, mut child) = serve(&["python3", &service, "--mistake", mistake], dir.path());
+            let run = check_url(&url, "5");
+            child.kill().unwrap();
+            (run, None)
+        }));
+    }
+    let runs = run_all(jobs);
+    let header: Vec<&str> = URL_PROPERTIES.iter().map(|(n, _)| *n).collect();
+    println!("| service | {} |\n|---|{}", header.join(" | "), "---|".repeat(header.len()));
+    let mut wrong = Vec::new();
+    for ((name, _), (run, again)) in correct.iter().zip(&runs) {
+        println!("{}", row(name, run, &URL_PROPERTIES));
+        for run in std::iter::once(run).chain(again) {
+            if run.code != Some(0) || run.verdicts.len() != 15 || !failed(run).is_empty() {
+                wrong.push(format!("{name} (correct) did not pass:\n{}", run.stdout));
+            }
+        }
+    }
+    for ((mistake, must), (run, _)) in broken.iter().zip(&runs[correct.len()..]) {
+        println!("{}", row(&format!("http_service.py --mistake {mistake}"), run, &URL_PROPERTIES));
+        let must = names(must, &URL_PROPERTIES);
+        let got = failed(run);
+        if run.code != Some(1) || got != must {
+            wrong.push(format!("--mistake {mistake}: must fail {must:?}, failed {got:?}:\n{}", run.stdout));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
 }

@@ -49,5 +49,6 @@ async def transfer(request: Request):
 host, port = a.listen.rsplit(":", 1)
 sock = socket.socket()
 sock.bind((host, int(port)))
+sock.listen(128)  # listening before the URL is printed: a client that reads it can connect at once
 print(f"http://{host}:{sock.getsockname()[1]}", flush=True)
 uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

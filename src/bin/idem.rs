@@ -442,7 +442,9 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(1, |d| d.as_nanos() as u64)
             });
-            fn read_profile<P: serde::de::DeserializeOwned + Default>(file: Option<PathBuf>) -> Result<P, DayError> {
+            fn read_profile<P: serde::de::DeserializeOwned + Default>(
+                file: Option<PathBuf>,
+            ) -> Result<P, DayError> {
                 let Some(file) = file else { return Ok(P::default()) };
                 let text = std::fs::read_to_string(&file).map_err(io_at(&file))?;
                 serde_json::from_str(&text).map_err(|e| DayError(format!("{}: {e}", file.display())))
@@ -457,8 +459,9 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                 (None, Some(url)) => {
                     println!("idem check --url {url} --seed {seed}");
                     let id = |s: String| s.parse::<i64>().map_or_else(|_| json!(s), |i| json!(i));
-                    let target = http::Target::new(&url, token, id(src), id(dst), read_profile(profile)?, seed)
-                        .map_err(DayError)?;
+                    let target =
+                        http::Target::new(&url, token, id(src), id(dst), read_profile(profile)?, seed)
+                            .map_err(DayError)?;
                     check::report(&check::judge(&http::PROPERTIES, &target))
                 }
                 (None, None) => return Err(DayError("give --engine or --url".into())),

@@ -156,10 +156,13 @@ impl Bank {
         let ids: Vec<String> = (0..accounts).map(|i| format!("acct-{salt:x}-{i}")).collect();
         let balances: Vec<i64> = (0..accounts).map(|_| 10_000 + rng.below(990_000) as i64).collect();
         let conn = Connection::open(&db).map_err(|e| e.to_string())?;
-        conn.execute_batch("CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)")
-            .map_err(|e| e.to_string())?;
+        conn.execute_batch(
+            "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)",
+        )
+        .map_err(|e| e.to_string())?;
         for (id, balance) in ids.iter().zip(&balances) {
-            conn.execute("INSERT INTO account VALUES (?1, 'check', ?2)", (id, balance)).map_err(|e| e.to_string())?;
+            conn.execute("INSERT INTO account VALUES (?1, 'check', ?2)", (id, balance))
+                .map_err(|e| e.to_string())?;
         }
         Ok(Bank { dir, db, ids, balances, command: command.to_vec(), files: std::cell::Cell::new(0) })
     }
@@ -187,7 +190,12 @@ impl Bank {
             .map_err(|e| format!("cannot run {program}: {e}"))?;
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let envelope = Envelope::parse(&stdout);
-        Ok(Answer { code: out.status.code(), stdout, stderr: String::from_utf8_lossy(&out.stderr).into_owned(), envelope })
+        Ok(Answer {
+            code: out.status.code(),
+            stdout,
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            envelope,
+        })
     }
 
     /// Sends the request `text` (with extra flags), as a step of `t`.
@@ -196,18 +204,28 @@ impl Bank {
         let mut args: Vec<&std::ffi::OsStr> = vec!["--request".as_ref(), file.as_os_str()];
         args.extend(extra.iter().map(std::ffi::OsStr::new));
         let answer = self.run(&args)?;
-        t.step(format!("send {} {}-> {}", short(text), extra.iter().map(|e| format!("{e} ")).collect::<String>(), answer.short()));
+        t.step(format!(
+            "send {} {}-> {}",
+            short(text),
+            extra.iter().map(|e| format!("{e} ")).collect::<String>(),
+            answer.short()
+        ));
         Ok(answer)
     }
 
     /// Processes released together, one per request text.
     pub fn race(&self, texts: &[String]) -> Result<Vec<Answer>, String> {
         let files = texts.iter().map(|t| self.file(t)).collect::<Result<Vec<_>, _>>()?;
-        let finished =
-            race::release_together(&self.command, &self.db, &files, &[]).map_err(|e| format!("racing: {e}"))?;
+        let finished = race::release_together(&self.command, &self.db, &files, &[])
+            .map_err(|e| format!("racing: {e}"))?;
         Ok(finished
             .into_iter()
-            .map(|f| Answer { code: f.code, envelope: Envelope::parse(&f.stdout), stdout: f.stdout, stderr: f.stderr })
+            .map(|f| Answer {
+                code: f.code,
+                envelope: Envelope::parse(&f.stdout),
+                stdout: f.stdout,
+                stderr: f.stderr,
+            })
             .collect())
     }
 
@@ -218,7 +236,11 @@ impl Bank {
         let read = || -> rusqlite::Result<(Vec<i64>, Vec<Row>)> {
             let mut balances = Vec::new();
             for id in &self.ids {
-                balances.push(conn.query_row("SELECT balance FROM account WHERE acct_id = ?1", [id], |r| r.get(0))?);
+                balances.push(conn.query_row(
+                    "SELECT balance FROM account WHERE acct_id = ?1",
+                    [id],
+                    |r| r.get(0),
+                )?);
             }
             let has_transfer: bool = conn.query_row(
                 "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'transfer')",
@@ -228,7 +250,9 @@ impl Bank {
             let mut rows = Vec::new();
             if has_transfer {
                 let mut stmt = conn.prepare("SELECT CAST(transfer_id AS TEXT), amount FROM transfer")?;
-                rows = stmt.query_map([], |r| Ok(Row { id: r.get(0)?, amount: r.get(1)? }))?.collect::<Result<_, _>>()?;
+                rows = stmt
+                    .query_map([], |r| Ok(Row { id: r.get(0)?, amount: r.get(1)? }))?
+                    .collect::<Result<_, _>>()?;
             }
             Ok((balances, rows))
         };
@@ -247,7 +271,10 @@ impl Bank {
     pub fn expect_ledger(&self, t: &mut Trace, want: &[i64], transfers: usize) -> Result<(), String> {
         let (balances, rows) = self.ledger()?;
         t.expect(balances == want && rows.len() == transfers, || {
-            format!("the ledger holds {} transfer(s) and balances {balances:?}; wanted {transfers} and {want:?}", rows.len())
+            format!(
+                "the ledger holds {} transfer(s) and balances {balances:?}; wanted {transfers} and {want:?}",
+                rows.len()
+            )
         });
         Ok(())
     }
@@ -381,18 +408,24 @@ fn mismatch(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
     let e = other.answered();
     t.expect(e.is_some_and(|e| e.status == 422 && !e.replay), || "wanted 422, replay false".into());
     if let (Some(e), Some(reason)) = (e, &engine.profile.mismatch_reason) {
-        t.expect(e.reason.as_ref() == Some(reason), || format!("the profile's mismatch reason is {reason:?}"));
+        t.expect(e.reason.as_ref() == Some(reason), || {
+            format!("the profile's mismatch reason is {reason:?}")
+        });
     }
     s.bank.expect_ledger(t, &s.bank.moved(s.amount), 1)
 }
 
 fn crash_after_claim(t: &mut Trace, s: &Setting) -> Result<(), String> {
     let crashed = s.bank.send(t, &s.request(&s.key, s.amount), &["--crash-after-claim"])?;
-    t.expect(crashed.code != Some(0) && crashed.envelope.is_none(), || "a crash must exit non-zero and answer nothing".into());
+    t.expect(crashed.code != Some(0) && crashed.envelope.is_none(), || {
+        "a crash must exit non-zero and answer nothing".into()
+    });
     s.bank.expect_ledger(t, &s.bank.balances, 0)?;
     let retry = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
     t.expect(
-        retry.answered().is_some_and(|e| e.status == 409 && !e.replay && e.reason.as_deref() == Some("in_progress")),
+        retry
+            .answered()
+            .is_some_and(|e| e.status == 409 && !e.replay && e.reason.as_deref() == Some("in_progress")),
         || "wanted 409 with reason in_progress".into(),
     );
     s.bank.expect_ledger(t, &s.bank.balances, 0)
@@ -408,7 +441,11 @@ fn malformed(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> 
     let invalid = |e: &Envelope| {
         e.status == 400
             && !e.replay
-            && engine.profile.invalid_reason_prefix.as_ref().is_none_or(|p| e.reason.as_deref().unwrap_or("").starts_with(p))
+            && engine
+                .profile
+                .invalid_reason_prefix
+                .as_ref()
+                .is_none_or(|p| e.reason.as_deref().unwrap_or("").starts_with(p))
     };
     let mut moved = 0;
     let mut rows = 0;
@@ -420,37 +457,54 @@ fn malformed(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> 
         let e = answer.answered();
         let was_400 = e.is_some_and(invalid);
         if strict {
-            t.expect(was_400, || format!("amount {amount} is not a positive integer: wanted 400{}", reason_note(engine)));
-        } else {
-            t.expect(e.is_some_and(|e| was_400 || refusal_ok(e.status, engine.profile.insufficient_funds_status)), || {
-                format!("amount {amount} is beyond any balance: wanted 400 or a refusal")
+            t.expect(was_400, || {
+                format!("amount {amount} is not a positive integer: wanted 400{}", reason_note(engine))
             });
+        } else {
+            t.expect(
+                e.is_some_and(|e| was_400 || refusal_ok(e.status, engine.profile.insufficient_funds_status)),
+                || format!("amount {amount} is beyond any balance: wanted 400 or a refusal"),
+            );
         }
         if was_400 {
             // the key is free: the good request under it is new
-            let good = s.bank.send(t, &s.request(&key, s.amount), &[])?;
+            let good = s.bank.send(t, &s.request(&key, 1), &[])?;
             t.expect(good.answered().is_some_and(Envelope::fresh_201), || "the 400 consumed its key".into());
-            moved += s.amount;
+            moved += 1;
             rows += 1;
         }
     }
     for text in ["{not json", r#"{"client_id":"c","endpoint":"/e","idem_key":"k"}"#] {
         let answer = s.bank.send(t, text, &[])?;
-        t.expect(answer.answered().is_some_and(invalid), || format!("wanted 400, exit 0{}", reason_note(engine)));
+        t.expect(answer.answered().is_some_and(invalid), || {
+            format!("wanted 400, exit 0{}", reason_note(engine))
+        });
     }
     s.bank.expect_ledger(t, &s.bank.moved(moved), rows)
 }
 
 fn reason_note(engine: &Engine) -> String {
-    engine.profile.invalid_reason_prefix.as_ref().map_or(String::new(), |p| format!(", a reason starting {p:?}"))
+    engine
+        .profile
+        .invalid_reason_prefix
+        .as_ref()
+        .map_or(String::new(), |p| format!(", a reason starting {p:?}"))
 }
 
 fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
     let p = &engine.profile;
     let ghost = format!("ghost-{}", run_nonce());
     let cases = [
-        (request(&s.client, ENDPOINT, &s.key, &ghost, &s.b, "1"), p.unknown_account_status, "unknown account"),
-        (s.request(&format!("{}-2", s.key), s.bank.balances[0] + 1), p.insufficient_funds_status, "insufficient funds"),
+        (
+            request(&s.client, ENDPOINT, &s.key, &ghost, &s.b, "1"),
+            p.unknown_account_status,
+            "unknown account",
+        ),
+        (
+            s.request(&format!("{}-2", s.key), s.bank.balances[0] + 1),
+            p.insufficient_funds_status,
+            "insufficient funds",
+        ),
     ];
     for (text, wanted, what) in cases {
         let first = s.bank.send(t, &text, &[])?;
@@ -463,7 +517,9 @@ fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), St
         s.bank.send(t, &s.request(&format!("{}-{what}", s.key), 3), &[])?;
         let again = s.bank.send(t, &text, &[])?;
         if let (Some(first), Some(again)) = (first.answered().filter(|_| ok), again.answered()) {
-            t.expect(again.replays(first), || format!("{what}: the refusal was not stored and replayed as it was"));
+            t.expect(again.replays(first), || {
+                format!("{what}: the refusal was not stored and replayed as it was")
+            });
         }
     }
     s.bank.expect_ledger(t, &s.bank.moved(6), 2)
@@ -472,14 +528,26 @@ fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), St
 fn scoped(t: &mut Trace, s: &Setting) -> Result<(), String> {
     let one = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
     let others = [
-        (request(&format!("{}-other", s.client), ENDPOINT, &s.key, &s.a, &s.b, &(s.amount + 1).to_string()), "client"),
+        (
+            request(
+                &format!("{}-other", s.client),
+                ENDPOINT,
+                &s.key,
+                &s.a,
+                &s.b,
+                &(s.amount + 1).to_string(),
+            ),
+            "client",
+        ),
         (request(&s.client, "/v1/other", &s.key, &s.a, &s.b, &(s.amount + 2).to_string()), "endpoint"),
     ];
     let first = expect_fresh(t, &one);
     for (text, what) in others {
         let two = s.bank.send(t, &text, &[])?;
         let e = two.answered();
-        t.expect(e.is_some_and(Envelope::fresh_201), || format!("another {what}'s use of the key answered as if it were the first's"));
+        t.expect(e.is_some_and(Envelope::fresh_201), || {
+            format!("another {what}'s use of the key answered as if it were the first's")
+        });
         if let (Some(first), Some(e)) = (&first, e) {
             t.expect(e.transfer_id() != first.transfer_id(), || format!("two {what}s share a transfer"));
         }
@@ -513,12 +581,17 @@ fn purge(t: &mut Trace, s: &Setting) -> Result<(), String> {
     for (cut, want, what) in cuts {
         let out = s.bank.run(&["--purge-before".as_ref(), cut.as_ref()])?;
         t.step(format!("purge-before {cut} ({what}) -> {}", out.short()));
-        let purged = serde_json::from_str::<Value>(out.stdout.trim()).ok().and_then(|v| v.get("purged")?.as_i64());
-        t.expect(out.code == Some(0) && purged == Some(want), || format!("wanted exit 0 and {{\"purged\": {want}}}"));
+        let purged =
+            serde_json::from_str::<Value>(out.stdout.trim()).ok().and_then(|v| v.get("purged")?.as_i64());
+        t.expect(out.code == Some(0) && purged == Some(want), || {
+            format!("wanted exit 0 and {{\"purged\": {want}}}")
+        });
     }
     for key in [&early, &s.key] {
         let again = s.bank.send(t, &s.request(key, 7), &[])?;
-        t.expect(again.answered().is_some_and(Envelope::fresh_201), || "a purged key must be new again".into());
+        t.expect(again.answered().is_some_and(Envelope::fresh_201), || {
+            "a purged key must be new again".into()
+        });
     }
     s.bank.expect_ledger(t, &s.bank.moved(25), 4)
 }
@@ -528,7 +601,8 @@ fn race_one_key(t: &mut Trace, s: &Setting) -> Result<(), String> {
     for round in 0..ROUNDS {
         let text = s.request(&format!("{}-{round}", s.key), 1);
         let answers = s.bank.race(&vec![text; 5])?;
-        let fresh: Vec<&Envelope> = answers.iter().filter_map(Answer::answered).filter(|e| e.fresh_201()).collect();
+        let fresh: Vec<&Envelope> =
+            answers.iter().filter_map(Answer::answered).filter(|e| e.fresh_201()).collect();
         t.step(format!(
             "round {round}: 5 processes at once on one key -> {}",
             answers.iter().map(|a| a.status().to_string()).collect::<Vec<_>>().join(", ")
@@ -540,7 +614,9 @@ fn race_one_key(t: &mut Trace, s: &Setting) -> Result<(), String> {
         if let Some(first) = fresh.first() {
             for e in answers.iter().filter_map(Answer::answered).filter(|e| !e.fresh_201()) {
                 let ok = (e.status == 409 && e.reason.as_deref() == Some("in_progress")) || e.replays(first);
-                t.expect(ok, || format!("an answer was neither 409 in_progress nor the replay: {}", short(&e.raw_body)));
+                t.expect(ok, || {
+                    format!("an answer was neither 409 in_progress nor the replay: {}", short(&e.raw_body))
+                });
             }
         }
     }
@@ -571,10 +647,14 @@ fn hostile(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
         t.expect(out.code == Some(3), || "wanted exit 3".into());
     }
     let broken = Bank::new(&engine.command, &mut Rng::new(engine.seed), 2)?;
-    Connection::open(&broken.db).and_then(|c| c.execute_batch("DROP TABLE account")).map_err(|e| e.to_string())?;
+    Connection::open(&broken.db)
+        .and_then(|c| c.execute_batch("DROP TABLE account"))
+        .map_err(|e| e.to_string())?;
     let out = broken.run(&["--request".as_ref(), broken.file(&s.request(&s.key, 1))?.as_os_str()])?;
     t.step(format!("a database without account -> {}", out.short()));
-    t.expect(out.code != Some(0) && out.envelope.is_none(), || "wanted a clean failure: non-zero, no answer".into());
+    t.expect(out.code != Some(0) && out.envelope.is_none(), || {
+        "wanted a clean failure: non-zero, no answer".into()
+    });
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 //! key to the first body and the first answer, and the balances. A failing
 //! day is shrunk, one step at a time, to the shortest day that still fails.
 
-use super::engine::{Bank, Engine, Envelope, Setting, request, reordered};
+use super::engine::{Bank, Engine, Envelope, Setting, reordered, request};
 use super::{Trace, short};
 use crate::rng::Rng;
 use std::collections::BTreeMap;
@@ -58,7 +58,9 @@ pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<
         let mut day: Vec<Op> = Vec::new();
         for _ in 0..10 {
             let op = match day.len() {
-                n if n > 0 && rng.below(2) == 0 => Op { style: style(&mut rng), ..day[rng.below(n as u64) as usize] },
+                n if n > 0 && rng.below(2) == 0 => {
+                    Op { style: style(&mut rng), ..day[rng.below(n as u64) as usize] }
+                }
                 _ => random_op(&mut rng, 3),
             };
             day.push(op);
@@ -129,14 +131,22 @@ fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<
         let body = (op.src, op.dst, op.amount);
         match keys.get(&(op.client, op.key)) {
             None if crash => {
-                t.expect(answer.code != Some(0) && answer.envelope.is_none(), || "a crash after the claim answered".into());
+                t.expect(answer.code != Some(0) && answer.envelope.is_none(), || {
+                    "a crash after the claim answered".into()
+                });
                 keys.insert((op.client, op.key), (body, None));
             }
             None => {
                 let (ok, wanted) = if op.src >= bank.ids.len() {
-                    (e.is_some_and(|e| refusal(e, p.unknown_account_status)), "a stored refusal (unknown account)")
+                    (
+                        e.is_some_and(|e| refusal(e, p.unknown_account_status)),
+                        "a stored refusal (unknown account)",
+                    )
                 } else if balances[op.src] < op.amount {
-                    (e.is_some_and(|e| refusal(e, p.insufficient_funds_status)), "a stored refusal (insufficient funds)")
+                    (
+                        e.is_some_and(|e| refusal(e, p.insufficient_funds_status)),
+                        "a stored refusal (insufficient funds)",
+                    )
                 } else {
                     balances[op.src] -= op.amount;
                     balances[op.dst] += op.amount;
@@ -147,7 +157,9 @@ fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<
                 keys.insert((op.client, op.key), (body, e.cloned()));
             }
             Some((first, _)) if *first != body => {
-                t.expect(e.is_some_and(|e| e.status == 422), || "another body under a used key: wanted 422".into());
+                t.expect(e.is_some_and(|e| e.status == 422), || {
+                    "another body under a used key: wanted 422".into()
+                });
             }
             Some((_, None)) => {
                 let held = e.is_some_and(|e| e.status == 409 && e.reason.as_deref() == Some("in_progress"));
@@ -156,13 +168,19 @@ fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<
             }
             Some((_, Some(first))) => {
                 t.expect(e.is_some_and(|e| e.replays(first)), || {
-                    format!("a retry of a completed key: wanted {} replayed as it was", short(&first.raw_body))
+                    format!(
+                        "a retry of a completed key: wanted {} replayed as it was",
+                        short(&first.raw_body)
+                    )
                 });
             }
         }
         let (now, rows) = bank.ledger()?;
         t.expect(now == balances && rows.len() == transfers, || {
-            format!("the ledger is {now:?} with {} transfers; the model says {balances:?} with {transfers}", rows.len())
+            format!(
+                "the ledger is {now:?} with {} transfers; the model says {balances:?} with {transfers}",
+                rows.len()
+            )
         });
     }
     let failed = t.failures > 0;

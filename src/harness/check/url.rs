@@ -97,14 +97,23 @@ pub struct Target {
 
 impl Target {
     /// Reads `http://HOST:PORT` (a name is resolved, `localhost` too).
-    pub fn new(url: &str, tokens: Vec<String>, src: Value, dst: Value, profile: Profile, seed: u64) -> Result<Target, String> {
+    pub fn new(
+        url: &str,
+        tokens: Vec<String>,
+        src: Value,
+        dst: Value,
+        profile: Profile,
+        seed: u64,
+    ) -> Result<Target, String> {
         let host = url
             .strip_prefix("http://")
             .ok_or_else(|| format!("--url {url:?}: only http://HOST:PORT is supported"))?
             .trim_end_matches('/')
             .to_owned();
         if host.contains('/') {
-            return Err(format!("--url {url:?}: give the service's root; the route comes from the profile's path"));
+            return Err(format!(
+                "--url {url:?}: give the service's root; the route comes from the profile's path"
+            ));
         }
         let address = host
             .to_socket_addrs()
@@ -130,7 +139,10 @@ impl Target {
 
     /// The request bytes of a POST to the profile's path.
     fn post_bytes(&self, headers: &[(&str, String)], body: &str) -> Vec<u8> {
-        let mut head = format!("POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n", self.profile.path, self.host);
+        let mut head = format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n",
+            self.profile.path, self.host
+        );
         for (name, value) in headers {
             head.push_str(&format!("{name}: {value}\r\n"));
         }
@@ -139,7 +151,13 @@ impl Target {
     }
 
     /// POST with `token` and `key` (either may be absent).
-    fn post(&self, t: &mut Trace, token: Option<&str>, key: Option<&str>, body: &str) -> Result<Http, String> {
+    fn post(
+        &self,
+        t: &mut Trace,
+        token: Option<&str>,
+        key: Option<&str>,
+        body: &str,
+    ) -> Result<Http, String> {
         let mut headers = Vec::new();
         if let Some(token) = token {
             headers.push(("Authorization", format!("Bearer {token}")));
@@ -168,18 +186,23 @@ impl Target {
     }
 
     fn replayed(&self, h: &Http) -> bool {
-        self.profile.replay_header.as_ref().is_some_and(|name| h.header(name).is_some_and(|v| v.eq_ignore_ascii_case("true")))
+        self.profile
+            .replay_header
+            .as_ref()
+            .is_some_and(|name| h.header(name).is_some_and(|v| v.eq_ignore_ascii_case("true")))
     }
 
     /// Whether `again` replays `first`: the same status and body, marked
     /// if the profile says replays are.
     fn replays(&self, again: &Http, first: &Http) -> bool {
-        again.status == first.status && again.body == first.body && (self.profile.replay_header.is_none() || self.replayed(again))
+        again.status == first.status
+            && again.body == first.body
+            && (self.profile.replay_header.is_none() || self.replayed(again))
     }
 
     /// Two tokens of distinct clients, and two of one client, if the
     /// profile says which tokens are whose.
-    fn clients(&self) -> (Option<(&str, &str)>, Option<(&str, &str)>) {
+    fn clients(&self) -> (Option<TokenPair<'_>>, Option<TokenPair<'_>>) {
         let owner = |tok: &String| self.profile.clients.as_ref().and_then(|m| m.get(tok)).cloned();
         let mut distinct = None;
         let mut same = None;
@@ -187,7 +210,9 @@ impl Target {
             for b in &self.tokens[i + 1..] {
                 match (self.profile.clients.is_some(), owner(a), owner(b)) {
                     (false, _, _) => distinct = distinct.or(Some((a.as_str(), b.as_str()))),
-                    (true, Some(x), Some(y)) if x != y => distinct = distinct.or(Some((a.as_str(), b.as_str()))),
+                    (true, Some(x), Some(y)) if x != y => {
+                        distinct = distinct.or(Some((a.as_str(), b.as_str())))
+                    }
                     (true, Some(_), Some(_)) => same = same.or(Some((a.as_str(), b.as_str()))),
                     _ => {}
                 }
@@ -196,6 +221,9 @@ impl Target {
         (distinct, same)
     }
 }
+
+/// Two bearer tokens.
+type TokenPair<'a> = (&'a str, &'a str);
 
 /// One HTTP answer, its body decoded.
 #[derive(Debug, Clone, Default)]
@@ -221,7 +249,8 @@ impl Http {
 
 /// Sends `request` on a new connection and reads the answer to its end.
 pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, String> {
-    let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5)).map_err(|e| format!("connect: {e}"))?;
+    let mut stream =
+        TcpStream::connect_timeout(&address, Duration::from_secs(5)).map_err(|e| format!("connect: {e}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
     stream.write_all(request).map_err(|e| format!("send: {e}"))?;
     read_answer(&mut stream)
@@ -235,7 +264,8 @@ fn read_answer(stream: &mut TcpStream) -> Result<Http, String> {
         Err(_) if !bytes.is_empty() => {}
         Err(e) => return Err(format!("no answer: {e}")),
     }
-    parse_answer(&bytes).ok_or_else(|| format!("not an HTTP answer: {}", short(&String::from_utf8_lossy(&bytes))))
+    parse_answer(&bytes)
+        .ok_or_else(|| format!("not an HTTP answer: {}", short(&String::from_utf8_lossy(&bytes))))
 }
 
 /// An HTTP/1.1 answer from its bytes: the body by `Content-Length`, by
@@ -245,9 +275,12 @@ pub fn parse_answer(bytes: &[u8]) -> Option<Http> {
     let head = std::str::from_utf8(&bytes[..end]).ok()?;
     let mut lines = head.split("\r\n");
     let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
-    let headers: Vec<(String, String)> =
-        lines.filter_map(|l| l.split_once(':')).map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned())).collect();
-    let find = |name: &str| headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str());
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let find =
+        |name: &str| headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str());
     let rest = &bytes[end + 4..];
     let body = if find("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
         dechunk(rest)?
@@ -283,7 +316,9 @@ fn key(target: &Target, salt: u64) -> String {
 
 fn created(target: &Target, t: &mut Trace, h: &Http) -> bool {
     let p = &target.profile;
-    t.expect(h.status == p.created_status && !target.replayed(h), || format!("wanted {}, not marked as a replay", p.created_status))
+    t.expect(h.status == p.created_status && !target.replayed(h), || {
+        format!("wanted {}, not marked as a replay", p.created_status)
+    })
 }
 
 fn new_key(target: &Target, t: &mut Trace) -> Result<(), String> {
@@ -309,8 +344,12 @@ fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), String> {
         ),
     };
     let again = target.post(t, token, Some(&k), &body)?;
-    t.expect(again.status == first.status && again.body == first.body, || "the retry's answer differs from the first".into());
-    t.expect(target.profile.replay_header.is_none() || target.replayed(&again), || "the replay is not marked".into());
+    t.expect(again.status == first.status && again.body == first.body, || {
+        "the retry's answer differs from the first".into()
+    });
+    t.expect(target.profile.replay_header.is_none() || target.replayed(&again), || {
+        "the replay is not marked".into()
+    });
     Ok(())
 }
 
@@ -338,7 +377,8 @@ fn key_forms(target: &Target, t: &mut Trace) -> Result<(), String> {
     }
     let k = key(target, 5);
     let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
-    let first = target.send(t, &[auth.clone(), ("Idempotency-Key", format!("\"{k}\""))], &target.transfer(8))?;
+    let first =
+        target.send(t, &[auth.clone(), ("Idempotency-Key", format!("\"{k}\""))], &target.transfer(8))?;
     created(target, t, &first);
     let bare = target.send(t, &[auth, ("Idempotency-Key", k)], &target.transfer(8))?;
     t.expect(target.replays(&bare, &first), || "the key as an sf-string and bare are two keys".into());
@@ -373,11 +413,13 @@ fn race(target: &Target, t: &mut Trace) -> Result<(), String> {
     let k = key(target, 8);
     let p = &target.profile;
     let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
-    let request = target.post_bytes(&[auth, ("Idempotency-Key", target.key_header(&k))], &target.transfer(12));
+    let request =
+        target.post_bytes(&[auth, ("Idempotency-Key", target.key_header(&k))], &target.transfer(12));
     let (head, last) = request.split_at(request.len() - 1);
     let mut streams = Vec::new();
     for _ in 0..16 {
-        let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+        let mut s =
+            TcpStream::connect_timeout(&target.address, Duration::from_secs(5)).map_err(|e| e.to_string())?;
         s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
         s.write_all(head).map_err(|e| e.to_string())?;
         streams.push(s);
@@ -406,13 +448,18 @@ fn race(target: &Target, t: &mut Trace) -> Result<(), String> {
         answers.iter().map(|a| a.status).collect::<Vec<_>>()
     ));
     t.expect(!created.is_empty(), || format!("nobody was answered {}", p.created_status));
-    t.expect(created.iter().all(|a| a.body == created[0].body), || "the answers name more than one transfer".into());
+    t.expect(created.iter().all(|a| a.body == created[0].body), || {
+        "the answers name more than one transfer".into()
+    });
     t.expect(answers.iter().all(|a| a.status == p.created_status || a.status == p.in_flight_status), || {
         "an answer was neither the transfer nor in flight".into()
     });
     t.expect(p.replay_header.is_none() || fresh == 1, || format!("{fresh} answers claim to be the first"));
     if p.in_flight_retry_after {
-        let bare = answers.iter().filter(|a| a.status == p.in_flight_status && a.header("retry-after").is_none()).count();
+        let bare = answers
+            .iter()
+            .filter(|a| a.status == p.in_flight_status && a.header("retry-after").is_none())
+            .count();
         t.expect(bare == 0, || format!("{bare} in-flight answers without Retry-After"));
     }
     Ok(())
@@ -426,7 +473,10 @@ fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), String> {
     let proxy = Proxy::start(target.address, target.seed, no_answers).map_err(|e| e.to_string())?;
     let via: SocketAddr = proxy.url().trim_start_matches("http://").parse().map_err(|_| "proxy address")?;
     let request = target.post_bytes(
-        &[("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(&k))],
+        &[
+            ("Authorization", format!("Bearer {}", target.tokens[0])),
+            ("Idempotency-Key", target.key_header(&k)),
+        ],
         &target.transfer(13),
     );
     let lost = exchange(via, &request);
@@ -441,7 +491,9 @@ fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), String> {
     t.expect(retry.status == sent.status && retry.body == sent.body, || {
         "the retry was made again, not replayed: the transfer went out twice".into()
     });
-    t.expect(target.profile.replay_header.is_none() || target.replayed(&retry), || "the replay is not marked".into());
+    t.expect(target.profile.replay_header.is_none() || target.replayed(&retry), || {
+        "the replay is not marked".into()
+    });
     Ok(())
 }
 
@@ -453,19 +505,25 @@ fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), String> {
     let want = target.profile.invalid_status;
     t.expect(refused.status == want, || format!("an amount of 0: wanted {want}"));
     let good = target.post(t, token, Some(&k), &target.transfer(14))?;
-    t.expect(good.status == target.profile.created_status && !target.replayed(&good), || "the refused request consumed its key".into());
+    t.expect(good.status == target.profile.created_status && !target.replayed(&good), || {
+        "the refused request consumed its key".into()
+    });
     Ok(())
 }
 
 fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), String> {
     let k = key(target, 11);
     let token = Some(target.tokens[0].as_str());
-    let ghost = json!({"src": format!("ghost-{k}"), "dst": target.dst, "amount": 1, "currency": "KRW"}).to_string();
+    let ghost =
+        json!({"src": format!("ghost-{k}"), "dst": target.dst, "amount": 1, "currency": "KRW"}).to_string();
     let first = target.post(t, token, Some(&k), &ghost)?;
     let p = &target.profile;
     let ok = match p.unknown_account_status {
         Some(w) => first.status == w,
-        None => (400..500).contains(&first.status) && ![p.mismatch_status, p.in_flight_status].contains(&first.status),
+        None => {
+            (400..500).contains(&first.status)
+                && ![p.mismatch_status, p.in_flight_status].contains(&first.status)
+        }
     };
     t.expect(ok, || "an unknown account: wanted a 4xx refusal".into());
     target.post(t, token, Some(&format!("{k}-other")), &target.transfer(1))?;
@@ -478,7 +536,9 @@ fn auth_first(target: &Target, t: &mut Trace) -> Result<(), String> {
     let want = target.profile.unauthorized_status;
     let nobody = ("Authorization", "Bearer not-a-token-of-anyone".to_owned());
     let r = target.send(t, &[nobody.clone(), ("Idempotency-Key", "\"\"".into())], "{")?;
-    t.expect(r.status == want, || format!("a bad token with a bad key and body: wanted {want} before any 400"));
+    t.expect(r.status == want, || {
+        format!("a bad token with a bad key and body: wanted {want} before any 400")
+    });
     let k = key(target, 12);
     let r = target.send(t, &[nobody, ("Idempotency-Key", target.key_header(&k))], &target.transfer(15))?;
     t.expect(r.status == want, || format!("wanted {want}"));
@@ -518,7 +578,9 @@ fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), String> {
     let own = target.get(t, &path, a)?;
     t.expect(own.status == 200, || "the owner cannot read its transfer".into());
     let other = target.get(t, &path, b)?;
-    t.expect((400..500).contains(&other.status) && !other.body.contains(&id), || "another client read the transfer".into());
+    let shown =
+        other.json().get("transfer_id").is_some_and(|v| v.as_str().map_or(v.to_string(), String::from) == id);
+    t.expect((400..500).contains(&other.status) && !shown, || "another client read the transfer".into());
     Ok(())
 }
 
@@ -532,17 +594,39 @@ fn error_bodies(target: &Target, t: &mut Trace) -> Result<(), String> {
         target.post(t, None, Some(&k), &target.transfer(1))?,
         target.post(t, token, Some(&format!("{k}-a")), "{\"src\": ")?,
         target.post(t, token, Some(&format!("{k}-b")), "[1, 2, 3]")?,
-        target.post(t, token, Some(&format!("{k}-c")), &json!({"src": target.src, "dst": target.dst, "amount": "1e999", "currency": "KRW"}).to_string())?,
-        target.post(t, token, Some(&format!("{k}-d")), &json!({"src": [target.src], "dst": {"x": 1}, "amount": 1, "currency": "KRW"}).to_string())?,
+        target.post(
+            t,
+            token,
+            Some(&format!("{k}-c")),
+            &json!({"src": target.src, "dst": target.dst, "amount": "1e999", "currency": "KRW"}).to_string(),
+        )?,
+        target.post(
+            t,
+            token,
+            Some(&format!("{k}-d")),
+            &json!({"src": [target.src], "dst": {"x": 1}, "amount": 1, "currency": "KRW"}).to_string(),
+        )?,
     ];
     errors.retain(|h| h.status >= 400);
     const LEAKS: [&str; 12] = [
-        "Traceback", "Exception", "exception", "SELECT ", "INSERT ", "sqlite", "psycopg", "postgres",
-        "node_modules", "at Object.", "File \"/", "panicked",
+        "Traceback",
+        "Exception",
+        "exception",
+        "SELECT ",
+        "INSERT ",
+        "sqlite",
+        "psycopg",
+        "postgres",
+        "node_modules",
+        "at Object.",
+        "File \"/",
+        "panicked",
     ];
     for h in &errors {
         if let Some(leak) = LEAKS.iter().find(|l| h.body.contains(**l)) {
-            t.expect(false, || format!("an error body shows the service's internals ({leak:?}): {}", short(&h.body)));
+            t.expect(false, || {
+                format!("an error body shows the service's internals ({leak:?}): {}", short(&h.body))
+            });
         }
         if target.profile.problem_json {
             let p = h.json();
@@ -571,7 +655,10 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), String> {
     let requests: Vec<Vec<u8>> = (0..2 * PAY)
         .map(|i| {
             target.post_bytes(
-                &[("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(&format!("{k}-{i}")))],
+                &[
+                    ("Authorization", format!("Bearer {}", target.tokens[0])),
+                    ("Idempotency-Key", target.key_header(&format!("{k}-{i}"))),
+                ],
                 &body,
             )
         })
@@ -592,8 +679,14 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), String> {
     });
     let answers: Vec<Http> = answers.into_iter().collect::<Result<_, _>>()?;
     let paid = answers.iter().filter(|a| a.status == target.profile.created_status).count() as i64;
-    t.step(format!("{} transfers of {amount} at once from an account holding {} -> {paid} paid", 2 * PAY, drain.balance));
-    t.expect(paid <= PAY, || format!("{paid} transfers of {amount} were paid from {}: updates were lost", drain.balance));
+    t.step(format!(
+        "{} transfers of {amount} at once from an account holding {} -> {paid} paid",
+        2 * PAY,
+        drain.balance
+    ));
+    t.expect(paid <= PAY, || {
+        format!("{paid} transfers of {amount} were paid from {}: updates were lost", drain.balance)
+    });
     Ok(())
 }
 
@@ -605,7 +698,11 @@ macro_rules! property {
 
 /// The properties an HTTP implementation must have, each with its sentence.
 pub static PROPERTIES: [Property<Target>; 15] = [
-    property!("a new key is created", "draft §2: the first request with a key is processed as usual", new_key),
+    property!(
+        "a new key is created",
+        "draft §2: the first request with a key is processed as usual",
+        new_key
+    ),
     property!(
         "a retry replays the first answer byte for byte, and says so, even after other money moved",
         "draft §2.6: a retry of a completed request returns the stored response; DESIGN §2: the first status and body byte for byte, Idempotent-Replayed: true",

@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""A lab engine written the ordinary way, for the tests of `idem check`
+only: the answer printed with json.dumps's defaults (a space after each
+colon and comma), its own reason words, a key table that holds the claim
+and the whole printed answer in one row, and a body that also tells the
+source's balance after the transfer.
+
+Correct with no --mistake. Each --mistake is one classic error of the lab,
+which `idem check --engine` must catch on the property it breaks:
+
+  lookup              looks the key up first, inserts it with the money
+  completed-first     writes the key completed before the money moves
+  raw-fingerprint     fingerprints the body as sent, not normalised
+  recompute           rebuilds a replay from the ledger instead of the stored text
+  global              keys by idem_key alone
+  no-endpoint         keys by (client_id, idem_key), forgetting the endpoint
+  purge-all           purges every key, whatever the cut
+  purge-text          compares the cut with the stored times as text
+  purge-expiry        purges by expiry (created + 72 h) instead of creation
+  invalid-stored      stores a 400 under its key
+  lost-update         reads balances before the write lock, writes them back absolute
+  no-fingerprint      replays whatever the body
+  replay-200          replays every answer with status 200
+  crash-moves-money   --crash-after-claim exits after moving the money
+  no-busy-timeout     waits for no lock: racers die with "database is locked"
+  loose-amount        takes true, 1.5 and "100" for amounts
+"""
+import argparse, datetime, hashlib, json, os, sqlite3, sys, time, uuid
+
+MISTAKES = ["lookup", "completed-first", "raw-fingerprint", "recompute", "global", "no-endpoint",
+            "purge-all", "purge-text", "purge-expiry", "invalid-stored", "lost-update",
+            "no-fingerprint", "replay-200", "crash-moves-money", "no-busy-timeout", "loose-amount"]
+p = argparse.ArgumentParser()
+p.add_argument("--mistake", choices=MISTAKES)
+p.add_argument("--db", required=True)
+p.add_argument("--request")
+p.add_argument("--crash-after-claim", action="store_true")
+p.add_argument("--purge-before")
+a = p.parse_args()
+mistake = a.mistake
+
+
+def utc_now():
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def answer(status, replay=False, reason=None, body=None):
+    print(json.dumps({"status": status, "replay": replay, "reason": reason, "body": body}))
+    sys.exit(0)
+
+
+if not os.path.isfile(a.db):
+    print("no such database", file=sys.stderr)
+    sys.exit(1)
+db = sqlite3.connect(a.db, timeout=0 if mistake == "no-busy-timeout" else 10, isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+try:
+    db.execute("SELECT 1 FROM account LIMIT 1")
+except sqlite3.Error as e:
+    print(f"unusable database: {e}", file=sys.stderr)
+    sys.exit(1)
+db.execute("""CREATE TABLE IF NOT EXISTS transfer (transfer_id INTEGER PRIMARY KEY AUTOINCREMENT,
+  src TEXT, dst TEXT, amount INTEGER, currency TEXT, created_at TEXT)""")
+db.execute("""CREATE TABLE IF NOT EXISTS idempotency (client_id TEXT, endpoint TEXT, idem_key TEXT,
+  fingerprint TEXT, state TEXT, printed TEXT, created_at TEXT, owner TEXT,
+  PRIMARY KEY (client_id, endpoint, idem_key))""")
+
+if a.purge_before is not None:
+    try:
+        cut = datetime.datetime.fromisoformat(a.purge_before)
+        if cut.tzinfo is None:
+            raise ValueError("no offset")
+    except ValueError as e:
+        print(f"--purge-before: {e}", file=sys.stderr)
+        sys.exit(2)
+    if mistake == "purge-all":
+        n = db.execute("DELETE FROM idempotency").rowcount
+    elif mistake == "purge-text":
+        n = db.execute("DELETE FROM idempotency WHERE created_at < ?", (a.purge_before,)).rowcount
+    else:
+        shift = datetime.timedelta(hours=72 if mistake == "purge-expiry" else 0)
+        old = [r for r in db.execute("SELECT client_id, endpoint, idem_key, created_at FROM idempotency")
+               if datetime.datetime.fromisoformat(r[3]) + shift < cut]
+        db.executemany("DELETE FROM idempotency WHERE client_id = ? AND endpoint = ? AND idem_key = ?",
+                       [r[:3] for r in old])
+        n = len(old)
+    print(json.dumps({"purged": n}))
+    sys.exit(0)
+
+try:
+    raw = open(a.request, "rb").read()
+except (OSError, TypeError) as e:
+    print(f"cannot read the request: {e}", file=sys.stderr)
+    sys.exit(3)
+
+
+def amount_ok(x):
+    if mistake == "loose-amount":
+        try:
+            return float(x) > 0
+        except (TypeError, ValueError):
+            return False
+    return type(x) is int and 0 < x < 2**53
+
+
+try:
+    req = json.loads(raw)
+    body = req["body"]
+    client, endpoint, key = req["client_id"], req["endpoint"], req["idem_key"]
+    problem = None
+    if not all(isinstance(x, str) and 0 < len(x) <= 255 for x in (client, endpoint, key)):
+        problem = "bad scope"
+    elif set(body) != {"src", "dst", "amount", "currency"}:
+        problem = "bad fields"
+    elif not amount_ok(body["amount"]):
+        problem = "bad amount"
+    elif body["currency"] != "KRW" or body["src"] == body["dst"]:
+        problem = "bad transfer"
+except Exception:
+    problem = "not a request"
+if problem:
+    if mistake == "invalid-stored" and isinstance(locals().get("key"), str):
+        db.execute("INSERT OR IGNORE INTO idempotency VALUES (?, ?, ?, '', 'completed', ?, ?, '')",
+                   (client, endpoint, key, json.dumps({"status": 400, "reason": problem}), utc_now().isoformat()))
+    answer(400, reason=problem)
+if mistake == "loose-amount":
+    body["amount"] = int(float(body["amount"]))
+
+if mistake == "global":
+    client, endpoint = "", ""
+if mistake == "no-endpoint":
+    endpoint = ""
+if mistake == "raw-fingerprint":
+    canonical = json.dumps(body)
+else:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+fingerprint = hashlib.sha256(canonical.encode()).hexdigest()
+scope = (client, endpoint, key)
+owner = uuid.uuid4().hex
+
+
+def replay_row(row):
+    stored_fp, state, printed = row
+    if stored_fp != fingerprint and mistake != "no-fingerprint":
+        answer(422, reason="different body")
+    if state != "completed":
+        answer(409, reason="in_progress")
+    first = json.loads(printed)
+    if mistake == "recompute" and first.get("body"):
+        t = first["body"]
+        t["balance_after"] = db.execute("SELECT balance FROM account WHERE acct_id = ?", (t["src"],)).fetchone()[0]
+    answer(200 if mistake == "replay-200" else first["status"], True, first.get("reason"), first.get("body"))
+
+
+def lookup():
+    return db.execute("SELECT fingerprint, state, printed FROM idempotency WHERE client_id = ? AND endpoint = ? AND idem_key = ?",
+                      scope).fetchone()
+
+
+if mistake == "lookup":
+    row = lookup()
+    if row:
+        replay_row(row)
+    time.sleep(0.05)  # the time the transfer takes to prepare: a racer looks too
+    if a.crash_after_claim:
+        db.execute("INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, 'in_progress', NULL, ?, ?)",
+                   scope + (fingerprint, utc_now().isoformat(), owner))
+        sys.exit(4)
+else:
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            state = "completed" if mistake == "completed-first" else "in_progress"
+            printed = None
+            if mistake == "completed-first":
+                printed = json.dumps({"status": 201, "reason": None, "body": {"pending": True}})
+            db.execute("INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       scope + (fingerprint, state, printed, utc_now().isoformat(), owner))
+            db.execute("COMMIT")
+        except sqlite3.IntegrityError:
+            row = lookup()
+            db.execute("ROLLBACK")
+            replay_row(row)
+    except sqlite3.OperationalError as e:
+        raise SystemExit(f"claim failed: {e}")
+    if a.crash_after_claim and mistake != "crash-moves-money":
+        sys.exit(4)
+
+if mistake == "lost-update":
+    before = {r[0]: r[1] for r in db.execute("SELECT acct_id, balance FROM account WHERE acct_id IN (?, ?)",
+                                              (str(body["src"]), str(body["dst"])))}
+    time.sleep(0.05)  # the time the transfer takes to prepare: a racer reads the same balances
+db.execute("BEGIN IMMEDIATE")
+if mistake == "lookup":
+    db.execute("INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, 'in_progress', NULL, ?, ?)",
+               scope + (fingerprint, utc_now().isoformat(), owner))
+held = db.execute("SELECT owner FROM idempotency WHERE client_id = ? AND endpoint = ? AND idem_key = ?", scope).fetchone()
+if held is None or held[0] != owner:
+    db.execute("ROLLBACK")
+    answer(409, reason="in_progress")
+src = db.execute("SELECT balance FROM account WHERE acct_id = ?", (body["src"],)).fetchone()
+dst = db.execute("SELECT balance FROM account WHERE acct_id = ?", (body["dst"],)).fetchone()
+amount = body["amount"]
+if src is None or dst is None:
+    status, reason, out = 404, "no such account", None
+elif src[0] < amount:
+    status, reason, out = 402, "not enough money", None
+else:
+    now = utc_now().isoformat()
+    tid = db.execute("INSERT INTO transfer (src, dst, amount, currency, created_at) VALUES (?, ?, ?, ?, ?)",
+                     (body["src"], body["dst"], amount, body["currency"], now)).lastrowid
+    if mistake == "lost-update":
+        db.execute("UPDATE account SET balance = ? WHERE acct_id = ?", (before[body["src"]] - amount, body["src"]))
+        db.execute("UPDATE account SET balance = ? WHERE acct_id = ?", (before[body["dst"]] + amount, body["dst"]))
+    else:
+        db.execute("UPDATE account SET balance = balance - ? WHERE acct_id = ?", (amount, body["src"]))
+        db.execute("UPDATE account SET balance = balance + ? WHERE acct_id = ?", (amount, body["dst"]))
+    left = db.execute("SELECT balance FROM account WHERE acct_id = ?", (body["src"],)).fetchone()[0]
+    status, reason = 201, None
+    out = {"transfer_id": tid, "src": body["src"], "dst": body["dst"], "amount": amount,
+           "currency": body["currency"], "created_at": now, "balance_after": left}
+    if mistake == "crash-moves-money" and a.crash_after_claim:
+        db.execute("COMMIT")
+        sys.exit(4)
+db.execute("UPDATE idempotency SET state = 'completed', printed = ? WHERE client_id = ? AND endpoint = ? AND idem_key = ?",
+           (json.dumps({"status": status, "reason": reason, "body": out}),) + scope)
+db.execute("COMMIT")
+answer(status, False, reason, out)

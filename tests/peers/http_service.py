@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""A transfer service of idem serve's surface written plainly on Python's
+standard library, for the tests of `idem check --url` only: a threading
+HTTP server, an in-memory ledger (the accounts read once from --db) and key
+table behind one lock. Same flags as `idem serve` (--db, --listen,
+--clients); the first line on stdout is the URL, printed once it listens.
+
+Correct with no --mistake (and with --mistake chunked, which only answers
+in chunked transfer coding). Each other --mistake is one error `idem check`
+must catch on the property it breaks:
+
+  no-replay-header     a replay is not marked Idempotent-Replayed
+  recompute            a replay is rebuilt from the ledger, not the stored bytes
+  lookup-insert        looks the key up, processes, and only then stores it
+  invalid-consumes     a 400 is stored under its key
+  refusals-not-stored  a 404/402 refusal is not stored: its retry runs again
+  get-across-clients   GET /v1/transfers/{id} answers any client
+  no-retry-after       a 409 carries no Retry-After
+  no-scope             keys are global, not per client
+  key-before-auth      the key is read (and refused) before the token
+  doubled-auth         of two Authorization headers, the first is taken
+  plain-errors         errors are text/plain, not problem+json
+  leak                 error bodies show a traceback
+  quoted-distinct      "K" and K are two keys (the sf-string is not unquoted)
+  token-scope          the scope is the token, not its client
+  lost-update          balances read, then written back absolute
+  no-key-processed     a request without a key is processed
+"""
+import argparse, datetime, hashlib, http.server, json, sqlite3, threading, time, traceback
+
+MISTAKES = ["chunked", "no-replay-header", "recompute", "lookup-insert", "invalid-consumes", "refusals-not-stored",
+            "get-across-clients", "no-retry-after", "no-scope", "key-before-auth", "doubled-auth", "plain-errors",
+            "leak", "quoted-distinct", "token-scope", "lost-update", "no-key-processed"]
+p = argparse.ArgumentParser()
+p.add_argument("--db", required=True)
+p.add_argument("--listen", default="127.0.0.1:0")
+p.add_argument("--clients", required=True)
+p.add_argument("--mistake", choices=MISTAKES)
+a = p.parse_args()
+mistake = a.mistake
+clients = json.load(open(a.clients))
+with sqlite3.connect(a.db) as db:
+    balances = {str(k): v for k, v in db.execute("SELECT acct_id, balance FROM account")}
+keys = {}        # scope -> {"fp", "done", "status", "body", "transfer"}
+transfers = {}   # id -> (client, body text)
+lock = threading.Lock()
+
+
+def canonical(body):
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status, body, headers=()):
+        data = body.encode()
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        if mistake == "chunked":
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(data), 7):
+                piece = data[i:i + 7]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    def problem(self, status, reason, extra=()):
+        if mistake == "plain-errors":
+            return self.reply(status, reason, [("Content-Type", "text/plain")] + list(extra))
+        detail = reason
+        if mistake == "leak":
+            detail = "Traceback (most recent call last):\n  File \"/srv/app.py\", line 12\nKeyError: " + reason
+        body = json.dumps({"type": "about:blank", "title": reason, "status": status, "detail": detail, "reason": reason})
+        self.reply(status, body, [("Content-Type", "application/problem+json")] + list(extra))
+
+    def client(self):
+        values = self.headers.get_all("Authorization") or []
+        if len(values) != 1 and not (mistake == "doubled-auth" and values):
+            return None
+        token = values[0].removeprefix("Bearer ").strip()
+        if token not in clients:
+            return None
+        return token if mistake == "token-scope" else clients[token]
+
+    def key(self):
+        values = self.headers.get_all("Idempotency-Key") or []
+        if len(values) != 1:
+            return None
+        k = values[0].strip()
+        if len(k) >= 2 and k[0] == k[-1] == '"' and mistake != "quoted-distinct":
+            k = k[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+        return k or None
+
+    def do_GET(self):
+        who = self.client()
+        if who is None:
+            return self.problem(401, "unauthorized")
+        if not self.path.startswith("/v1/transfers/"):
+            return self.problem(404, "not_found")
+        found = transfers.get(self.path.rsplit("/", 1)[1])
+        if found and (found[0] == who or mistake == "get-across-clients"):
+            return self.reply(200, found[1], [("Content-Type", "application/json")])
+        self.problem(404, "not_found")
+
+    def do_POST(self):
+        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if mistake == "key-before-auth" and self.key() is None:
+            return self.problem(400, "invalid_idempotency_key")
+        who = self.client()
+        if who is None:
+            return self.problem(401, "unauthorized")
+        if self.path != "/v1/transfers":
+            return self.problem(404, "not_found")
+        key = self.key()
+        if key is None and mistake != "no-key-processed":
+            return self.problem(400, "missing_idempotency_key")
+        try:
+            t = json.loads(raw)
+            assert isinstance(t, dict) and set(t) == {"src", "dst", "amount", "currency"}
+            assert type(t["amount"]) is int and t["amount"] > 0 and t["currency"] == "KRW" and t["src"] != t["dst"]
+            assert all(isinstance(t[x], (str, int)) and not isinstance(t[x], bool) for x in ("src", "dst"))
+        except Exception:
+            if mistake == "invalid-consumes" and key:
+                with lock:
+                    keys.setdefault(("" if mistake == "no-scope" else who, key), {"fp": "", "done": True, "status": 400,
+                                    "body": json.dumps({"reason": "invalid_request", "status": 400})})
+            return self.problem(400, "invalid_request")
+        scope = ("" if mistake == "no-scope" else who, key if key is not None else str(time.time_ns()))
+        fp = canonical(t)
+        if mistake == "lookup-insert":
+            with lock:
+                seen = keys.get(scope)
+            if seen is None:
+                time.sleep(0.05)  # the transfer is prepared meanwhile; a racer looks too
+                status, body = self.transfer(who, t)
+                with lock:
+                    keys[scope] = {"fp": fp, "done": True, "status": status, "body": body}
+                return self.answer(status, body, False)
+        else:
+            with lock:
+                seen = keys.get(scope)
+                if seen is None:
+                    keys[scope] = {"fp": fp, "done": False}
+        if seen is not None:
+            if seen["fp"] != fp and seen["fp"]:
+                return self.problem(422, "fingerprint_mismatch")
+            if not seen["done"]:
+                extra = [] if mistake == "no-retry-after" else [("Retry-After", "1")]
+                return self.problem(409, "in_progress", extra)
+            body = seen["body"]
+            if mistake == "recompute" and seen["status"] == 201:
+                rebuilt = json.loads(body)
+                rebuilt["balance_after"] = balances[str(rebuilt["src"])]
+                body = json.dumps(rebuilt)
+            return self.answer(seen["status"], body, True)
+        time.sleep(0.005)  # the transfer's own work
+        status, body = self.transfer(who, t)
+        with lock:
+            if status in (402, 404) and mistake == "refusals-not-stored":
+                del keys[scope]
+            else:
+                keys[scope] = {"fp": fp, "done": True, "status": status, "body": body}
+        self.answer(status, body, False)
+
+    def transfer(self, who, t):
+        src, dst, amount = str(t["src"]), str(t["dst"]), t["amount"]
+        if mistake == "lost-update":
+            with lock:
+                seen = balances.get(src), balances.get(dst)
+            time.sleep(0.02)
+        with lock:
+            if src not in balances or dst not in balances:
+                return 404, json.dumps({"reason": "unknown_account", "status": 404})
+            have = seen[0] if mistake == "lost-update" else balances[src]
+            if have < amount:
+                return 402, json.dumps({"reason": "insufficient_funds", "status": 402})
+            if mistake == "lost-update":
+                balances[src], balances[dst] = seen[0] - amount, seen[1] + amount
+            else:
+                balances[src] -= amount
+                balances[dst] += amount
+            tid = str(len(transfers) + 1)
+            body = json.dumps({"transfer_id": int(tid), "src": t["src"], "dst": t["dst"], "amount": amount,
+                               "currency": "KRW", "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                               "balance_after": balances[src]})
+            transfers[tid] = (who, body)
+            return 201, body
+
+    def answer(self, status, body, replayed):
+        extra = [("Idempotent-Replayed", "true")] if replayed and mistake != "no-replay-header" else []
+        if status == 201:
+            return self.reply(201, body, [("Content-Type", "application/json"),
+                                          ("Location", f"/v1/transfers/{json.loads(body)['transfer_id']}")] + extra)
+        reason = json.loads(body)["reason"]
+        self.problem(status, reason, extra)
+
+
+host, port = a.listen.rsplit(":", 1)
+server = http.server.ThreadingHTTPServer((host, int(port)), Handler)
+server.daemon_threads = True
+print(f"http://{host}:{server.server_address[1]}", flush=True)
+server.serve_forever()
