@@ -229,14 +229,14 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
 
 /// The database's verdict: distinct fresh 201s = transfers, money conserved.
 fn verify(db: &str, fresh_total: usize) {
-    let (transfers, balances) = idem::harness::day::bank::ledger(db).unwrap();
+    let (transfers, balances) = idem::store::bank::ledger(&idem::store::Db::parse(db)).unwrap();
     assert_eq!(transfers.len(), fresh_total, "transfers differ from the distinct keys answered 201");
     assert_eq!(balances.values().sum::<i64>(), ACCOUNTS as i64 * 1_000_000_000_000, "money not conserved");
 }
 
-fn accounts() -> Vec<idem::harness::day::bank::Account> {
+fn accounts() -> Vec<idem::store::bank::Account> {
     (0..ACCOUNTS)
-        .map(|i| idem::harness::day::bank::Account {
+        .map(|i| idem::store::bank::Account {
             id: format!("a{i}"),
             holder: "h".into(),
             balance: 1_000_000_000_000,
@@ -246,7 +246,7 @@ fn accounts() -> Vec<idem::harness::day::bank::Account> {
 
 /// The load table for one store; returns the new-transfer rates by connections.
 fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
-    idem::harness::day::bank::create(db, &accounts()).unwrap();
+    idem::store::bank::create(&idem::store::Db::parse(db), &accounts()).unwrap();
     let server = Server::start(db, dir, &[]);
     println!("\n## idem serve on {name}\n");
     println!(
@@ -388,7 +388,7 @@ fn growth(dir: &Path, keys: usize) -> (f64, f64) {
     use idem::protocol::{self, Ctx, Flow};
     let db = dir.join(format!("growth-{keys}.db"));
     let spec = db.to_string_lossy().into_owned();
-    idem::harness::day::bank::create(&spec, &accounts()).unwrap();
+    idem::store::bank::create(&idem::store::Db::parse(&spec), &accounts()).unwrap();
     let policy = Policy::embedded();
     let mut store = idem::store::sqlite::SqliteStore::open(&db, policy).unwrap();
     {
@@ -460,7 +460,7 @@ fn main() {
     // The same store without group commit, in the same run: one commit, one
     // fsync, per transfer.
     let alone = dir.join("alone.db").to_string_lossy().into_owned();
-    idem::harness::day::bank::create(&alone, &accounts()).unwrap();
+    idem::store::bank::create(&idem::store::Db::parse(&alone), &accounts()).unwrap();
     let server = Server::start(&alone, dir, &["--group-max", "1"]);
     let (tally, took) = load(&server.address, 64, Phase::New, "alone", &[]);
     drop(server);
@@ -517,7 +517,7 @@ fn before_and_after(baseline: &str, dir: &Path) {
             for (side, bin) in [baseline, IDEM].into_iter().enumerate() {
                 let db =
                     dir.join(format!("ab-{connections}-{round}-{side}.db")).to_string_lossy().into_owned();
-                idem::harness::day::bank::create(&db, &accounts()).unwrap();
+                idem::store::bank::create(&idem::store::Db::parse(&db), &accounts()).unwrap();
                 let server = Server::start_bin(bin, &db, dir, &[]);
                 let run = format!("ab{connections}x{round}x{side}");
                 let (new, took) = load(&server.address, connections, Phase::New, &run, &[]);

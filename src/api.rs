@@ -11,8 +11,9 @@
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::protocol::{self, Ctx, Flow, Outcome, Point, Response};
+use crate::reason::Reason;
 use crate::request;
-use crate::store::{self, Usage};
+use crate::store::{self, Db, Usage};
 use clap::{Parser, ValueEnum};
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -76,7 +77,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
                 policy.retention_hours
             );
         }
-        let purged = store::open(&args.db, policy, Usage::OneRequest)
+        let purged = store::open(&Db::parse(&args.db), policy, Usage::OneRequest)
             .and_then(|mut s| protocol::purge(&mut s, before, policy));
         return match purged {
             Ok(n) => print(&format!("{{\"purged\": {n}}}")),
@@ -95,10 +96,12 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     let req = match request::parse(&bytes, policy) {
         Ok(req) => req,
         Err(e) => {
-            return print(&Response::refusal(policy.on_invalid_request, e.to_string()).to_json());
+            return print(
+                &Response::refusal(policy.on_invalid_request, Reason::Invalid(e.to_string())).to_json(),
+            );
         }
     };
-    let mut store = match store::open(&args.db, policy, Usage::OneRequest) {
+    let mut store = match store::open(&Db::parse(&args.db), policy, Usage::OneRequest) {
         Ok(store) => store,
         Err(e) => return fail(EXIT_DATABASE, &e.to_string()),
     };

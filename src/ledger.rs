@@ -6,6 +6,7 @@
 //! stored and replayed like a success.
 
 use crate::clock::Timestamp;
+use crate::reason::Reason;
 use crate::request::Transfer;
 use crate::store::{NewTransfer, StoreError, Tx};
 
@@ -20,12 +21,14 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    pub fn reason(self) -> &'static str {
+    pub fn reason(self) -> Reason {
         match self {
-            Refusal::UnknownAccount => "unknown_account",
-            Refusal::InsufficientFunds => "insufficient_funds",
-            Refusal::SameAccount => "invalid_request: src and dst must be different accounts",
-            Refusal::BalanceOverflow => "balance_overflow",
+            Refusal::UnknownAccount => Reason::UnknownAccount,
+            Refusal::InsufficientFunds => Reason::InsufficientFunds,
+            Refusal::SameAccount => {
+                Reason::Invalid("invalid_request: src and dst must be different accounts".into())
+            }
+            Refusal::BalanceOverflow => Reason::BalanceOverflow,
         }
     }
 }

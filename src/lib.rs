@@ -14,14 +14,15 @@ pub mod clock; // RFC 3339 instants in one sortable text form
 pub mod ledger; // balance checks and moves inside the execution transaction
 pub mod policy; // policy.json, embedded: every number the engine enforces
 pub mod protocol; // claim → execute → complete, replay, conflict; the core
+pub mod reason; // why an answer is not a plain success, typed
 pub mod request; // request parsing and validation; every 400 reason
 pub mod rng; // a seeded SplitMix64, the same on every machine
 pub mod store; // the store contract and its backends; all SQL lives here
 
 // Its fronts:
 pub mod api; // the lab's command-line contract (the idem_api binary)
-pub mod client;
-pub mod service; // idem serve: the same protocol behind HTTP // the retrying client: one key, backoff with jitter, a deadline
+pub mod client; // the retrying client: one key, backoff with jitter, a deadline
+pub mod service; // idem serve: the same protocol behind HTTP
 
 // Around it:
 pub mod harness; // the day, scenarios and races that prove the engine

@@ -25,6 +25,7 @@
 use crate::clock::Timestamp;
 use crate::ledger::{self, Refusal};
 use crate::policy::Policy;
+use crate::reason::Reason;
 use crate::request::{self, AcctId, Request, RequestError, ScopedKey, Transfer};
 use crate::store::{
     self, Audit, Claim, Durability, End, KeyRecord, KeyState, Reads, Store, StoreError, Stored,
@@ -35,25 +36,23 @@ use crate::store::{
 pub struct Response {
     pub status: u16,
     pub replay: bool,
-    pub reason: Option<String>,
+    pub reason: Option<Reason>,
     /// Raw JSON text of `body`; `null` when there is none.
     pub body: String,
+    /// The transfer this answer names, if any.
+    pub transfer_id: Option<i64>,
 }
 
 impl Response {
     /// A response that is never stored (400, 409, 422, 503).
-    pub fn refusal(status: u16, reason: impl Into<String>) -> Self {
-        Response { status, replay: false, reason: Some(reason.into()), body: "null".into() }
+    pub fn refusal(status: u16, reason: Reason) -> Self {
+        Response { status, replay: false, reason: Some(reason), body: "null".into(), transfer_id: None }
     }
 
     /// The answer a stored response gives: the first time, or as a replay.
     pub fn from_stored(stored: Stored, replay: bool) -> Self {
-        Response { status: stored.status, replay, reason: stored.reason, body: stored.body }
-    }
-
-    /// The `transfer_id` in the body, if this answer names a transfer.
-    pub fn transfer_id(&self) -> Option<i64> {
-        serde_json::from_str::<serde_json::Value>(&self.body).ok()?.get("transfer_id")?.as_i64()
+        let Stored { status, reason, body, transfer_id } = stored;
+        Response { status, replay, reason, body, transfer_id }
     }
 
     /// The one serialisation of a response. The stored body is pasted in as
@@ -220,9 +219,9 @@ pub fn handle<E: Engine + ?Sized>(
 /// same key and finds whatever did commit.
 pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Result<Outcome, StoreError> {
     match outcome {
-        Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(policy.on_busy, "busy"))),
+        Err(StoreError::Busy) => Ok(Outcome::Respond(Response::refusal(policy.on_busy, Reason::Busy))),
         Err(StoreError::Unavailable(_)) => {
-            Ok(Outcome::Respond(Response::refusal(policy.on_busy, "unavailable")))
+            Ok(Outcome::Respond(Response::refusal(policy.on_busy, Reason::Unavailable)))
         }
         other => other,
     }
@@ -289,11 +288,11 @@ pub fn execute<S: Store + ?Sized>(
             // never moved under a claim that is not ours.
             return Ok(End::Rollback((Outcome::Respond(lost_claim(held, req, ctx)), false)));
         }
-        let (stored, transfer_id) = match ledger::transfer(tx, &req.transfer, ctx.now)? {
-            Ok(id) => (created(id, &req.transfer, ctx.now), Some(id)),
-            Err(refusal) => (refused(refusal, ctx.policy), None),
+        let stored = match ledger::transfer(tx, &req.transfer, ctx.now)? {
+            Ok(id) => created(id, &req.transfer, ctx.now),
+            Err(refusal) => refused(refusal, ctx.policy),
         };
-        if !tx.complete(&req.key, ctx.token, &stored, transfer_id, ctx.now)? {
+        if !tx.complete(&req.key, ctx.token, &stored, ctx.now)? {
             // Cannot happen while we hold the key's lock; if a store lets it,
             // roll back and read the key again.
             return Err(StoreError::Conflict);
@@ -414,13 +413,13 @@ pub fn release_claims<S: Store + ?Sized>(
 pub fn answer(decision: Decision, policy: &Policy) -> Response {
     match decision {
         Decision::Replay(stored) => Response::from_stored(stored, true),
-        Decision::Mismatch => Response::refusal(policy.on_fingerprint_mismatch, "fingerprint_mismatch"),
+        Decision::Mismatch => Response::refusal(policy.on_fingerprint_mismatch, Reason::FingerprintMismatch),
         Decision::InProgress | Decision::TakeOver | Decision::Expired => in_progress(policy),
     }
 }
 
 fn in_progress(policy: &Policy) -> Response {
-    Response::refusal(policy.on_in_flight, "in_progress")
+    Response::refusal(policy.on_in_flight, Reason::InProgress)
 }
 
 fn created(transfer_id: i64, t: &Transfer, now: Timestamp) -> Stored {
@@ -435,7 +434,7 @@ fn created(transfer_id: i64, t: &Transfer, now: Timestamp) -> Stored {
         t.amount,
         serde_json::Value::from(t.currency.as_str()),
     );
-    Stored { status: 201, reason: None, body }
+    Stored { status: 201, reason: None, body, transfer_id: Some(transfer_id) }
 }
 
 fn refused(refusal: Refusal, policy: &Policy) -> Stored {
@@ -444,5 +443,5 @@ fn refused(refusal: Refusal, policy: &Policy) -> Stored {
         Refusal::InsufficientFunds | Refusal::BalanceOverflow => policy.on_insufficient_funds,
         Refusal::SameAccount => policy.on_invalid_request,
     };
-    Stored { status, reason: Some(refusal.reason().to_owned()), body: "null".into() }
+    Stored { status, reason: Some(refusal.reason()), body: "null".into(), transfer_id: None }
 }

@@ -262,8 +262,12 @@ fn simultaneous_pair_with_the_same_key_executes_exactly_once() {
         for round in 0..20 {
             let file = bank.request_file(&request("c", EP, &key(&mut rng), s, d, 1));
             // both released from one barrier, so the two processes truly overlap
-            let finished =
-                idem::harness::race::release_together(&[API.into()], &bank.db, &[file.clone(), file], &[]);
+            let finished = idem::harness::race::release_together(
+                &[API.into()],
+                bank.db.as_os_str(),
+                &[file.clone(), file],
+                &[],
+            );
             let replies: Vec<Reply> = finished.unwrap().into_iter().map(Reply::from_finished).collect();
             let fresh: Vec<&Reply> = replies.iter().filter(|r| r.status() == 201 && !r.replay()).collect();
             assert_eq!(fresh.len(), 1, "round {round}: {replies:?}");

@@ -17,7 +17,7 @@ fn config(out: &std::path::Path, db: Option<String>, serve: Vec<String>) -> Conf
     Config {
         out: out.to_path_buf(),
         seed,
-        db,
+        db: db.as_deref().map(idem::store::Db::parse),
         clients: 6,
         transfers: 25,
         serve,

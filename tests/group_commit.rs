@@ -1,29 +1,75 @@
 //! Group commit on SQLite: the writer folds the transfers waiting in its
 //! queue into one transaction with one fsync, and answers each only after
-//! that commit returned. Killed (the `IDEM_CRASH_AT` hook, an immediate
-//! `_exit`) just after the group's commit, it has answered nothing and every
-//! transfer of the group is on disk, replayed on retry; killed just before,
-//! it has answered nothing and nothing moved.
+//! that commit returned. The service runs in this process with a hook that
+//! stops its writer at a point of the group commit: stopped just after the
+//! commit, it has answered nothing and every transfer of the group is on
+//! disk, replayed on retry; stopped just before, it has answered nothing
+//! and nothing moved, and once it dies there (unwinding out of the group),
+//! every retry is new.
 
 mod common;
 
 use common::serve::{Serve, body};
 use common::*;
+use idem::service::executor::{GroupHook, GroupPoint};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
 
 const CLIENT: (&str, &str) = ("tok-g", "shop-g");
 const REQUESTS: usize = 16;
 
-/// Sends `REQUESTS` transfers at once to a server armed to die at `point`;
-/// returns how many got any answer at all.
-fn crash_at(bank: &Bank, point: &str) -> usize {
-    let serve = Serve::start(&bank.db, &[CLIENT], &[], &[("IDEM_CRASH_AT", point)]);
+/// `idem serve` in this process, on `bank`, with `hook`; returns its URL.
+fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
+    let policy = idem::policy::Policy::embedded();
+    let options = idem::service::Options {
+        db: idem::store::Db::Sqlite(bank.db.clone()),
+        clients: [(CLIENT.0.to_owned(), CLIENT.1.to_owned())].into_iter().collect(),
+        pool: 1,
+        max_in_flight: 1024,
+        max_connections: 1024,
+        group_max: 256,
+        log_secret: None,
+    };
+    let clock: idem::service::executor::Clock = Arc::new(idem::clock::Timestamp::now);
+    let service =
+        idem::service::Service::start(options, Box::new(std::io::sink()), policy, clock, hook).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || service.run(listener, std::future::pending()));
+    url
+}
+
+/// A hook that stops the writer at `point` until `release` is sent, then
+/// unwinds out of the group as a crash would; the sender of `stopped` is
+/// told when the writer stopped.
+fn stop_at(point: GroupPoint) -> (GroupHook, mpsc::Receiver<()>, mpsc::Sender<()>) {
+    let (stopped_tx, stopped) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let (stopped_tx, release_rx) = (Mutex::new(stopped_tx), Mutex::new(release_rx));
+    let hook: GroupHook = Arc::new(move |at| {
+        if at == point {
+            let _ = stopped_tx.lock().unwrap().send(());
+            let _ = release_rx.lock().unwrap().recv();
+            panic!("the writer dies at {at:?}");
+        }
+    });
+    (hook, stopped, release)
+}
+
+/// Sends `REQUESTS` transfers at once; returns how many got any answer
+/// within two seconds.
+fn send_all(url: &str, bank: &Bank) -> usize {
     let text = body(&bank.accounts[0], &bank.accounts[1], 1);
-    let answered = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let sent: Vec<_> = (0..REQUESTS)
             .map(|i| {
-                let (url, text) = (serve.url.clone(), text.clone());
+                let text = text.clone();
                 scope.spawn(move || {
-                    Serve::agent()
+                    let agent: ureq::Agent = ureq::Agent::config_builder()
+                        .timeout_global(Some(Duration::from_secs(2)))
+                        .build()
+                        .into();
+                    agent
                         .post(format!("{url}/v1/transfers"))
                         .header("Authorization", format!("Bearer {}", CLIENT.0))
                         .header("Content-Type", "application/json")
@@ -34,9 +80,7 @@ fn crash_at(bank: &Bank, point: &str) -> usize {
             })
             .collect();
         sent.into_iter().map(|h| h.join().unwrap()).filter(|ok| *ok).count()
-    });
-    assert_eq!(serve.stop(), Some(4), "the server should have died at {point}");
-    answered
+    })
 }
 
 /// Retries every key on a healthy server; returns (replayed, fresh).
@@ -51,29 +95,39 @@ fn retry_all(bank: &Bank) -> (usize, usize) {
 }
 
 #[test]
-fn killed_after_the_group_commit_it_answered_nothing_and_the_group_is_on_disk() {
+fn stopped_after_the_group_commit_it_answered_nothing_and_the_group_is_on_disk() {
     let mut rng = rng();
     let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
     let before = bank.balances();
-    assert_eq!(crash_at(&bank, "after-group-commit"), 0, "an answer left before its commit returned");
+    let (hook, stopped, release) = stop_at(GroupPoint::AfterCommit);
+    let url = serve_in_process(&bank, Some(hook));
+    assert_eq!(send_all(&url, &bank), 0, "an answer left before its commit returned");
+    stopped.recv_timeout(Duration::from_secs(5)).expect("the writer never reached the commit");
     let group = bank.transfers().len();
     assert!(group >= 1, "the committed group is missing");
     assert_eq!(bank.count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed'"), group as i64);
     assert_eq!(bank.count("SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'"), 0);
     assert_eq!(bank.balances(), vec![before[0] - group as i64, before[1] + group as i64]);
+    release.send(()).unwrap();
     assert_eq!(retry_all(&bank), (group, REQUESTS - group), "the group's keys replay, the rest are new");
     assert_eq!(bank.transfers().len(), REQUESTS);
 }
 
 #[test]
-fn killed_before_the_group_commit_it_answered_nothing_and_nothing_moved() {
+fn stopped_before_the_group_commit_it_answered_nothing_and_nothing_moved() {
     let mut rng = rng();
     let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
     let before = bank.balances();
-    assert_eq!(crash_at(&bank, "before-group-commit"), 0);
+    let (hook, stopped, release) = stop_at(GroupPoint::BeforeCommit);
+    let url = serve_in_process(&bank, Some(hook));
+    assert_eq!(send_all(&url, &bank), 0);
+    stopped.recv_timeout(Duration::from_secs(5)).expect("the writer never reached the commit");
     assert_eq!(bank.transfers().len(), 0);
-    assert_eq!(bank.count("SELECT COUNT(*) FROM idem_key"), 0, "a claim of the lost group survived");
+    assert_eq!(bank.count("SELECT COUNT(*) FROM idem_key"), 0, "a claim of the uncommitted group is visible");
     assert_eq!(bank.balances(), before);
+    // the writer dies inside its group: the group rolls back, its lock is free
+    release.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
     assert_eq!(retry_all(&bank), (0, REQUESTS));
 }
 

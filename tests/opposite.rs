@@ -36,7 +36,7 @@ fn opposite_transfers_at_once_neither_deadlock_nor_lose_an_update() {
                     amount,
                 )));
             }
-            let finished = release_together(&[API.into()], &bank.db, &files, &[]).unwrap();
+            let finished = release_together(&[API.into()], bank.db.as_os_str(), &files, &[]).unwrap();
             for f in finished {
                 let r = Reply::from_finished(f);
                 assert_eq!((r.status(), r.replay()), (201, false), "{backend:?}: {}", r.stdout);

@@ -145,12 +145,13 @@ fn prove_on_postgres_writes_the_same_result_as_on_sqlite() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     day::prove(a.path(), Policy::embedded(), &engine(), None).unwrap();
     let spec = server.fresh_schema(false);
-    day::prove(b.path(), Policy::embedded(), &engine(), Some(&spec)).unwrap();
+    day::prove(b.path(), Policy::embedded(), &engine(), Some(&idem::store::Db::parse(&spec))).unwrap();
     for name in ["result.json", "dup_report.json", "idem_report.md", "policy.json"] {
         let (x, y) =
             (std::fs::read(a.path().join(name)).unwrap(), std::fs::read(b.path().join(name)).unwrap());
         assert!(x == y, "{name} differs between SQLite and PostgreSQL");
     }
-    let again = day::prove(b.path(), Policy::embedded(), &engine(), Some(&spec)).unwrap_err();
+    let again = day::prove(b.path(), Policy::embedded(), &engine(), Some(&idem::store::Db::parse(&spec)))
+        .unwrap_err();
     assert!(again.to_string().contains("needs an empty database"), "{again}");
 }

@@ -3,11 +3,12 @@
 
 use clap::{Parser, Subcommand};
 use idem::clock::Timestamp;
-use idem::harness::day::{self, DayError, io_at};
+use idem::harness::HarnessError;
+use idem::harness::day::{self, io_at};
 use idem::policy::Policy;
 use idem::protocol;
 use idem::request::ScopedKey;
-use idem::store::{self, Usage};
+use idem::store::{self, Db, Usage};
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,8 +35,8 @@ enum Command {
         #[arg(long, value_name = "CMD")]
         engine: Option<String>,
         /// Replay the day into this empty PostgreSQL database instead of DIR/day.db.
-        #[arg(long, value_name = "POSTGRES_URL")]
-        db: Option<String>,
+        #[arg(long, value_name = "POSTGRES_URL", value_parser = db)]
+        db: Option<Db>,
     },
     /// Write idem.db: 8 accounts, 120 logged requests (100 keys), the naive transfers.
     Gen {
@@ -55,8 +56,8 @@ enum Command {
         #[arg(long, default_value = "out/idem.db")]
         log: PathBuf,
         /// A SQLite file that must not exist, or an empty PostgreSQL database.
-        #[arg(long, default_value = "out/day.db")]
-        db: String,
+        #[arg(long, default_value = "out/day.db", value_parser = db)]
+        db: Db,
         /// Where to write the result; "-" for standard output.
         #[arg(long, default_value = "out/result.json")]
         out: PathBuf,
@@ -79,8 +80,8 @@ enum Command {
         #[arg(long, requires = "release")]
         force_live: bool,
         /// SQLite file or PostgreSQL connection string (or IDEM_DB, which keeps a password out of the process list).
-        #[arg(long, env = "IDEM_DB", hide_env_values = true)]
-        db: String,
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
         /// Delete the stale claims: a line per released key, then {"released": N}.
         #[arg(long)]
         release: bool,
@@ -93,8 +94,8 @@ enum Command {
     /// IDEM_NOW=<RFC 3339> fixes the clock.
     Purge {
         /// SQLite file or PostgreSQL connection string (or IDEM_DB, which keeps a password out of the process list).
-        #[arg(long, env = "IDEM_DB", hide_env_values = true)]
-        db: String,
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
         /// Keys deleted per transaction.
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
         batch: u64,
@@ -111,8 +112,8 @@ enum Command {
     /// tests).
     Serve {
         /// SQLite file or PostgreSQL connection string, the same key space as idem_api (or IDEM_DB, which keeps a password out of the process list).
-        #[arg(long, env = "IDEM_DB", hide_env_values = true)]
-        db: String,
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
         /// Address to listen on; port 0 picks a free one.
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: String,
@@ -191,8 +192,8 @@ enum Command {
         #[arg(long)]
         seed: Option<u64>,
         /// An empty PostgreSQL database (default: a new SQLite file in DIR).
-        #[arg(long)]
-        db: Option<String>,
+        #[arg(long, value_parser = db)]
+        db: Option<Db>,
         #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=512))]
         clients: u16,
         /// Transfers per client.
@@ -256,6 +257,28 @@ enum Command {
     },
 }
 
+/// Why a command failed: one line on stderr, exit 1.
+#[derive(Debug)]
+struct Failure(String);
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<HarnessError> for Failure {
+    fn from(e: HarnessError) -> Self {
+        Failure(e.0)
+    }
+}
+
+impl From<idem::store::StoreError> for Failure {
+    fn from(e: idem::store::StoreError) -> Self {
+        Failure(format!("store: {e}"))
+    }
+}
+
 fn main() -> ExitCode {
     match run(Cli::parse().command, Policy::embedded()) {
         Ok(code) => code,
@@ -266,7 +289,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> {
+fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
     match command {
         Command::Gen { out } => {
             make_parent(&out)?;
@@ -278,8 +301,8 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             emit(&out, &day::to_json(&report)?)?;
         }
         Command::Replay { log, db, out } => {
-            if !store::pg::is_postgres(&db) {
-                make_parent(std::path::Path::new(&db))?;
+            if let Some(path) = db.path() {
+                make_parent(path)?;
             }
             let replayed = day::replay_at(&log, &db, policy, None)?;
             emit(&out, &day::to_json(&replayed.result)?)?;
@@ -287,7 +310,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
         Command::Scenario { files } => {
             for file in files {
                 let text = std::fs::read_to_string(&file)
-                    .map_err(|e| DayError(format!("cannot read {}: {e}", file.display())))?;
+                    .map_err(|e| Failure(format!("cannot read {}: {e}", file.display())))?;
                 let outcome = idem::harness::scenario::parse(&text)
                     .and_then(|s| idem::harness::scenario::run(&s, policy));
                 println!("== {}", file.display());
@@ -295,7 +318,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                     Ok(transcript) => println!("{transcript}ok"),
                     Err(failure) => {
                         print!("{}", failure.transcript);
-                        return Err(DayError(format!(
+                        return Err(Failure(format!(
                             "{} line {}: {}",
                             file.display(),
                             failure.line,
@@ -346,8 +369,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             let descriptors = idem::service::descriptor_limit();
             let options = idem::service::Options {
                 db,
-                clients: idem::service::load_clients(&clients, policy)
-                    .map_err(|e| DayError(e.to_string()))?,
+                clients: idem::service::load_clients(&clients, policy).map_err(|e| Failure(e.to_string()))?,
                 pool: usize::from(pool),
                 max_in_flight: max_in_flight as usize,
                 max_connections: max_connections
@@ -355,26 +377,34 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                 group_max: group_max as usize,
                 log_secret: std::env::var_os("IDEM_LOG_SECRET").map(|s| s.into_encoded_bytes()),
             };
-            let clock = idem::service::clock_from_env().map_err(|e| DayError(e.to_string()))?;
+            let clock: idem::service::executor::Clock = match fixed_now()? {
+                Some(fixed) => std::sync::Arc::new(move || fixed),
+                None => std::sync::Arc::new(Timestamp::now),
+            };
             let listener = std::net::TcpListener::bind(&listen)
-                .map_err(|e| DayError(format!("cannot listen on {listen}: {e}")))?;
+                .map_err(|e| Failure(format!("cannot listen on {listen}: {e}")))?;
             let address =
-                listener.local_addr().map_err(|e| DayError(format!("cannot listen on {listen}: {e}")))?;
-            let service =
-                match idem::service::Service::start(options, Box::new(std::io::stderr()), policy, clock) {
-                    Ok(service) => service,
-                    // as idem_api: a database that cannot be used is exit 5
-                    Err(e @ idem::service::ServeError::Database(_)) => {
-                        eprintln!("idem: {e}");
-                        return Ok(ExitCode::from(5));
-                    }
-                    Err(e) => return Err(DayError(e.to_string())),
-                };
+                listener.local_addr().map_err(|e| Failure(format!("cannot listen on {listen}: {e}")))?;
+            let service = match idem::service::Service::start(
+                options,
+                Box::new(std::io::stderr()),
+                policy,
+                clock,
+                None,
+            ) {
+                Ok(service) => service,
+                // as idem_api: a database that cannot be used is exit 5
+                Err(e @ idem::service::ServeError::Database(_)) => {
+                    eprintln!("idem: {e}");
+                    return Ok(ExitCode::from(5));
+                }
+                Err(e) => return Err(Failure(e.to_string())),
+            };
             // The first line names the bound address (port 0 picks one), once
             // the stores are open: a client that reads it can send at once.
             println!("http://{address}");
-            std::io::Write::flush(&mut std::io::stdout()).map_err(|e| DayError(format!("stdout: {e}")))?;
-            service.run(listener, idem::service::shutdown_signal()).map_err(|e| DayError(e.to_string()))?;
+            std::io::Write::flush(&mut std::io::stdout()).map_err(|e| Failure(format!("stdout: {e}")))?;
+            service.run(listener, idem::service::shutdown_signal()).map_err(|e| Failure(e.to_string()))?;
         }
         Command::Transfer { url, token, token_file, src, dst, amount, currency, key, key_file, budget } => {
             let token = secret(token, token_file.as_deref(), "--token or --token-file (or IDEM_TOKEN)")?;
@@ -432,7 +462,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             println!("wrote {}", out.join("chaos.json").display());
             println!("wrote {}", out.join("chaos_report.md").display());
             if !s.exactly_once() {
-                return Err(DayError("NOT exactly once: see chaos_report.md".into()));
+                return Err(Failure("NOT exactly once: see chaos_report.md".into()));
             }
         }
         Command::Check { engine, engine_arg, url, token, src, dst, profile, seed } => {
@@ -444,14 +474,14 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
             });
             fn read_profile<P: serde::de::DeserializeOwned + Default>(
                 file: Option<PathBuf>,
-            ) -> Result<P, DayError> {
+            ) -> Result<P, Failure> {
                 let Some(file) = file else { return Ok(P::default()) };
                 let text = std::fs::read_to_string(&file).map_err(io_at(&file))?;
-                serde_json::from_str(&text).map_err(|e| DayError(format!("{}: {e}", file.display())))
+                serde_json::from_str(&text).map_err(|e| Failure(format!("{}: {e}", file.display())))
             }
             let passed = match (engine, url) {
                 (Some(engine), _) => {
-                    let command = lab::command(&engine, &engine_arg).map_err(DayError)?;
+                    let command = lab::command(&engine, &engine_arg).map_err(Failure)?;
                     println!("idem check --engine {engine:?} --seed {seed}");
                     let target = lab::Engine { command, profile: read_profile(profile)?, seed };
                     check::report(&check::judge(&lab::PROPERTIES, &target))
@@ -461,13 +491,13 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                     let id = |s: String| s.parse::<i64>().map_or_else(|_| json!(s), |i| json!(i));
                     let target =
                         http::Target::new(&url, token, id(src), id(dst), read_profile(profile)?, seed)
-                            .map_err(DayError)?;
+                            .map_err(Failure)?;
                     check::report(&check::judge(&http::PROPERTIES, &target))
                 }
-                (None, None) => return Err(DayError("give --engine or --url".into())),
+                (None, None) => return Err(Failure("give --engine or --url".into())),
             };
             if !passed {
-                return Err(DayError(format!("a property failed (rerun with --seed {seed})")));
+                return Err(Failure(format!("a property failed (rerun with --seed {seed})")));
             }
         }
         Command::Api { args } => return Ok(idem::api::main(std::iter::once("idem_api".into()).chain(args))),
@@ -476,7 +506,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, DayError> 
                 Some(cmd) => cmd.split_whitespace().map(String::from).collect(),
                 None => own_engine()?,
             };
-            let r = day::prove(&out, policy, &engine, db.as_deref())?;
+            let r = day::prove(&out, policy, &engine, db.as_ref())?;
             println!(
                 "{} requests: {} created, {} replayed, {} rejected; {} transfers; \
                  blocked {} KRW of double payment; keys paid twice: {}",
@@ -510,16 +540,16 @@ fn transfer(
     key_file: Option<PathBuf>,
     budget: std::time::Duration,
     engine: &Policy,
-) -> Result<ExitCode, DayError> {
+) -> Result<ExitCode, Failure> {
     use idem::client::{self, Verdict};
     let key = match (key, key_file) {
         (Some(key), _) => {
-            client::check_key(&key, engine.max_field_chars).map_err(|e| DayError(format!("--key: {e}")))?;
+            client::check_key(&key, engine.max_field_chars).map_err(|e| Failure(format!("--key: {e}")))?;
             key
         }
         (None, Some(file)) => client::key_in_file(&file, engine.max_field_chars)
-            .map_err(|e| DayError(format!("{}: {e}", file.display())))?,
-        (None, None) => client::new_key().map_err(|e| DayError(format!("no randomness for a key: {e}")))?,
+            .map_err(|e| Failure(format!("{}: {e}", file.display())))?,
+        (None, None) => client::new_key().map_err(|e| Failure(format!("no randomness for a key: {e}")))?,
     };
     let id = |s: String| s.parse::<i64>().map_or_else(|_| json!(s), |i| json!(i));
     let body = json!({"src": id(src), "dst": id(dst), "amount": amount, "currency": currency}).to_string();
@@ -552,18 +582,18 @@ fn transfer(
 
 /// A secret given inline (or by its environment variable) or in a file
 /// (its first line), so that it need not appear in the process list.
-fn secret(inline: Option<String>, file: Option<&std::path::Path>, what: &str) -> Result<String, DayError> {
+fn secret(inline: Option<String>, file: Option<&std::path::Path>, what: &str) -> Result<String, Failure> {
     match (inline, file) {
         (Some(value), _) => Ok(value),
         (None, Some(file)) => {
             let text = std::fs::read_to_string(file).map_err(io_at(file))?;
             let value = text.lines().next().unwrap_or("").trim();
             match value.is_empty() {
-                true => Err(DayError(format!("{}: the file is empty", file.display()))),
+                true => Err(Failure(format!("{}: the file is empty", file.display()))),
                 false => Ok(value.to_owned()),
             }
         }
-        (None, None) => Err(DayError(format!("give {what}"))),
+        (None, None) => Err(Failure(format!("give {what}"))),
     }
 }
 
@@ -583,17 +613,23 @@ fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_millis(millis))
 }
 
-/// The wall clock, or `IDEM_NOW` when set (for tests).
-fn now() -> Result<Timestamp, DayError> {
+/// `IDEM_NOW`, the instant tests fix the clock at; `None` for the wall
+/// clock. The only place this binary reads it.
+fn fixed_now() -> Result<Option<Timestamp>, Failure> {
     match std::env::var("IDEM_NOW") {
-        Ok(text) => Timestamp::parse(&text).map_err(|e| DayError(format!("IDEM_NOW: {e}"))),
-        Err(_) => Ok(Timestamp::now()),
+        Ok(text) => Timestamp::parse(&text).map(Some).map_err(|e| Failure(format!("IDEM_NOW: {e}"))),
+        Err(_) => Ok(None),
     }
+}
+
+/// The wall clock, or `IDEM_NOW` when set (for tests).
+fn now() -> Result<Timestamp, Failure> {
+    Ok(fixed_now()?.unwrap_or_else(Timestamp::now))
 }
 
 /// The engine to race: the `idem_api` built next to this binary, or this
 /// binary's own `api` command (the same code) when only `idem` was built.
-fn own_engine() -> Result<Vec<String>, DayError> {
+fn own_engine() -> Result<Vec<String>, Failure> {
     let me = own_path()?;
     let sibling = me.with_file_name("idem_api");
     Ok(match sibling.is_file() {
@@ -602,18 +638,25 @@ fn own_engine() -> Result<Vec<String>, DayError> {
     })
 }
 
-fn own_path() -> Result<PathBuf, DayError> {
-    std::env::current_exe().map_err(|e| DayError(format!("cannot find this program's own path: {e}")))
+/// `--db`: a SQLite path or a PostgreSQL connection string.
+fn db(text: &str) -> Result<Db, String> {
+    Ok(Db::parse(text))
 }
 
-fn make_parent(path: &std::path::Path) -> Result<(), DayError> {
+fn own_path() -> Result<PathBuf, Failure> {
+    std::env::current_exe().map_err(|e| Failure(format!("cannot find this program's own path: {e}")))
+}
+
+fn make_parent(path: &std::path::Path) -> Result<(), Failure> {
     match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => std::fs::create_dir_all(dir).map_err(io_at(dir)),
+        Some(dir) if !dir.as_os_str().is_empty() => {
+            std::fs::create_dir_all(dir).map_err(|e| io_at(dir)(e).into())
+        }
         _ => Ok(()),
     }
 }
 
-fn emit(out: &std::path::Path, json: &str) -> Result<(), DayError> {
+fn emit(out: &std::path::Path, json: &str) -> Result<(), Failure> {
     if out.as_os_str() == "-" {
         println!("{json}");
         Ok(())

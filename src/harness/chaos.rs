@@ -11,15 +11,15 @@
 //! transfer row names the intent it came from. That is what lets the same
 //! verdict judge a deliberately broken server (see `tests/chaos.rs`).
 
-use super::DayError as ChaosError;
+use super::HarnessError as ChaosError;
 use super::day::io_at;
-use super::day::{bank, remove_db};
 use super::proxy::{Odds, Proxy};
 use crate::client::{self, Endpoint, Verdict};
 use crate::policy::Policy;
 use crate::protocol;
 use crate::rng::Rng;
 use crate::store::{self, Usage};
+use crate::store::{Db, bank};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -38,7 +38,7 @@ pub struct Config {
     pub seed: u64,
     /// The database: a PostgreSQL connection string to an empty database,
     /// or `None` for a new SQLite file in `out`.
-    pub db: Option<String>,
+    pub db: Option<Db>,
     pub clients: usize,
     /// Transfers per client.
     pub transfers: usize,
@@ -128,11 +128,13 @@ struct Server {
     address: SocketAddr,
 }
 
-fn start_server(serve: &[String], db: &str, clients: &Path, log: &Path) -> Result<Server, ChaosError> {
+fn start_server(serve: &[String], db: &Db, clients: &Path, log: &Path) -> Result<Server, ChaosError> {
     let (program, args) = serve.split_first().ok_or_else(|| ChaosError("empty --serve command".into()))?;
     let mut child = Command::new(program)
         .args(args)
-        .args(["--db", db, "--listen", "127.0.0.1:0", "--clients"])
+        .arg("--db")
+        .arg(db.to_arg())
+        .args(["--listen", "127.0.0.1:0", "--clients"])
         .arg(clients)
         .stdout(Stdio::piped())
         .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(io_at(log))?)
@@ -154,7 +156,7 @@ fn start_server(serve: &[String], db: &str, clients: &Path, log: &Path) -> Resul
 /// killed, and no money moves without its completion, so none of them has
 /// moved any (the operator's `idem recover --release` once the lease is
 /// known to be over).
-fn release_claims(db: &str, policy: &Policy) -> Result<usize, ChaosError> {
+fn release_claims(db: &Db, policy: &Policy) -> Result<usize, ChaosError> {
     let mut store = store::open(db, policy, Usage::LongLived)?;
     let later = crate::clock::Timestamp::now().plus_seconds(i64::from(policy.in_progress_lease_seconds));
     Ok(protocol::release_claims(&mut store, later, false, policy)?.len())
@@ -163,12 +165,12 @@ fn release_claims(db: &str, policy: &Policy) -> Result<usize, ChaosError> {
 /// The day. Writes `chaos.json` and `chaos_report.md` into `config.out`.
 pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     std::fs::create_dir_all(&config.out).map_err(io_at(&config.out))?;
-    let file = config.out.join("chaos.db").to_string_lossy().into_owned();
     let db = match &config.db {
-        Some(spec) => spec.clone(),
+        Some(db) => db.clone(),
         None => {
-            remove_db(Path::new(&file))?;
-            file
+            let file = config.out.join("chaos.db");
+            bank::remove_files(&file)?;
+            Db::Sqlite(file)
         }
     };
     let accounts: Vec<bank::Account> = (0..ACCOUNTS)
@@ -285,7 +287,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
 
 /// Reads the transfer table and the balances and judges the day.
 fn verdict(
-    db: &str,
+    db: &Db,
     intents: &[Intent],
     accounts: &[bank::Account],
     proxy: &Proxy,

@@ -12,9 +12,26 @@ pub mod race;
 pub mod scenario;
 
 use crate::protocol::{self, Claimed, Ctx, Engine, Flow, Outcome, Point, Response};
+use crate::reason::Reason;
 use crate::store::StoreError;
 
-pub use day::DayError;
+/// An error of the harness (the day, chaos, the checks), with what it was doing.
+#[derive(Debug)]
+pub struct HarnessError(pub String);
+
+impl std::fmt::Display for HarnessError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for HarnessError {}
+
+impl From<rusqlite::Error> for HarnessError {
+    fn from(e: rusqlite::Error) -> Self {
+        HarnessError(format!("sqlite: {e}"))
+    }
+}
 
 /// One raw request through `engine`: a malformed one gets its 400, a crash
 /// at `crash` gets `None`.
@@ -26,7 +43,9 @@ pub fn send<E: Engine + ?Sized>(
 ) -> Result<Option<Response>, StoreError> {
     let req = match engine.parse(raw.as_bytes(), ctx.policy) {
         Ok(req) => req,
-        Err(e) => return Ok(Some(Response::refusal(ctx.policy.on_invalid_request, e.to_string()))),
+        Err(e) => {
+            return Ok(Some(Response::refusal(ctx.policy.on_invalid_request, Reason::Invalid(e.to_string()))));
+        }
     };
     let mut faults = |p: Point| if Some(p) == crash { Flow::Crash } else { Flow::Continue };
     Ok(match protocol::handle(engine, &req, ctx, &mut faults)? {
@@ -46,7 +65,7 @@ pub fn together<E: Engine + ?Sized>(
     let mut staged = Vec::new();
     for (raw, ctx) in batch {
         staged.push(match engine.parse(raw.as_bytes(), ctx.policy) {
-            Err(e) => Err(Response::refusal(ctx.policy.on_invalid_request, e.to_string())),
+            Err(e) => Err(Response::refusal(ctx.policy.on_invalid_request, Reason::Invalid(e.to_string()))),
             Ok(req) => {
                 let claimed = engine.claim(&req, *ctx);
                 Ok((req, claimed))
@@ -63,7 +82,9 @@ pub fn together<E: Engine + ?Sized>(
         };
         responses.push(match protocol::unless_busy(outcome, ctx.policy)? {
             Outcome::Respond(response) => response,
-            Outcome::Crashed(p) => return Err(StoreError::Backend(format!("crashed at {p:?} unasked"))),
+            Outcome::Crashed(p) => {
+                return Err(StoreError::Backend(format!("crashed at {p:?} unasked").into()));
+            }
         });
     }
     Ok(responses)

@@ -6,7 +6,7 @@
 //! barrier and spawn their processes the moment it opens, so the processes
 //! overlap for real; the answers come back in the order of `requests`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::{Arc, Barrier};
 
@@ -22,7 +22,7 @@ pub struct Finished {
 /// set in each; returns each process's result.
 pub fn release_together(
     engine: &[String],
-    db: &Path,
+    db: &std::ffi::OsStr,
     requests: &[PathBuf],
     env: &[(&str, String)],
 ) -> std::io::Result<Vec<Finished>> {

@@ -253,7 +253,8 @@ pub fn run_on(scenario: &Scenario, policy: &Policy, engine: &mut dyn Engine) -> 
 
 /// An in-memory SQLite database holding `accounts` and nothing else.
 pub fn sqlite_bank(accounts: &[(AcctId, i64)], policy: &Policy) -> Result<SqliteStore, StoreError> {
-    let conn = Connection::open_in_memory().map_err(|e| StoreError::Backend(e.to_string()))?;
+    let conn = Connection::open_in_memory()
+        .map_err(|e| StoreError::Backend(crate::store::Failure::caused_by("an in-memory database", e)))?;
     let setup = || -> rusqlite::Result<()> {
         conn.execute_batch("CREATE TABLE account (acct_id PRIMARY KEY, holder TEXT, balance INTEGER)")?;
         for (id, balance) in accounts {
@@ -261,7 +262,7 @@ pub fn sqlite_bank(accounts: &[(AcctId, i64)], policy: &Policy) -> Result<Sqlite
         }
         Ok(())
     };
-    setup().map_err(|e| StoreError::Backend(e.to_string()))?;
+    setup().map_err(|e| StoreError::Backend(crate::store::Failure::caused_by("an in-memory database", e)))?;
     SqliteStore::from_connection(conn, policy)
 }
 
@@ -314,7 +315,7 @@ impl Runner<'_> {
                 // A purged key's next answer is a first answer again, and
                 // transfers made so far may have lost their keys.
                 for (_, first) in self.first.drain() {
-                    self.forgotten.extend(first.transfer_id());
+                    self.forgotten.extend(first.transfer_id);
                 }
             }
             Step::Transfers(want) => {
@@ -358,7 +359,7 @@ impl Runner<'_> {
     fn check(&mut self, raw: &str, got: &Response, want: &Expect) -> Result<(), String> {
         let reason_ok = match (&want.reason, &got.reason) {
             (None, None) => true,
-            (Some(w), Some(g)) => g.starts_with(w.as_str()),
+            (Some(w), Some(g)) => g.as_str().starts_with(w.as_str()),
             _ => false,
         };
         if got.status != want.status || got.replay != want.replay || !reason_ok {
@@ -387,7 +388,7 @@ impl Runner<'_> {
         {
             // A new first answer for a known key: the old one expired.
             if let Some(old) = self.first.insert(req.key, got.clone()) {
-                self.forgotten.extend(old.transfer_id());
+                self.forgotten.extend(old.transfer_id);
             }
         }
         Ok(())

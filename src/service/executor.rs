@@ -18,10 +18,11 @@ use super::health::Health;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::protocol::{self, Ctx, Flow, Outcome, Response};
+use crate::reason::Reason;
 use crate::request::Request;
 use crate::store::pg::PgStore;
 use crate::store::sqlite::SqliteStore;
-use crate::store::{Reads, Store, StoreError};
+use crate::store::{Db, Reads, Store, StoreError};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -60,12 +61,15 @@ pub enum Stores {
 impl Stores {
     /// Opens what `db` needs: a writer on SQLite, `pool` writers on
     /// PostgreSQL, and readers beside them.
-    pub fn open(db: &str, pool: usize, policy: &Policy) -> Result<Stores, StoreError> {
-        if crate::store::pg::is_postgres(db) {
-            let connect = |n| (0..n).map(|_| PgStore::connect(db, policy)).collect::<Result<Vec<_>, _>>();
-            return Ok(Stores::Postgres { writers: connect(pool.max(1))?, readers: connect(READERS)? });
-        }
-        let path = std::path::Path::new(db);
+    pub fn open(db: &Db, pool: usize, policy: &Policy) -> Result<Stores, StoreError> {
+        let path = match db {
+            Db::Postgres(spec) => {
+                let connect =
+                    |n| (0..n).map(|_| PgStore::connect(spec, policy)).collect::<Result<Vec<_>, _>>();
+                return Ok(Stores::Postgres { writers: connect(pool.max(1))?, readers: connect(READERS)? });
+            }
+            Db::Sqlite(path) => path,
+        };
         let writer = SqliteStore::open(path, policy)?;
         writer.check_writable()?;
         let readers = (0..READERS).map(|_| SqliteStore::open(path, policy)).collect::<Result<_, _>>()?;
@@ -73,30 +77,18 @@ impl Stores {
     }
 }
 
-/// A test hook (`IDEM_CRASH_AT`): die on the spot around a group commit, to
-/// prove that no answer leaves before its commit is durable.
+/// The two moments of a group commit a hook can see: just before the
+/// group's commit, and just after it (before any answer is handed back).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Crash {
-    BeforeGroupCommit,
-    AfterGroupCommit,
+pub enum GroupPoint {
+    BeforeCommit,
+    AfterCommit,
 }
 
-impl Crash {
-    pub fn from_env() -> Option<Crash> {
-        match std::env::var("IDEM_CRASH_AT").ok()?.as_str() {
-            "before-group-commit" => Some(Crash::BeforeGroupCommit),
-            "after-group-commit" => Some(Crash::AfterGroupCommit),
-            _ => None,
-        }
-    }
-
-    fn at(point: Crash, armed: Option<Crash>) {
-        if armed == Some(point) {
-            // no destructors, no flush, no answers: as abrupt as SIGKILL
-            unsafe { libc::_exit(4) };
-        }
-    }
-}
+/// Called by the SQLite writer at each [`GroupPoint`]. The service runs
+/// with none; a test passes one that stops the writer there, to prove that
+/// no answer leaves before its group's commit returned.
+pub type GroupHook = Arc<dyn Fn(GroupPoint) + Send + Sync>;
 
 pub struct Executor {
     writes: Mutex<Option<SyncSender<Job>>>,
@@ -129,8 +121,8 @@ impl Executor {
         policy: &'static Policy,
         clock: Clock,
         health: Arc<Health>,
+        hook: Option<GroupHook>,
     ) -> std::io::Result<Self> {
-        let crash = Crash::from_env();
         let (writes, write_jobs) = queue(capacity);
         let (reads, read_jobs) = queue(capacity);
         let mut workers = Vec::new();
@@ -138,7 +130,7 @@ impl Executor {
             Stores::Sqlite { writer, readers } => {
                 let (clock, health) = (clock.clone(), health.clone());
                 workers.push(spawn("idem-writer".into(), move || {
-                    write_in_groups(writer, &write_jobs, group_max.max(1), policy, &clock, &health, crash)
+                    write_in_groups(writer, &write_jobs, group_max.max(1), policy, &clock, &health, hook)
                 })?);
                 readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect::<Vec<_>>()
             }
@@ -208,14 +200,14 @@ fn transfer<S: Store>(
     clock: &Clock,
 ) -> Result<Outcome, StoreError> {
     let token = protocol::fresh_token()
-        .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}")))?;
+        .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
     protocol::handle(store, req, Ctx { policy, now: clock(), token: &token }, &mut |_| Flow::Continue)
 }
 
 /// Tells `health` what a write's outcome says of the database.
 fn report(health: &Health, outcome: &Result<Outcome, StoreError>) {
     match outcome {
-        Ok(Outcome::Respond(r)) if r.status == 503 && r.reason.as_deref() == Some("unavailable") => {
+        Ok(Outcome::Respond(r)) if r.reason == Some(Reason::Unavailable) => {
             health.write_failed("the database could not take a write".into())
         }
         Err(StoreError::Unavailable(why)) => health.write_failed(why.clone()),
@@ -273,7 +265,7 @@ fn one_at_a_time<S: Reads + ?Sized>(
 /// fails, the group rolls back, nothing of it happened, and every request of
 /// it is told so (503, retry). A crash before the commit loses the group and
 /// answers nothing; a crash after it answers nothing, and every retry
-/// replays. `tests/group_commit.rs` kills the server at both points.
+/// replays. `tests/group_commit.rs` stops the writer at both points.
 fn write_in_groups(
     mut store: SqliteStore,
     jobs: &Mutex<Receiver<Job>>,
@@ -281,8 +273,13 @@ fn write_in_groups(
     policy: &Policy,
     clock: &Clock,
     health: &Health,
-    crash: Option<Crash>,
+    hook: Option<GroupHook>,
 ) {
+    let at = |point| {
+        if let Some(hook) = &hook {
+            hook(point)
+        }
+    };
     while let Some(first) = next(jobs) {
         let mut group = vec![first];
         {
@@ -303,10 +300,10 @@ fn write_in_groups(
         let committed = store.group().and_then(|mut group| {
             let outcomes: Vec<_> =
                 transfers.iter().map(|(req, _)| transfer(&mut group, req, policy, clock)).collect();
-            Crash::at(Crash::BeforeGroupCommit, crash);
+            at(GroupPoint::BeforeCommit);
             group.commit().map(|()| outcomes)
         });
-        Crash::at(Crash::AfterGroupCommit, crash);
+        at(GroupPoint::AfterCommit);
         match committed {
             Ok(outcomes) => {
                 for ((_, reply), outcome) in transfers.into_iter().zip(outcomes) {

@@ -11,6 +11,7 @@ use super::metrics::Metrics;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::protocol::{Outcome, Response as Answer};
+use crate::reason::Reason;
 use crate::request::{self, ScopedKey};
 use crate::store::StoreError;
 use http_body_util::{BodyExt, Full, Limited};
@@ -366,7 +367,7 @@ fn invalid_key(detail: &str) -> (&'static str, String) {
 /// `Location`, or a problem; a replay says so in `Idempotent-Replayed`.
 fn respond(answer: Answer, note: &mut Note) -> Reply {
     note.replay = answer.replay;
-    let mut reply = match (answer.status, answer.transfer_id()) {
+    let mut reply = match (answer.status, answer.transfer_id) {
         (201, Some(id)) => {
             let mut reply = Response::new(Full::new(Bytes::from(answer.body)));
             *reply.status_mut() = StatusCode::CREATED;
@@ -378,9 +379,9 @@ fn respond(answer: Answer, note: &mut Note) -> Reply {
             reply
         }
         (status, _) => {
-            let reason = answer.reason.unwrap_or_else(|| "internal_error".into());
+            let Some(reason) = answer.reason else { return failed(note) };
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut reply = problem(status, &reason, detail_of(&reason), note);
+            let mut reply = problem(status, reason.as_str(), detail_of(&reason), note);
             if matches!(status, StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE) {
                 reply.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
@@ -393,21 +394,22 @@ fn respond(answer: Answer, note: &mut Note) -> Reply {
     reply
 }
 
-fn detail_of(reason: &str) -> &str {
+fn detail_of(reason: &Reason) -> &str {
     match reason {
-        "in_progress" => "A request with this key is being processed; retry shortly.",
-        "fingerprint_mismatch" => "This key was used with a different request body.",
-        "unknown_account" => "The source or destination account does not exist.",
-        "insufficient_funds" => "The source account's balance is below the amount.",
-        "balance_overflow" => "The destination account cannot hold the amount.",
-        "busy" => "The service is busy; retry shortly.",
-        "unavailable" => "The database cannot take requests now; retry shortly with the same key.",
-        other => other, // invalid_request: … carries its own explanation
+        Reason::InProgress => "A request with this key is being processed; retry shortly.",
+        Reason::FingerprintMismatch => "This key was used with a different request body.",
+        Reason::UnknownAccount => "The source or destination account does not exist.",
+        Reason::InsufficientFunds => "The source account's balance is below the amount.",
+        Reason::BalanceOverflow => "The destination account cannot hold the amount.",
+        Reason::Busy => "The service is busy; retry shortly.",
+        Reason::Unavailable => "The database cannot take requests now; retry shortly with the same key.",
+        // invalid_request: … carries its own explanation
+        Reason::Invalid(text) | Reason::Other(text) => text,
     }
 }
 
 fn busy(app: &App, note: &mut Note) -> Reply {
-    let answer = Answer::refusal(app.policy.on_busy, "busy");
+    let answer = Answer::refusal(app.policy.on_busy, Reason::Busy);
     respond(answer, note)
 }
 
@@ -417,8 +419,8 @@ fn busy(app: &App, note: &mut Note) -> Reply {
 fn store_error(app: &App, e: &StoreError, note: &mut Note) -> Reply {
     note.error = Some(e.to_string());
     match e {
-        StoreError::Busy => respond(Answer::refusal(app.policy.on_busy, "busy"), note),
-        StoreError::Unavailable(_) => respond(Answer::refusal(app.policy.on_busy, "unavailable"), note),
+        StoreError::Busy => respond(Answer::refusal(app.policy.on_busy, Reason::Busy), note),
+        StoreError::Unavailable(_) => respond(Answer::refusal(app.policy.on_busy, Reason::Unavailable), note),
         _ => failed(note),
     }
 }

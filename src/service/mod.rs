@@ -14,7 +14,6 @@ pub mod http;
 pub mod log;
 pub mod metrics;
 
-use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::store::StoreError;
 use executor::{Clock, Executor};
@@ -43,7 +42,7 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct Options {
-    pub db: String,
+    pub db: crate::store::Db,
     /// Bearer token → client id.
     pub clients: HashMap<String, String>,
     /// Connections to PostgreSQL (each with a worker thread) that run
@@ -220,12 +219,14 @@ impl Service {
         log_sink: Box<dyn std::io::Write + Send>,
         policy: &'static Policy,
         clock: Clock,
+        hook: Option<executor::GroupHook>,
     ) -> Result<Service, ServeError> {
         let stores = executor::Stores::open(&options.db, options.pool, policy)?;
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
-        let executor = Executor::start(stores, capacity, options.group_max, policy, clock, health.clone())
-            .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
+        let executor =
+            Executor::start(stores, capacity, options.group_max, policy, clock, health.clone(), hook)
+                .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
         let log = log::Log::start(log_sink, options.log_secret)
             .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;
         let app =
@@ -338,18 +339,6 @@ pub async fn shutdown_signal() {
         Err(_) => {
             let _ = ctrl_c.await;
         }
-    }
-}
-
-/// The clock of the service: `IDEM_NOW` when set (for tests), else the wall
-/// clock. A malformed `IDEM_NOW` is refused at start.
-pub fn clock_from_env() -> Result<Clock, ServeError> {
-    match std::env::var("IDEM_NOW") {
-        Ok(text) => {
-            let fixed = Timestamp::parse(&text).map_err(|e| ServeError::Other(format!("IDEM_NOW: {e}")))?;
-            Ok(Arc::new(move || fixed))
-        }
-        Err(_) => Ok(Arc::new(Timestamp::now)),
     }
 }
 

@@ -27,14 +27,19 @@
 //! Nothing is visible to anyone else until commit; a dropped transaction rolls
 //! back. All SQL lives below this module.
 
+pub mod bank;
+mod db;
 pub mod pg;
 pub mod sqlite;
 
+pub use db::Db;
+
 use crate::clock::Timestamp;
 use crate::policy::Policy;
+use crate::reason::Reason;
 use crate::request::{AcctId, ScopedKey};
 use std::fmt;
-use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Whether a commit must reach the disk before it returns.
@@ -63,7 +68,52 @@ pub enum StoreError {
     /// schema of another version, a balance that is not an integer).
     Schema(String),
     /// Anything else the backend reported: I/O, corruption, read-only file.
-    Backend(String),
+    Backend(Failure),
+}
+
+/// What a backend reported, with the error it came from when that error
+/// is safe to show an operator (SQLite's and the file system's; never
+/// PostgreSQL's, whose details may quote row data or the connection).
+#[derive(Debug, Clone)]
+pub struct Failure {
+    what: String,
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+impl Failure {
+    pub fn caused_by(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Failure {
+        Failure { what: what.into(), source: Some(Arc::new(source)) }
+    }
+}
+
+impl From<String> for Failure {
+    fn from(what: String) -> Failure {
+        Failure { what, source: None }
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(what: &str) -> Failure {
+        what.to_owned().into()
+    }
+}
+
+/// Two failures are the same when they say the same.
+impl PartialEq for Failure {
+    fn eq(&self, other: &Failure) -> bool {
+        self.what == other.what
+    }
+}
+
+impl Eq for Failure {}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.what)
+    }
 }
 
 impl fmt::Display for StoreError {
@@ -72,19 +122,29 @@ impl fmt::Display for StoreError {
             StoreError::Busy => f.write_str("database is busy: lock wait exceeded busy_timeout_ms"),
             StoreError::Conflict => f.write_str("concurrent update: retries exceeded busy_timeout_ms"),
             StoreError::Unavailable(why) => write!(f, "database unavailable: {why}"),
-            StoreError::Schema(why) | StoreError::Backend(why) => f.write_str(why),
+            StoreError::Schema(why) => f.write_str(why),
+            StoreError::Backend(failure) => write!(f, "{failure}"),
         }
     }
 }
 
-impl std::error::Error for StoreError {}
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StoreError::Backend(Failure { source: Some(source), .. }) => Some(source.as_ref()),
+            _ => None,
+        }
+    }
+}
 
-/// A response as stored at completion; `body` is the exact JSON text sent.
+/// A response as stored at completion; `body` is the exact JSON text sent,
+/// `transfer_id` the transfer it made, if any.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stored {
     pub status: u16,
-    pub reason: Option<String>,
+    pub reason: Option<Reason>,
     pub body: String,
+    pub transfer_id: Option<i64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,6 +195,48 @@ pub(crate) const KEY_COLUMNS: [&str; 13] = [
     "transfer_id",
     "completed_at",
 ];
+
+/// The columns a key's record is read from, in this order, on every store.
+pub(crate) const RECORD_COLUMNS: &str =
+    "fingerprint, created_at, token, state, lease_until, status, reason, body, transfer_id";
+
+/// A key's row as a store reads it, columns of [`RECORD_COLUMNS`] in order,
+/// before it is checked: each store fills one, [`KeyRow::decode`] reads it.
+pub(crate) struct KeyRow {
+    pub fingerprint: String,
+    pub created_at: String,
+    pub token: String,
+    pub state: String,
+    pub lease_until: String,
+    pub status: Option<i64>,
+    pub reason: Option<String>,
+    pub body: Option<String>,
+    pub transfer_id: Option<i64>,
+}
+
+impl KeyRow {
+    /// The record, or why the row is not one the engine can have written.
+    pub fn decode(self) -> Result<KeyRecord, StoreError> {
+        let corrupt = |why: String| StoreError::Backend(format!("corrupt idem_key row: {why}").into());
+        let time = |text: &str| Timestamp::parse(text).map_err(|e| corrupt(e.to_string()));
+        let state = match (self.state.as_str(), self.status, self.body) {
+            ("in_progress", _, _) => KeyState::InProgress { lease_until: time(&self.lease_until)? },
+            ("completed", Some(status), Some(body)) => KeyState::Completed(Stored {
+                status: u16::try_from(status).map_err(|_| corrupt(format!("status {status}")))?,
+                reason: self.reason.as_deref().map(Reason::parse),
+                body,
+                transfer_id: self.transfer_id,
+            }),
+            (other, ..) => return Err(corrupt(format!("state {other:?} without its response"))),
+        };
+        Ok(KeyRecord {
+            fingerprint: self.fingerprint,
+            created_at: time(&self.created_at)?,
+            token: self.token,
+            state,
+        })
+    }
+}
 
 /// A key's row. `token` and `state` together name one version of it: the
 /// attempt that claimed it, before or after completing.
@@ -247,18 +349,15 @@ pub enum Usage {
     LongLived,
 }
 
-/// Opens the database `spec` names: a PostgreSQL connection string
-/// (`postgres://…`, `postgresql://…`, or libpq's `host=… dbname=…`), else a
-/// SQLite file, which must exist.
-pub fn open(spec: &str, policy: &Policy, usage: Usage) -> Result<Box<dyn Store + Send>, StoreError> {
-    if pg::is_postgres(spec) {
-        return Ok(Box::new(pg::PgStore::connect(spec, policy)?));
-    }
-    let path = Path::new(spec);
-    Ok(Box::new(match usage {
-        Usage::OneRequest => sqlite::SqliteStore::open_for_one_request(path, policy)?,
-        Usage::LongLived => sqlite::SqliteStore::open(path, policy)?,
-    }))
+/// Opens `db`: a PostgreSQL database, or a SQLite file, which must exist.
+pub fn open(db: &Db, policy: &Policy, usage: Usage) -> Result<Box<dyn Store + Send>, StoreError> {
+    Ok(match (db, usage) {
+        (Db::Postgres(spec), _) => Box::new(pg::PgStore::connect(spec, policy)?),
+        (Db::Sqlite(path), Usage::OneRequest) => {
+            Box::new(sqlite::SqliteStore::open_for_one_request(path, policy)?)
+        }
+        (Db::Sqlite(path), Usage::LongLived) => Box::new(sqlite::SqliteStore::open(path, policy)?),
+    })
 }
 
 pub trait Tx {
@@ -274,14 +373,14 @@ pub trait Tx {
     /// Reads the key and locks it to the end of the transaction, so it cannot
     /// be taken over, completed or purged under the caller.
     fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError>;
-    /// Marks the key completed with its response and, if any, its transfer,
-    /// only if `token` still holds it in progress; `false` otherwise.
+    /// Marks the key completed with its response (and the response's
+    /// transfer, if any) only if `token` still holds it in progress; `false`
+    /// otherwise.
     fn complete(
         &mut self,
         key: &ScopedKey,
         token: &str,
         response: &Stored,
-        transfer_id: Option<i64>,
         at: Timestamp,
     ) -> Result<bool, StoreError>;
     /// Deletes the key if `token` still holds it in progress.
@@ -386,14 +485,7 @@ mod tests {
         fn lock_key(&mut self, _: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
             Ok(None)
         }
-        fn complete(
-            &mut self,
-            _: &ScopedKey,
-            _: &str,
-            _: &Stored,
-            _: Option<i64>,
-            _: Timestamp,
-        ) -> Result<bool, StoreError> {
+        fn complete(&mut self, _: &ScopedKey, _: &str, _: &Stored, _: Timestamp) -> Result<bool, StoreError> {
             Ok(true)
         }
         fn release(&mut self, _: &ScopedKey, _: &str) -> Result<bool, StoreError> {

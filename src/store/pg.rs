@@ -30,11 +30,12 @@
 //! No error produced here carries the connection string or its password.
 
 use super::{
-    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Reads, Store, StoreError, Stored,
-    Tx, audit_sql,
+    Account, Audit, Claim, Durability, KeyRecord, KeyRow, NewTransfer, Reads, Store, StoreError, Stored, Tx,
+    audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
+use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
 use postgres::error::SqlState;
 use postgres::{Client, Config, NoTls, Row, Statement};
@@ -76,19 +77,6 @@ struct Statements {
     lock_account: Statement,
     add_to_balance: Statement,
     insert_transfer: Statement,
-}
-
-/// Whether `spec` names a PostgreSQL database: a `postgres://` or
-/// `postgresql://` URL, or libpq's `key=value` form (`host=/run/pg dbname=x`).
-pub fn is_postgres(spec: &str) -> bool {
-    let s = spec.trim_start();
-    s.starts_with("postgres://")
-        || s.starts_with("postgresql://")
-        || s.split_whitespace().next().is_some_and(|w| {
-            w.split_once('=').is_some_and(|(k, _)| {
-                ["host", "hostaddr", "dbname", "user", "port", "password", "options"].contains(&k)
-            })
-        })
 }
 
 impl PgStore {
@@ -150,7 +138,7 @@ fn session(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
 
 /// A plain connection to the database `spec` names, with a connect timeout
 /// of the busy budget unless `spec` sets one. The error never quotes `spec`.
-pub fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
+pub(super) fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
     let mut config = Config::from_str(spec).map_err(|e| redacted("--db", &e, spec))?;
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(std::time::Duration::from_millis(u64::from(policy.busy_timeout_ms)));
@@ -160,7 +148,7 @@ pub fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
 }
 
 /// `spec` with `search_path` set to `schema`, in the form `spec` is in.
-pub fn in_schema(spec: &str, schema: &str) -> String {
+pub(super) fn in_schema(spec: &str, schema: &str) -> String {
     let options = format!("-c search_path={schema}");
     if spec.trim_start().starts_with("postgres") {
         let sep = if spec.contains('?') { '&' } else { '?' };
@@ -180,7 +168,7 @@ fn redacted(what: &str, e: &postgres::Error, spec: &str) -> StoreError {
     for secret in password.into_iter().chain([spec.to_owned()]).filter(|s| !s.is_empty()) {
         line = line.replace(&secret, "***");
     }
-    StoreError::Backend(line)
+    StoreError::Backend(line.into())
 }
 
 /// A driver error as one line: its kind and the server's primary message,
@@ -198,14 +186,14 @@ fn describe(e: &postgres::Error) -> String {
 
 /// A driver error as a store error: transient ones by kind, the rest as one
 /// line without row data.
-pub fn pg(e: postgres::Error) -> StoreError {
+pub(super) fn pg(e: postgres::Error) -> StoreError {
     match e.code() {
         Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE || *c == SqlState::T_R_DEADLOCK_DETECTED => {
             StoreError::Conflict
         }
         Some(c) if *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::QUERY_CANCELED => StoreError::Busy,
         _ if lost(&e) => StoreError::Unavailable(format!("PostgreSQL: {}", describe(&e))),
-        _ => StoreError::Backend(format!("PostgreSQL: {}", describe(&e))),
+        _ => StoreError::Backend(format!("PostgreSQL: {}", describe(&e)).into()),
     }
 }
 
@@ -369,7 +357,7 @@ fn create_schema(client: &mut Client, shape: &Shape) -> Result<(), StoreError> {
     tx.commit().map_err(pg)
 }
 
-const KEY_COLUMNS: &str = "fingerprint, created_at, token, state, lease_until, status, reason, body";
+const KEY_COLUMNS: &str = super::RECORD_COLUMNS;
 const KEY_WHERE: &str = "client_id = $1 AND endpoint = $2 AND idem_key = $3";
 
 impl Statements {
@@ -451,18 +439,19 @@ fn balance(id: &AcctId, text: &str) -> Result<i64, StoreError> {
 }
 
 fn record(row: &Row) -> Result<KeyRecord, StoreError> {
-    let corrupt = |why: String| StoreError::Backend(format!("corrupt idem_key row: {why}"));
-    let time = |i: usize| Timestamp::parse(row.get::<_, &str>(i)).map_err(|e| corrupt(e.to_string()));
-    let state = match (row.get::<_, &str>(3), row.get::<_, Option<i32>>(5), row.get::<_, Option<String>>(7)) {
-        ("in_progress", _, _) => KeyState::InProgress { lease_until: time(4)? },
-        ("completed", Some(status), Some(body)) => KeyState::Completed(Stored {
-            status: u16::try_from(status).map_err(|_| corrupt(format!("status {status}")))?,
-            reason: row.get(6),
-            body,
-        }),
-        (other, ..) => return Err(corrupt(format!("state {other:?} without its response"))),
-    };
-    Ok(KeyRecord { fingerprint: row.get(0), created_at: time(1)?, token: row.get(2), state })
+    let status: Option<i32> = row.get(5);
+    KeyRow {
+        fingerprint: row.get(0),
+        created_at: row.get(1),
+        token: row.get(2),
+        state: row.get(3),
+        lease_until: row.get(4),
+        status: status.map(i64::from),
+        reason: row.get(6),
+        body: row.get(7),
+        transfer_id: row.get(8),
+    }
+    .decode()
 }
 
 impl Store for PgStore {
@@ -624,10 +613,10 @@ impl Tx for PgTx<'_> {
         key: &ScopedKey,
         token: &str,
         response: &Stored,
-        transfer_id: Option<i64>,
         at: Timestamp,
     ) -> Result<bool, StoreError> {
         let (status, at) = (i32::from(response.status), at.to_string());
+        let reason = response.reason.as_ref().map(Reason::as_str);
         let changed = self
             .client
             .execute(
@@ -637,9 +626,9 @@ impl Tx for PgTx<'_> {
                     &key.endpoint,
                     &key.idem_key,
                     &status,
-                    &response.reason,
+                    &reason,
                     &response.body,
-                    &transfer_id,
+                    &response.transfer_id,
                     &at,
                     &token,
                 ],
@@ -715,7 +704,7 @@ impl Tx for PgTx<'_> {
             .map_err(pg)?;
         rows.iter()
             .map(|r| {
-                let key = ScopedKey { client_id: r.get(8), endpoint: r.get(9), idem_key: r.get(10) };
+                let key = ScopedKey { client_id: r.get(9), endpoint: r.get(10), idem_key: r.get(11) };
                 Ok((key, record(r)?))
             })
             .collect()

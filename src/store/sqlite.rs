@@ -16,11 +16,12 @@
 //! module for why that is safe).
 
 use super::{
-    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Reads, Store, StoreError, Stored,
-    Tx, audit_sql,
+    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, RECORD_COLUMNS, Reads, Store,
+    StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
+use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
 use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
@@ -76,8 +77,9 @@ impl SqliteStore {
     /// serves one request and exits should use [`SqliteStore::open_for_one_request`].
     pub fn open(path: &Path, policy: &Policy) -> Result<Self, StoreError> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = Connection::open_with_flags(path, flags)
-            .map_err(|e| StoreError::Backend(format!("cannot open {}: {e}", path.display())))?;
+        let conn = Connection::open_with_flags(path, flags).map_err(|e| {
+            StoreError::Backend(Failure::caused_by(format!("cannot open {}: {e}", path.display()), e))
+        })?;
         Self::from_connection(conn, policy)
     }
 
@@ -266,7 +268,7 @@ fn backend(e: rusqlite::Error) -> StoreError {
     match e.sqlite_error_code() {
         Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreError::Busy,
         Some(ErrorCode::DiskFull | ErrorCode::SystemIoFailure) => StoreError::Unavailable(e.to_string()),
-        _ => StoreError::Backend(e.to_string()),
+        _ => StoreError::Backend(Failure::caused_by(e.to_string(), e)),
     }
 }
 
@@ -438,7 +440,7 @@ fn completed_body(
 }
 
 fn read_key(conn: &Connection, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-    let sql = format!("SELECT {RECORD} FROM idem_key WHERE {KEY_WHERE}");
+    let sql = format!("SELECT {RECORD_COLUMNS} FROM idem_key WHERE {KEY_WHERE}");
     conn.prepare_cached(&sql)
         .and_then(|mut s| {
             s.query_row((&key.client_id, &key.endpoint, &key.idem_key), |r| record_at(r, 0)).optional()
@@ -476,29 +478,20 @@ impl Drop for SqliteTx<'_> {
     }
 }
 
-const RECORD: &str = "fingerprint, created_at, token, state, lease_until, status, reason, body";
-
-/// A key row whose [`RECORD`] columns start at column `at`.
+/// A key row whose [`RECORD_COLUMNS`] start at column `at`.
 fn record_at(r: &Row, at: usize) -> rusqlite::Result<KeyRecord> {
-    let column = |name: &str| at + RECORD.split(", ").position(|c| c == name).unwrap_or(usize::MAX);
-    let time = |name: &str| -> rusqlite::Result<Timestamp> {
-        let text: String = r.get(column(name))?;
-        Timestamp::parse(&text).map_err(|e| corrupt(name, e.to_string()))
+    let row = KeyRow {
+        fingerprint: r.get(at)?,
+        created_at: r.get(at + 1)?,
+        token: r.get(at + 2)?,
+        state: r.get(at + 3)?,
+        lease_until: r.get(at + 4)?,
+        status: r.get(at + 5)?,
+        reason: r.get(at + 6)?,
+        body: r.get(at + 7)?,
+        transfer_id: r.get(at + 8)?,
     };
-    let state: String = r.get(column("state"))?;
-    let state = match (state.as_str(), r.get::<_, Option<u16>>(column("status"))?, r.get(column("body"))?) {
-        ("in_progress", _, _) => KeyState::InProgress { lease_until: time("lease_until")? },
-        ("completed", Some(status), Some(body)) => {
-            KeyState::Completed(Stored { status, reason: r.get(column("reason"))?, body })
-        }
-        (other, ..) => return Err(corrupt("state", format!("{other:?} without its response"))),
-    };
-    Ok(KeyRecord {
-        fingerprint: r.get(column("fingerprint"))?,
-        created_at: time("created_at")?,
-        token: r.get(column("token"))?,
-        state,
-    })
+    row.decode().map_err(|e| corrupt("row", e.to_string()))
 }
 
 /// A key row the engine cannot have written.
@@ -575,7 +568,6 @@ impl Tx for SqliteTx<'_> {
         key: &ScopedKey,
         token: &str,
         response: &Stored,
-        transfer_id: Option<i64>,
         at: Timestamp,
     ) -> Result<bool, StoreError> {
         let sql = format!(
@@ -591,9 +583,9 @@ impl Tx for SqliteTx<'_> {
                     &key.endpoint,
                     &key.idem_key,
                     response.status,
-                    &response.reason,
+                    response.reason.as_ref().map(Reason::as_str),
                     &response.body,
-                    transfer_id,
+                    response.transfer_id,
                     at.to_string(),
                     token,
                 ))
@@ -670,7 +662,7 @@ impl Tx for SqliteTx<'_> {
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
         let sql = format!(
-            "SELECT client_id, endpoint, idem_key, {RECORD} FROM idem_key WHERE state = 'in_progress'
+            "SELECT client_id, endpoint, idem_key, {RECORD_COLUMNS} FROM idem_key WHERE state = 'in_progress'
              ORDER BY created_at, client_id, endpoint, idem_key"
         );
         let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;

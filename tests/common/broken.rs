@@ -100,9 +100,9 @@ impl<S: Store> Engine for Broken<S> {
             Mistake::CompletedBeforeExecute => {
                 let claimed = protocol::claim(&mut self.store, req, ctx)?;
                 if claimed == Claimed::Mine {
-                    let done = Stored { status: 201, reason: None, body: "{}".into() };
+                    let done = Stored { status: 201, reason: None, body: "{}".into(), transfer_id: None };
                     store::atomically(&mut self.store, Durability::Lazy, ctx.policy, |tx| {
-                        tx.complete(&req.key, ctx.token, &done, None, ctx.now).map(End::Commit)
+                        tx.complete(&req.key, ctx.token, &done, ctx.now).map(End::Commit)
                     })?;
                 }
                 Ok(claimed)
@@ -191,10 +191,9 @@ impl Tx for SourceFirstTx<'_> {
         key: &ScopedKey,
         token: &str,
         response: &Stored,
-        transfer_id: Option<i64>,
         at: Timestamp,
     ) -> Result<bool, StoreError> {
-        self.inner.complete(key, token, response, transfer_id, at)
+        self.inner.complete(key, token, response, at)
     }
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
         self.inner.release(key, token)

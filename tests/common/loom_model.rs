@@ -91,13 +91,12 @@ impl Tx for MemTx<'_> {
         key: &ScopedKey,
         token: &str,
         response: &Stored,
-        transfer_id: Option<i64>,
         _: Timestamp,
     ) -> Result<bool, StoreError> {
         match self.work.keys.get_mut(key) {
             Some((record, named)) if record.held_by(token) => {
                 record.state = KeyState::Completed(response.clone());
-                *named = transfer_id;
+                *named = response.transfer_id;
                 Ok(true)
             }
             _ => Ok(false),
@@ -222,7 +221,7 @@ pub fn race_with<E: Engine + Send + 'static>(
             KeyState::InProgress { .. } => assert!(state.transfers.is_empty() && died == 1),
         }
         for r in answers.iter().flatten().filter(|r| r.status != 201) {
-            assert_eq!((r.status, r.reason.as_deref()), (409, Some("in_progress")));
+            assert_eq!((r.status, r.reason.as_ref().map(|r| r.as_str())), (409, Some("in_progress")));
         }
         if died == 0 {
             assert_eq!(state.transfers.len(), 1, "nobody died, so somebody paid");

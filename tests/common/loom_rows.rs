@@ -205,7 +205,6 @@ impl Tx for RowTx {
         key: &ScopedKey,
         token: &str,
         response: &Stored,
-        _: Option<i64>,
         _: Timestamp,
     ) -> Result<bool, StoreError> {
         self.lock(RowId::Key(key.clone()));

@@ -216,7 +216,7 @@ impl Bank {
     /// Processes released together, one per request text.
     pub fn race(&self, texts: &[String]) -> Result<Vec<Answer>, String> {
         let files = texts.iter().map(|t| self.file(t)).collect::<Result<Vec<_>, _>>()?;
-        let finished = race::release_together(&self.command, &self.db, &files, &[])
+        let finished = race::release_together(&self.command, self.db.as_os_str(), &files, &[])
             .map_err(|e| format!("racing: {e}"))?;
         Ok(finished
             .into_iter()

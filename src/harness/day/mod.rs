@@ -9,60 +9,30 @@
 //! harness's own tables; the engine's tables are reached only through the
 //! store.
 
-pub mod bank;
 pub mod replay;
 pub mod report;
 pub mod traffic;
 
+use super::HarnessError;
+use crate::store::{Db, bank};
 use std::path::Path;
-
-/// An error of the harness, with what it was doing.
-#[derive(Debug)]
-pub struct DayError(pub String);
-
-impl std::fmt::Display for DayError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for DayError {}
-
-impl From<rusqlite::Error> for DayError {
-    fn from(e: rusqlite::Error) -> Self {
-        DayError(format!("sqlite: {e}"))
-    }
-}
 
 /// An I/O error that names the path it happened on: "No such file or
 /// directory" alone leaves the reader guessing which file.
-pub fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> DayError + '_ {
-    move |e| DayError(format!("{}: {e}", path.display()))
+pub fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> HarnessError + '_ {
+    move |e| HarnessError(format!("{}: {e}", path.display()))
 }
 
-impl From<crate::store::StoreError> for DayError {
+impl From<crate::store::StoreError> for HarnessError {
     fn from(e: crate::store::StoreError) -> Self {
-        DayError(format!("store: {e}"))
+        HarnessError(format!("store: {e}"))
     }
-}
-
-/// Removes a SQLite database and its WAL companions, if present.
-pub fn remove_db(path: &Path) -> Result<(), DayError> {
-    for suffix in ["", "-wal", "-shm", "-journal"] {
-        let mut p = path.as_os_str().to_owned();
-        p.push(suffix);
-        match std::fs::remove_file(&p) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_at(Path::new(&p))(e)),
-            _ => {}
-        }
-    }
-    Ok(())
 }
 
 /// Writes `text` plus a final newline, replacing the file atomically: the
 /// text goes to a temporary file of its own beside `path` (a name no other
 /// writer shares), which is then renamed over it.
-pub fn write_file(path: &Path, text: &str) -> Result<(), DayError> {
+pub fn write_file(path: &Path, text: &str) -> Result<(), HarnessError> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io_at(dir))?;
     std::io::Write::write_all(&mut tmp, format!("{}\n", text.trim_end()).as_bytes())
@@ -76,9 +46,9 @@ pub const PROVE_FILES: [&str; 6] =
     ["idem.db", "dup_report.json", "day.db", "result.json", "policy.json", "idem_report.md"];
 
 /// Creates `idem.db` at `path`; refuses to touch an existing file.
-pub fn generate_at(path: &Path) -> Result<(), DayError> {
+pub fn generate_at(path: &Path) -> Result<(), HarnessError> {
     if path.exists() {
-        return Err(DayError(format!("{} exists; remove it or pick another path", path.display())));
+        return Err(HarnessError(format!("{} exists; remove it or pick another path", path.display())));
     }
     let mut conn = rusqlite::Connection::open(path)?;
     traffic::generate(&mut conn)
@@ -88,19 +58,19 @@ pub fn generate_at(path: &Path) -> Result<(), DayError> {
 /// that must not exist, or an empty PostgreSQL database.
 pub fn replay_at(
     log_path: &Path,
-    day: &str,
+    day: &Db,
     policy: &crate::policy::Policy,
     racing: Option<&replay::Racing>,
-) -> Result<replay::Replayed, DayError> {
+) -> Result<replay::Replayed, HarnessError> {
     let log = open_existing(log_path)?;
     replay::replay(&log, day, policy, racing)
 }
 
 /// Opens a database that must already exist (never creates an empty one).
-pub fn open_existing(path: &Path) -> Result<rusqlite::Connection, DayError> {
+pub fn open_existing(path: &Path) -> Result<rusqlite::Connection, HarnessError> {
     use rusqlite::OpenFlags;
     rusqlite::Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-        .map_err(|e| DayError(format!("cannot open {}: {e}", path.display())))
+        .map_err(|e| HarnessError(format!("cannot open {}: {e}", path.display())))
 }
 
 /// The whole day into `dir`: the files of [`PROVE_FILES`], from scratch.
@@ -111,30 +81,30 @@ pub fn prove(
     dir: &Path,
     policy: &crate::policy::Policy,
     engine: &[String],
-    db: Option<&str>,
-) -> Result<replay::DayResult, DayError> {
+    db: Option<&Db>,
+) -> Result<replay::DayResult, HarnessError> {
     std::fs::create_dir_all(dir).map_err(io_at(dir))?;
     for name in PROVE_FILES {
-        remove_db(&dir.join(name))?;
+        bank::remove_files(&dir.join(name))?;
     }
     let log_path = dir.join("idem.db");
     generate_at(&log_path)?;
     let dup = report::dup_report(&open_existing(&log_path)?)?;
     write_file(&dir.join("dup_report.json"), &to_json(&dup)?)?;
-    let day_file = dir.join("day.db").to_string_lossy().into_owned();
+    let day_file = Db::Sqlite(dir.join("day.db"));
     let day = db.unwrap_or(&day_file);
     // The race runs on a scratch copy beside the day: a file, or a schema.
     let scratch = match db {
-        Some(spec) => {
-            pg_scratch_schema(spec, "CREATE SCHEMA IF NOT EXISTS idem_race")?;
-            crate::store::pg::in_schema(spec, "idem_race")
+        Some(db) => {
+            bank::execute(db, "CREATE SCHEMA IF NOT EXISTS idem_race")?;
+            db.in_schema("idem_race")
         }
-        None => dir.join("race.db").to_string_lossy().into_owned(),
+        None => Db::Sqlite(dir.join("race.db")),
     };
     let racing = replay::Racing { engine: engine.to_vec(), scratch };
     let replayed = replay_at(&log_path, day, policy, Some(&racing));
-    if let Some(spec) = db {
-        pg_scratch_schema(spec, "DROP SCHEMA IF EXISTS idem_race CASCADE")?;
+    if let Some(db) = db {
+        bank::execute(db, "DROP SCHEMA IF EXISTS idem_race CASCADE")?;
     }
     let day = replayed?;
     write_file(&dir.join("result.json"), &to_json(&day.result)?)?;
@@ -143,12 +113,7 @@ pub fn prove(
     Ok(day.result)
 }
 
-fn pg_scratch_schema(spec: &str, sql: &str) -> Result<(), DayError> {
-    let mut client = crate::store::pg::client(spec, crate::policy::Policy::embedded())?;
-    client.batch_execute(sql).map_err(|e| crate::store::pg::pg(e).into())
-}
-
 /// Pretty JSON for the files people read.
-pub fn to_json<T: serde::Serialize>(value: &T) -> Result<String, DayError> {
-    serde_json::to_string_pretty(value).map_err(|e| DayError(e.to_string()))
+pub fn to_json<T: serde::Serialize>(value: &T) -> Result<String, HarnessError> {
+    serde_json::to_string_pretty(value).map_err(|e| HarnessError(e.to_string()))
 }

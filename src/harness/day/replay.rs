@@ -11,13 +11,14 @@
 //! goes into its own line of the report; the counts of `result.json` are the
 //! seq-order replay's.
 
-use super::{DayError, bank, io_at};
+use super::{HarnessError, io_at};
 use crate::clock::Timestamp;
 use crate::harness::{self, race};
 use crate::policy::Policy;
 use crate::protocol::Ctx;
 use crate::request::{self, ScopedKey};
 use crate::store::{self, Store, Usage};
+use crate::store::{Db, bank};
 use rusqlite::Connection;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 #[derive(Debug, Clone)]
 pub struct Racing {
     pub engine: Vec<String>,
-    pub scratch: String,
+    pub scratch: Db,
 }
 
 /// What the racing processes did on the copy.
@@ -87,11 +88,11 @@ pub struct Replayed {
 /// Replays `log`'s `req_log` into the empty day database `day` names.
 pub fn replay(
     log: &Connection,
-    day: &str,
+    day: &Db,
     policy: &Policy,
     racing: Option<&Racing>,
-) -> Result<Replayed, DayError> {
-    let accounts = bank::accounts(log)?;
+) -> Result<Replayed, HarnessError> {
+    let accounts = accounts(log)?;
     bank::create(day, &accounts)?;
     let mut store = store::open(day, policy, Usage::LongLived)?;
     let balance_total_before = store.audit()?.money();
@@ -101,7 +102,7 @@ pub fn replay(
     let mut rows = stmt.query([])?;
     while let Some(r) = rows.next()? {
         let at: String = r.get(1)?;
-        let at = Timestamp::parse(&at).map_err(|e| DayError(format!("req_log: {e}")))?;
+        let at = Timestamp::parse(&at).map_err(|e| HarnessError(format!("req_log: {e}")))?;
         logged.push(Logged { seq: r.get(0)?, at, kind: r.get(2)?, raw: r.get(3)? });
     }
 
@@ -116,8 +117,8 @@ pub fn replay(
         let token = format!("seq-{}", entry.seq);
         let ctx = Ctx { policy, now: entry.at, token: &token };
         let response = harness::send(&mut store, &entry.raw, ctx, None)?
-            .ok_or_else(|| DayError(format!("seq {} crashed unasked", entry.seq)))?;
-        if let (Some(key), Some(id)) = (key_of(&entry.raw, policy), response.transfer_id()) {
+            .ok_or_else(|| HarnessError(format!("seq {} crashed unasked", entry.seq)))?;
+        if let (Some(key), Some(id)) = (key_of(&entry.raw, policy), response.transfer_id) {
             paid.entry(key).or_default().insert(id);
         }
         answers.push(Answer {
@@ -125,7 +126,7 @@ pub fn replay(
             kind: entry.kind.clone(),
             status: response.status,
             replay: response.replay,
-            reason: response.reason,
+            reason: response.reason.map(|r| r.to_string()),
         });
     }
     let audit = store.audit()?;
@@ -164,7 +165,7 @@ fn race_on_a_copy(
     accounts: &[bank::Account],
     racing: &Racing,
     policy: &Policy,
-) -> Result<RaceOutcome, DayError> {
+) -> Result<RaceOutcome, HarnessError> {
     bank::drop(&racing.scratch)?;
     bank::create(&racing.scratch, accounts)?;
     let mut copy = store::open(&racing.scratch, policy, Usage::LongLived)?;
@@ -186,20 +187,16 @@ fn race_on_a_copy(
         files.push(file);
     }
     let now = instant[0].at.to_string();
-    let finished = race::release_together(
-        &racing.engine,
-        std::path::Path::new(&racing.scratch),
-        &files,
-        &[("IDEM_NOW", now)],
-    );
+    let finished =
+        race::release_together(&racing.engine, &racing.scratch.to_arg(), &files, &[("IDEM_NOW", now)]);
     dir.close().map_err(io_at(&std::env::temp_dir()))?;
     let mut answers = Vec::new();
-    for f in finished.map_err(|e| DayError(format!("racing {:?}: {e}", racing.engine)))? {
+    for f in finished.map_err(|e| HarnessError(format!("racing {:?}: {e}", racing.engine)))? {
         let answer = serde_json::from_str::<serde_json::Value>(&f.stdout)
             .ok()
             .and_then(|v| Some((u16::try_from(v["status"].as_u64()?).ok()?, v["replay"].as_bool()?)))
             .ok_or_else(|| {
-                DayError(format!(
+                HarnessError(format!(
                     "a racing process answered {:?} (exit {:?}): {}",
                     f.stdout,
                     f.code,
@@ -212,6 +209,14 @@ fn race_on_a_copy(
         store::open(&racing.scratch, policy, Usage::LongLived)?.audit()?.transfers.len() as i64 - before;
     bank::drop(&racing.scratch)?;
     Ok(RaceOutcome { seqs: instant.iter().map(|e| e.seq).collect(), answers, transfers })
+}
+
+/// The accounts of the day's log.
+fn accounts(log: &Connection) -> Result<Vec<bank::Account>, HarnessError> {
+    let mut stmt = log.prepare("SELECT acct_id, holder, balance FROM account ORDER BY acct_id")?;
+    let rows =
+        stmt.query_map([], |r| Ok(bank::Account { id: r.get(0)?, holder: r.get(1)?, balance: r.get(2)? }))?;
+    Ok(rows.collect::<Result<_, _>>()?)
 }
 
 fn key_of(raw: &str, policy: &Policy) -> Option<ScopedKey> {

@@ -1,7 +1,7 @@
 //! `idem dup-report` and `idem_report.md`: what the naive system paid twice,
 //! and what the engine did about it. Every number is read from the data.
 
-use super::DayError;
+use super::HarnessError;
 use super::replay::{RaceOutcome, Replayed};
 use crate::policy::Policy;
 use rusqlite::Connection;
@@ -31,7 +31,7 @@ pub struct DupKey {
 }
 
 /// Tallies the duplicate transfers of `transfer_v1` per scoped key.
-pub fn dup_report(log: &Connection) -> Result<DupReport, DayError> {
+pub fn dup_report(log: &Connection) -> Result<DupReport, HarnessError> {
     let mut stmt = log.prepare(
         "WITH numbered AS (
              SELECT client_id, endpoint, idem_key, amount,
@@ -86,11 +86,11 @@ pub fn krw(amount: i64) -> String {
 }
 
 /// `idem_report.md`: the four sections the lab asks for.
-pub fn markdown(dup: &DupReport, replayed: &Replayed, policy: &Policy) -> Result<String, DayError> {
+pub fn markdown(dup: &DupReport, replayed: &Replayed, policy: &Policy) -> Result<String, HarnessError> {
     let (day, answers) = (&replayed.result, &replayed.answers);
     let mut md = String::new();
     let w = &mut md;
-    let fmt = |e: std::fmt::Error| DayError(e.to_string());
+    let fmt = |e: std::fmt::Error| HarnessError(e.to_string());
     writeln!(w, "# idem: one day of transfers, replayed\n").map_err(fmt)?;
     writeln!(
         w,

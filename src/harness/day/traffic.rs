@@ -7,7 +7,7 @@
 //! and one key string that two different clients happened to choose. The
 //! naive system (`transfer_v1`) made one transfer per arrival.
 
-use super::DayError;
+use super::HarnessError;
 use crate::clock::Timestamp;
 use crate::rng::Rng;
 use rusqlite::{Connection, params};
@@ -166,7 +166,7 @@ pub const LOG_REQUEST: &str = "INSERT INTO req_log VALUES (?1, ?2, ?3, ?4, ?5, ?
      CASE WHEN json_valid(?7) THEN json_extract(?7, '$.body.currency') END)";
 
 /// Creates `idem.db` at `conn` (an empty database).
-pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
+pub fn generate(conn: &mut Connection) -> Result<(), HarnessError> {
     let tx = conn.transaction()?;
     tx.execute_batch(
         "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL);
@@ -186,7 +186,7 @@ pub fn generate(conn: &mut Connection) -> Result<(), DayError> {
     for (i, holder) in HOLDERS.iter().enumerate() {
         tx.execute("INSERT INTO account VALUES (?1, ?2, ?3)", params![acct_id(i), holder, OPENING_BALANCE])?;
     }
-    let start = Timestamp::parse(DAY_START).map_err(|e| DayError(e.to_string()))?;
+    let start = Timestamp::parse(DAY_START).map_err(|e| HarnessError(e.to_string()))?;
     let mut rng = Rng::new(0x1de3_2026_1130);
     for (i, a) in arrivals(&mut rng).iter().enumerate() {
         let seq = i as i64 + 1;

@@ -1,0 +1,165 @@
+//! A bank to run the engine on: an `account` table with given rows, created
+//! in a fresh database of either kind, read back, and cleared away again.
+//! This is the setup a user does by hand before pointing the engine at their
+//! database; the day (`idem prove`), `idem chaos`, the benches and the tests
+//! build theirs with it.
+
+use super::{Db, Failure, StoreError, pg};
+use crate::policy::Policy;
+use rusqlite::Connection;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// An account as a bank is made of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Account {
+    pub id: String,
+    pub holder: String,
+    pub balance: i64,
+}
+
+/// A transfer row as the verdicts read it, ids as text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferRow {
+    pub id: i64,
+    pub src: String,
+    pub dst: String,
+    pub amount: i64,
+}
+
+fn sqlite(e: rusqlite::Error) -> StoreError {
+    StoreError::Backend(Failure::caused_by(format!("sqlite: {e}"), e))
+}
+
+/// Creates `account` holding `accounts` in `db`: a new SQLite file (which
+/// must not exist), or a PostgreSQL database (or schema) with no `account`,
+/// `transfer` or `idem_key` yet.
+pub fn create(db: &Db, accounts: &[Account]) -> Result<(), StoreError> {
+    const TABLE: &str =
+        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance BIGINT NOT NULL)";
+    match db {
+        Db::Postgres(spec) => {
+            let mut client = pg::client(spec, Policy::embedded())?;
+            let mut tx = client.transaction().map_err(pg::pg)?;
+            let taken: Option<String> = tx
+                .query_one(
+                    "SELECT string_agg(t, ', ') FROM unnest(ARRAY['account', 'transfer', 'idem_key']) AS t
+                     WHERE to_regclass(t) IS NOT NULL",
+                    &[],
+                )
+                .map_err(pg::pg)?
+                .get(0);
+            if let Some(tables) = taken {
+                return Err(StoreError::Schema(format!(
+                    "the bank needs an empty database, and this one has {tables}"
+                )));
+            }
+            tx.batch_execute(TABLE).map_err(pg::pg)?;
+            for a in accounts {
+                tx.execute("INSERT INTO account VALUES ($1, $2, $3)", &[&a.id, &a.holder, &a.balance])
+                    .map_err(pg::pg)?;
+            }
+            tx.commit().map_err(pg::pg)
+        }
+        Db::Sqlite(path) => {
+            if path.exists() {
+                return Err(StoreError::Schema(format!(
+                    "{} exists; remove it or pick another path",
+                    path.display()
+                )));
+            }
+            let mut conn = Connection::open(path).map_err(sqlite)?;
+            let tx = conn.transaction().map_err(sqlite)?;
+            tx.execute_batch(TABLE).map_err(sqlite)?;
+            for a in accounts {
+                tx.execute("INSERT INTO account VALUES (?1, ?2, ?3)", (&a.id, &a.holder, a.balance))
+                    .map_err(sqlite)?;
+            }
+            tx.commit().map_err(sqlite)
+        }
+    }
+}
+
+/// Leaves a finished SQLite bank self-contained: the file without its WAL
+/// beside it. Nothing to do on PostgreSQL.
+pub fn settle(db: &Db) -> Result<(), StoreError> {
+    match db {
+        Db::Sqlite(path) => Connection::open(path)
+            .and_then(|c| c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); PRAGMA journal_mode = DELETE;"))
+            .map_err(sqlite),
+        Db::Postgres(_) => Ok(()),
+    }
+}
+
+/// Removes a bank: the SQLite file and its companions, or the three tables.
+pub fn drop(db: &Db) -> Result<(), StoreError> {
+    match db {
+        Db::Postgres(_) => execute(db, "DROP TABLE IF EXISTS idem_key, transfer, account"),
+        Db::Sqlite(path) => remove_files(path),
+    }
+}
+
+/// Runs `sql` (statements without results) on `db`.
+pub fn execute(db: &Db, sql: &str) -> Result<(), StoreError> {
+    match db {
+        Db::Postgres(spec) => pg::client(spec, Policy::embedded())?.batch_execute(sql).map_err(pg::pg),
+        Db::Sqlite(path) => Connection::open(path).and_then(|c| c.execute_batch(sql)).map_err(sqlite),
+    }
+}
+
+/// Removes a SQLite database and its WAL companions, if present.
+pub fn remove_files(path: &Path) -> Result<(), StoreError> {
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        match std::fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(StoreError::Backend(Failure::caused_by(
+                    format!("{}: {e}", Path::new(&p).display()),
+                    e,
+                )));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The `transfer` table and every balance, read straight from the database
+/// (not through the engine, which may be the thing under judgement).
+pub fn ledger(db: &Db) -> Result<(Vec<TransferRow>, BTreeMap<String, i64>), StoreError> {
+    const TRANSFERS: &str =
+        "SELECT transfer_id, CAST(src AS TEXT), CAST(dst AS TEXT), amount FROM transfer ORDER BY transfer_id";
+    const BALANCES: &str = "SELECT CAST(acct_id AS TEXT), CAST(balance AS BIGINT) FROM account";
+    match db {
+        Db::Postgres(spec) => {
+            let mut client = pg::client(spec, Policy::embedded())?;
+            let rows = client.query(TRANSFERS, &[]).map_err(pg::pg)?;
+            let transfers = rows.iter().map(|r| TransferRow {
+                id: r.get(0),
+                src: r.get(1),
+                dst: r.get(2),
+                amount: r.get(3),
+            });
+            let balances =
+                client.query(BALANCES, &[]).map_err(pg::pg)?.iter().map(|r| (r.get(0), r.get(1))).collect();
+            Ok((transfers.collect(), balances))
+        }
+        Db::Sqlite(path) => {
+            let conn = Connection::open(path).map_err(sqlite)?;
+            let read = || -> rusqlite::Result<_> {
+                let mut stmt = conn.prepare(TRANSFERS)?;
+                let transfers = stmt
+                    .query_map([], |r| {
+                        Ok(TransferRow { id: r.get(0)?, src: r.get(1)?, dst: r.get(2)?, amount: r.get(3)? })
+                    })?
+                    .collect::<Result<_, _>>()?;
+                let mut stmt = conn.prepare(BALANCES)?;
+                let balances =
+                    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<_, _>>()?;
+                Ok((transfers, balances))
+            };
+            read().map_err(sqlite)
+        }
+    }
+}
