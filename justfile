@@ -12,15 +12,15 @@ test:
 
 # The deep property storm: tens of thousands of random days.
 storm cases="20000":
-    PROPTEST_CASES={{cases}} cargo test --release --test storm
+    PROPTEST_CASES={{cases}} cargo test --release --test engine storm::
 
 # The long kill test: 3000 idem_api processes killed with SIGKILL at random moments.
 kill runs="3000":
-    IDEM_KILL_RUNS={{runs}} cargo test --release --test kill -- --nocapture
+    IDEM_KILL_RUNS={{runs}} cargo test --release --test engine kill:: -- --nocapture
 
-# Run each deliberately broken engine (tests/common/broken.rs) and show what catches it.
+# Run each deliberately broken engine (tests/engine/models/broken.rs) and show what catches it.
 teeth:
-    cargo test --release --test teeth -- --nocapture
+    cargo test --release --test engine teeth:: -- --nocapture
 
 # The service under load: SQLite at 1, 8, 64, 256 connections, the limits, growth.
 bench-serve:
@@ -41,9 +41,7 @@ mutants:
 # The PostgreSQL store's mutants, against the suites on PostgreSQL.
 mutants-pg:
     IDEM_BACKENDS=postgres,serializable cargo mutants --no-config --profile mutants --timeout-multiplier 3 \
-        --file src/store/pg.rs --cargo-test-arg=--test=api --cargo-test-arg=--test=scenarios \
-        --cargo-test-arg=--test=storm --cargo-test-arg=--test=races --cargo-test-arg=--test=opposite \
-        --cargo-test-arg=--test=secrets --cargo-test-arg=--test=kill --cargo-test-arg=--test=settled
+        --file src/store/pg.rs --cargo-test-arg=--test=engine
 
 # Benchmarks: medians and ratios against the Python peer and the disk's fsync rate.
 bench:

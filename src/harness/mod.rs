@@ -44,7 +44,10 @@ pub fn send<E: Engine + ?Sized>(
     let req = match engine.parse(raw.as_bytes(), ctx.policy) {
         Ok(req) => req,
         Err(e) => {
-            return Ok(Some(Response::refusal(ctx.policy.on_invalid_request, Reason::Invalid(e.to_string()))));
+            return Ok(Some(Response::refusal(
+                ctx.policy.on_invalid_request,
+                Reason::Invalid(e.to_string()),
+            )));
         }
     };
     let mut faults = |p: Point| if Some(p) == crash { Flow::Crash } else { Flow::Continue };

@@ -4,8 +4,6 @@
 //! verdict has teeth: the same day against a server that keeps no keys is
 //! caught paying twice.
 
-mod common;
-
 use idem::harness::chaos::{Config, run};
 use idem::harness::proxy::Odds;
 use idem::policy::Policy;
@@ -48,7 +46,7 @@ fn a_lossy_day_with_server_kills_pays_every_transfer_exactly_once() {
 
 #[test]
 fn a_lossy_day_on_postgres_with_a_database_restart_pays_every_transfer_exactly_once() {
-    let Some(server) = common::pg::server() else { return };
+    let Some(server) = crate::common::pg::server() else { return };
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), Some(server.fresh_schema(false)), idem_serve());
     cfg.restart_db = Some(Box::new(move || match server.restart_immediate() {

@@ -8,10 +8,8 @@
 //! `PROPTEST_CASES` sets the number of days (256 by default; `just storm`
 //! runs tens of thousands).
 
-mod common;
-
-use common::storm::{ACCOUNTS, op, run_day, run_day_on};
-use common::{Backend, backends, store_with};
+use crate::common::{Backend, backends, store_with};
+use crate::models::storm::{ACCOUNTS, op, run_day, run_day_on};
 use idem::request::AcctId;
 use proptest::prelude::*;
 

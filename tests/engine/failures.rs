@@ -2,9 +2,7 @@
 //! reclaimer, stale claims and their recovery, and databases the engine must
 //! refuse without writing a byte.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use idem::clock::Timestamp;
 use idem::policy::Policy;
 use idem::protocol::{self, Claimed, Ctx, Flow, Outcome};

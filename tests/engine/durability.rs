@@ -8,9 +8,7 @@
 //! `idem_api` under `strace`; `.ci/run` installs strace and sets
 //! `IDEM_REQUIRE_TOOLS=1`, which turns a missing strace into a failure.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::process::Command;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,7 +107,7 @@ fn a_bare_key_file_name_is_durable_in_its_directory_before_the_first_attempt() {
     let out = Command::new("strace")
         .args(["-f", "-y", "-e", "trace=fsync,fdatasync,rename,renameat,renameat2,link,linkat,connect", "-o"])
         .arg(&log)
-        .arg(common::serve::IDEM)
+        .arg(env!("CARGO_BIN_EXE_idem"))
         .args(["transfer", "--url", &url, "--token", "t", "--src", "a", "--dst", "b", "--amount", "1"])
         .args(["--key-file", "order-1.key", "--budget", "200ms"])
         .current_dir(dir.path())

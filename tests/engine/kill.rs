@@ -6,9 +6,7 @@
 //! `IDEM_KILL_RUNS` sets the number of kills (CI: 200, bounded to 90 s);
 //! `just kill` runs 3000.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use idem::clock::Timestamp;
 use rusqlite::Connection;
 use std::collections::BTreeMap;

@@ -3,9 +3,7 @@
 //! expectation (balances, rows, bodies) is computed here, not read back from
 //! the engine.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{Value, json};
 use std::process::Command;
 

@@ -4,9 +4,7 @@
 //! deadlock leaves a request unanswered, and relative balance updates mean
 //! no concurrent debit is lost: the balances come out exact to the unit.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use idem::harness::race::release_together;
 
 const PROCESSES: usize = 8;

@@ -2,9 +2,7 @@
 //! or its password. A wrong password, an unreachable server and a malformed
 //! URL each give exit 5 and one clear line that names neither.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::process::Command;
 
 fn refused(db: &str) -> String {

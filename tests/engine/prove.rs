@@ -1,8 +1,6 @@
 //! `idem prove`: the six files, byte-identical on every run, with the
 //! reviewed outputs pinned as snapshots in `snapshots/`.
 
-mod common;
-
 use idem::harness::day;
 use idem::policy::Policy;
 
@@ -25,7 +23,7 @@ fn prove_is_deterministic_and_matches_the_snapshots() {
     assert_eq!(result.double_paid_avoided, result.v1_total - result.total_transferred);
 
     let mut settings = insta::Settings::clone_current();
-    settings.set_snapshot_path("../snapshots");
+    settings.set_snapshot_path("../../snapshots");
     settings.set_prepend_module_to_snapshot(false);
     settings.bind(|| {
         for name in ["result.json", "dup_report.json", "idem_report.md"] {
@@ -141,7 +139,7 @@ fn req_log_carries_the_parsed_transfer_beside_the_raw_text() {
 /// the same-instant race raced there too; and never into a used database.
 #[test]
 fn prove_on_postgres_writes_the_same_result_as_on_sqlite() {
-    let Some(server) = common::pg::server() else { return };
+    let Some(server) = crate::common::pg::server() else { return };
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     day::prove(a.path(), Policy::embedded(), &engine(), None).unwrap();
     let spec = server.fresh_schema(false);

@@ -5,9 +5,7 @@
 //! paid twice, and the balances are exact. In its own test binary, because
 //! the restart cuts every connection to the server.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -7,10 +7,8 @@
 //! and nothing moved, and once it dies there (unwinding out of the group),
 //! every retry is new.
 
-mod common;
-
-use common::serve::{Serve, body};
-use common::*;
+use crate::common::*;
+use crate::server::{Serve, body};
 use idem::service::executor::{GroupHook, GroupPoint};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;

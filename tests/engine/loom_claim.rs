@@ -10,9 +10,7 @@
 //! SQLite claim itself is raced with real processes in tests/api.rs and
 //! tests/races.rs.
 
-mod common;
-
-use common::loom_model::race;
+use crate::models::loom_claim::race;
 
 #[test]
 fn two_racers_one_key() {

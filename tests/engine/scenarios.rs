@@ -2,9 +2,7 @@
 //! `snapshots/`: the transcript holds every answer, so the snapshot pins the
 //! replayed bytes across runs and releases.
 
-mod common;
-
-use common::{Backend, backends, store_with};
+use crate::common::{Backend, backends, store_with};
 use std::path::Path;
 
 #[test]
@@ -18,7 +16,7 @@ fn every_scenario_holds_and_its_answers_match_the_snapshot() {
     files.sort();
     assert!(files.len() >= 15, "only {} scenario files in {}", files.len(), dir.display());
     let mut settings = insta::Settings::clone_current();
-    settings.set_snapshot_path("../snapshots");
+    settings.set_snapshot_path("../../snapshots");
     settings.set_prepend_module_to_snapshot(false);
     settings.bind(|| {
         for file in files {

@@ -3,9 +3,7 @@
 //! 2^53, instants at the edges of time, FIFOs, quadratic parsing, forged
 //! recovery rows, keys blocked by a failed execution, and purging.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use idem::clock::Timestamp;
 use idem::policy::Policy;
 use rusqlite::Connection;

@@ -4,10 +4,8 @@
 //! connection. Each test is one hole a review reproduced, on a real
 //! `idem serve` (and a real PostgreSQL where it says so).
 
-mod common;
-
-use common::serve::{Serve, body};
-use common::*;
+use crate::common::*;
+use crate::server::{Serve, body};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
@@ -286,7 +284,7 @@ fn a_token_listed_twice_refuses_to_start_naming_its_line_not_the_token() {
         "{\n  \"tok-secret-1\": \"shop-1\",\n  \"tok-2\": \"shop-2\",\n  \"tok-secret-1\": \"shop-3\"\n}\n",
     )
     .unwrap();
-    let out = std::process::Command::new(common::serve::IDEM)
+    let out = std::process::Command::new(crate::server::IDEM)
         .arg("serve")
         .arg("--db")
         .arg(&bank.db)
@@ -365,7 +363,7 @@ fn reads_never_wait_behind_an_execution_in_a_lock_wait() {
     let done = serve.post(TOKEN, Some("\"done\""), &body(a, b, 1));
     assert_eq!(done.status, 201);
     // hold account c: two transfers on it fill the pool, each in a lock wait
-    let mut holder = common::pg::client(&bank.spec());
+    let mut holder = crate::common::pg::client(&bank.spec());
     let mut tx = holder.transaction().unwrap();
     tx.execute("SELECT 1 FROM account WHERE acct_id = $1 FOR UPDATE", &[&c.as_str().unwrap()]).unwrap();
     let waiting: Vec<_> = (0..2)
@@ -410,12 +408,12 @@ fn an_execution_whose_connection_dies_frees_its_key_at_once() {
     let bank = Bank::on(Backend::Postgres, &mut rng, 2, false);
     let (a, b) = (&bank.accounts[0], &bank.accounts[1]);
     let serve = Serve::start(&bank.db, &[SHOP], &["--pool", "1"], &[]);
-    let mut holder = common::pg::client(&bank.spec());
+    let mut holder = crate::common::pg::client(&bank.spec());
     let mut tx = holder.transaction().unwrap();
     tx.execute("SELECT 1 FROM account WHERE acct_id = $1 FOR UPDATE", &[&a.as_str().unwrap()]).unwrap();
     let (url, payload) = (serve.url.clone(), body(a, b, 4));
     let pending = std::thread::spawn(move || {
-        common::serve::read(
+        crate::server::read(
             Serve::agent()
                 .post(format!("{url}/v1/transfers"))
                 .header("Authorization", format!("Bearer {}", SHOP.0))
@@ -424,7 +422,7 @@ fn an_execution_whose_connection_dies_frees_its_key_at_once() {
                 .send(&payload),
         )
     });
-    let mut admin = common::pg::client(&bank.spec());
+    let mut admin = crate::common::pg::client(&bank.spec());
     let deadline = Instant::now() + Duration::from_secs(5);
     let killed = loop {
         let n: i64 = admin
@@ -471,7 +469,7 @@ fn a_shared_memory_file_that_cannot_be_written_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let clients = dir.path().join("clients.json");
     std::fs::write(&clients, r#"{"t": "shop-1"}"#).unwrap();
-    let out = std::process::Command::new(common::serve::IDEM)
+    let out = std::process::Command::new(crate::server::IDEM)
         .arg("serve")
         .arg("--db")
         .arg(&bank.db)

@@ -1,13 +1,7 @@
 //! Shared fixtures: a fresh database holding only `account`, with random
 //! accounts and balances, and a way to drive the real `idem_api` binary.
-#![allow(dead_code)] // each test file uses a different part
 
-pub mod broken;
-pub mod loom_model;
-pub mod loom_rows;
 pub mod pg;
-pub mod serve;
-pub mod storm;
 
 use idem::rng::Rng;
 use rusqlite::Connection;
@@ -100,26 +94,6 @@ impl Bank {
         Bank { dir, db, backend, accounts, requests: std::cell::Cell::new(0) }
     }
 
-    /// A bank over a SQLite database the caller built in `dir`.
-    pub fn at(dir: tempfile::TempDir, db: PathBuf) -> Bank {
-        let conn = Connection::open(&db).unwrap();
-        let mut stmt = conn.prepare("SELECT acct_id FROM account ORDER BY rowid").unwrap();
-        let accounts = stmt
-            .query_map([], |r| {
-                Ok(match r.get::<_, rusqlite::types::Value>(0)? {
-                    rusqlite::types::Value::Integer(i) => json!(i),
-                    rusqlite::types::Value::Text(s) => json!(s),
-                    other => panic!("unexpected acct id {other:?}"),
-                })
-            })
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
-        drop(stmt);
-        Bank { dir, db, backend: Backend::Sqlite, accounts, requests: std::cell::Cell::new(0) }
-    }
-
-    /// The connection string or path, as text.
     pub fn spec(&self) -> String {
         self.db.to_string_lossy().into_owned()
     }

@@ -3,10 +3,8 @@
 //! before anything is sent; a final 4xx is not retried; a budget that runs
 //! out says "outcome unknown, retry with key K", never "failed".
 
-mod common;
-
-use common::serve::{IDEM, Serve};
-use common::*;
+use crate::common::*;
+use crate::server::{IDEM, Serve};
 use std::process::{Command, Output};
 
 fn transfer(url: &str, token: &str, args: &[&str]) -> Output {
@@ -279,7 +277,7 @@ fn keys_are_sent_as_escaped_sf_strings_and_unsendable_ones_are_refused_at_once()
     let again = serve.post(
         Some("tok"),
         Some(r#""x\"y\\z""#),
-        &common::serve::body(&bank.accounts[0], &bank.accounts[1], 6),
+        &crate::server::body(&bank.accounts[0], &bank.accounts[1], 6),
     );
     assert_eq!((again.status, again.body.as_str()), (201, first.trim_end()));
     assert_eq!(again.header("idempotent-replayed"), Some("true"));

@@ -2,9 +2,7 @@
 //! panic, never move money and never consume a key; each documented kind of
 //! bad input gets its own 400 reason; no client can reach another's key.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use idem::policy::Policy;
 use idem::request;
 use proptest::prelude::*;

@@ -3,9 +3,7 @@
 //! commit. loom tries every interleaving: racers on one key execute it once,
 //! and opposite transfers on two keys neither deadlock nor lose money.
 
-mod common;
-
-use common::loom_rows::race_rows;
+use crate::models::loom_rows::race_rows;
 
 #[test]
 fn racers_on_one_key_under_row_locks_execute_it_once() {

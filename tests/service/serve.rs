@@ -2,10 +2,8 @@
 //! DESIGN §2, on every store, and the service's own promises (one key space
 //! with `idem_api`, detached execution, a clean drain on SIGTERM).
 
-mod common;
-
-use common::serve::{IDEM, Serve, body, documented, read};
-use common::*;
+use crate::common::*;
+use crate::server::{IDEM, Serve, body, documented, read};
 use serde_json::{Value, json};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -18,7 +16,7 @@ fn start(bank: &Bank) -> Serve {
     Serve::start(&bank.db, &[SHOP, OTHER], &[], &[])
 }
 
-fn assert_no_secrets(http: &common::serve::Http, bank: &Bank) {
+fn assert_no_secrets(http: &crate::server::Http, bank: &Bank) {
     for leak in ["SELECT", "idem_key", "sqlite", "postgres", "host=", &bank.spec()] {
         assert!(!http.body.contains(leak), "response leaks {leak:?}: {}", http.body);
     }

@@ -2,9 +2,7 @@
 //! against what the real binary does, reading the file from disk (not the
 //! copy compiled in), so editing one without the other turns this red.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use idem::clock::Timestamp;
 use serde_json::{Value, json};
 

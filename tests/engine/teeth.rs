@@ -3,12 +3,10 @@
 //! runs every scenario, a property storm and the loom model, and prints which
 //! of them caught it (`cargo test --release --test teeth -- --nocapture`).
 
-mod common;
-
-use common::broken::{Broken, Mistake};
-use common::loom_model::{race, race_with};
-use common::loom_rows::race_rows;
-use common::storm::{ACCOUNTS, op, run_day, run_day_on};
+use crate::models::broken::{Broken, Mistake};
+use crate::models::loom_claim::{race, race_with};
+use crate::models::loom_rows::race_rows;
+use crate::models::storm::{ACCOUNTS, op, run_day, run_day_on};
 use idem::harness::scenario::{self, sqlite_bank};
 use idem::policy::Policy;
 use idem::request::AcctId;
@@ -48,11 +46,11 @@ fn failing_scenarios(mistake: Option<Mistake>) -> Vec<String> {
 /// The storm's verdict: `Some(minimal failing day)` if it caught the engine.
 ///
 /// The runner is seeded, so the same days are tried on every run, and every
-/// day that broke an engine is saved to `tests/storm.proptest-regressions`,
+/// day that broke an engine is saved to `tests/engine/storm.proptest-regressions`,
 /// which the storm (`tests/storm.rs`) replays first against the real engine
 /// on every `cargo test`.
 fn storm_catches(mistake: Option<Mistake>, cases: u32) -> Option<String> {
-    let persistence = FileFailurePersistence::Direct("tests/storm.proptest-regressions");
+    let persistence = FileFailurePersistence::Direct("tests/engine/storm.proptest-regressions");
     let config = Config { cases, failure_persistence: Some(Box::new(persistence)), ..Config::default() };
     let mut runner = TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
     let strategy = (prop::array::uniform::<_, ACCOUNTS>(0i64..2_000), prop::collection::vec(op(), 1..40));
@@ -88,7 +86,7 @@ fn loom_catches(mistake: Option<Mistake>) -> bool {
 /// runs in a child process: this test binary, filtered to [`row_locks_probe`].
 fn row_locks_catch(mistake: Option<Mistake>) -> bool {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["row_locks_probe", "--exact", "--quiet", "--test-threads=1"])
+        .args(["teeth::row_locks_probe", "--exact", "--quiet", "--test-threads=1"])
         .env("IDEM_ROW_LOCKS_PROBE", mistake.map_or("real".into(), |m| format!("{m:?}")))
         .output()
         .unwrap();

@@ -4,9 +4,7 @@
 //! paid at most once, every 201 for a key names the same transfer, and the
 //! balances are what paying each key once gives.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Barrier};
 

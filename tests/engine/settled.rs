@@ -3,9 +3,7 @@
 //! (the stored bytes, as a replay) and a key under another body (422); a new,
 //! in-flight or expired key goes on to the claim; and it never moves money.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use idem::policy::Policy;
 use idem::protocol::{self, Claimed, Ctx, Flow, Outcome};
 use idem::store::Reads;

@@ -1,0 +1,14 @@
+//! `idem serve` and its clients, in one test binary: the HTTP contract on a
+//! real server, availability under hostile load, group commit, the retrying
+//! client, and chaos days through a lossy network.
+
+#[path = "../support/mod.rs"]
+#[allow(dead_code)] // shared with the engine's suites, which also use its request helpers
+mod common;
+mod server;
+
+mod availability;
+mod chaos;
+mod client;
+mod group_commit;
+mod serve;
