@@ -63,6 +63,27 @@ impl Server {
         Server { child, address: line.trim().trim_start_matches("http://").to_owned() }
     }
 
+    /// The server's CPU time so far (user plus system), all threads, and
+    /// that of its threads named `thread` (the SQLite writer: `idem-writer`).
+    fn cpu(&self, thread: &str) -> (Duration, Duration) {
+        let ticks = |stat: &str| -> u64 {
+            let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace().collect();
+            fields.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
+                + fields.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
+        };
+        let pid = self.child.id();
+        let all = ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default());
+        let mut named = 0;
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim() == thread {
+                named += ticks(&std::fs::read_to_string(task.path().join("stat")).unwrap_or_default());
+            }
+        }
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+        (Duration::from_micros(all * 1_000_000 / hz), Duration::from_micros(named * 1_000_000 / hz))
+    }
+
     /// The server's peak resident memory so far, in MiB.
     fn peak_rss_mib(&self) -> f64 {
         self.status_mib("VmHWM:")
@@ -255,8 +276,16 @@ fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
     println!("|---:|---:|---:|---:|---:|---:|---:|---|");
     let mut fresh_total = 0;
     let mut rates = Vec::new();
+    let mut cpu_rows = Vec::new();
     for connections in CONNECTIONS {
+        // the server's own CPU per request, the load generator's excluded
+        let per_request = |before: (Duration, Duration), after: (Duration, Duration), n: usize| {
+            let us = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+            (us(after.0 - before.0), us(after.1 - before.1))
+        };
+        let cpu0 = server.cpu("idem-writer");
         let (new, took) = load(&server.address, connections, Phase::New, &format!("new{connections}"), &[]);
+        let cpu_new = per_request(cpu0, server.cpu("idem-writer"), new.latencies_us.len());
         assert!(new.other.is_empty(), "unexpected answers {:?}", &new.other[..new.other.len().min(5)]);
         fresh_total += new.fresh.len();
         let mut lat = new.latencies_us.clone();
@@ -268,12 +297,20 @@ fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
                 new.fresh.iter().filter(|k| k.split('-').nth(1) == Some(&c.to_string())).cloned().collect()
             })
             .collect();
+        let cpu1 = server.cpu("idem-writer");
         let (replay, took_r) = load(&server.address, connections, Phase::Replay, "unused", &per);
         let replay_rate = replay.replays as f64 / took_r.as_secs_f64();
+        let cpu2 = server.cpu("idem-writer");
+        let cpu_replay = per_request(cpu1, cpu2, replay.latencies_us.len());
         let (mix, took_m) =
             load(&server.address, connections, Phase::Mix, &format!("mix{connections}"), &per);
+        let cpu_mix = per_request(cpu2, server.cpu("idem-writer"), mix.latencies_us.len());
         fresh_total += mix.fresh.len();
         let mix_rate = mix.latencies_us.len() as f64 / took_m.as_secs_f64();
+        cpu_rows.push(format!(
+            "| {connections} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            cpu_new.0, cpu_new.1, cpu_replay.0, cpu_mix.0
+        ));
         verify(db, fresh_total);
         println!(
             "| {connections} | {new_rate:.0} | {:.2} ms | {:.2} ms | {:.1} ms | {replay_rate:.0} | {mix_rate:.0} | {} transfers = distinct fresh 201s, money conserved |",
@@ -289,6 +326,14 @@ fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
                 server.peak_rss_mib()
             );
         }
+    }
+    println!(
+        "\nThe server's own CPU (user + system, all its threads; the load generator excluded), µs per request:\n"
+    );
+    println!("| connections | new transfer | of it, the SQLite writer thread | replay | mix |");
+    println!("|---:|---:|---:|---:|---:|");
+    for row in cpu_rows {
+        println!("{row}");
     }
     if let Some(soak) = std::env::var("IDEM_BENCH_SOAK").ok().and_then(|s| s.parse::<u64>().ok()) {
         println!("\nSoak: 64 connections of the mix for {soak} s:");

@@ -130,12 +130,32 @@ pub struct Ctx<'a> {
     pub token: &'a str,
 }
 
-/// A fresh claim token: 128 random bits, so no two attempts share one,
-/// whether they run in many processes or in one service.
+/// A fresh claim token: 128 bits, so no two attempts share one, whether
+/// they run in many processes or in one service. The process draws 128
+/// random bits once; each token is the first half and a bijective mix of
+/// the second half plus a counter, so tokens of one process never repeat,
+/// tokens of two processes differ by their random halves, and a busy
+/// service makes no system call for them.
 pub fn fresh_token() -> Result<String, getrandom::Error> {
-    let mut bits = [0u8; 16];
-    getrandom::fill(&mut bits)?;
-    Ok(bits.iter().map(|b| format!("{b:02x}")).collect())
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEED: OnceLock<(u64, u64)> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let (high, low) = match SEED.get() {
+        Some(seed) => *seed,
+        None => {
+            let mut bits = [0u8; 16];
+            getrandom::fill(&mut bits)?;
+            let (a, b) = bits.split_at(8);
+            let drawn = (
+                u64::from_le_bytes(a.try_into().unwrap_or_default()),
+                u64::from_le_bytes(b.try_into().unwrap_or_default()),
+            );
+            *SEED.get_or_init(|| drawn)
+        }
+    };
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    Ok(format!("{high:016x}{:016x}", crate::rng::mix(low.wrapping_add(n))))
 }
 
 /// The result of the claim step.
@@ -444,4 +464,24 @@ fn refused(refusal: Refusal, policy: &Policy) -> Stored {
         Refusal::SameAccount => policy.on_invalid_request,
     };
     Stored { status, reason: Some(refusal.reason()), body: "null".into(), transfer_id: None }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fresh_token;
+
+    /// Claim tokens must never repeat within a process (a repeat would let
+    /// one attempt complete another's claim), whatever thread draws them.
+    #[test]
+    fn tokens_never_repeat_across_threads() {
+        let drawn: Vec<String> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| (0..25_000).map(|_| fresh_token().unwrap()).collect::<Vec<_>>()))
+                .collect();
+            threads.into_iter().flat_map(|t| t.join().unwrap()).collect()
+        });
+        assert!(drawn.iter().all(|t| t.len() == 32 && t.bytes().all(|b| b.is_ascii_hexdigit())));
+        let distinct: std::collections::HashSet<&String> = drawn.iter().collect();
+        assert_eq!(distinct.len(), drawn.len());
+    }
 }

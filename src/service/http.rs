@@ -142,21 +142,31 @@ fn route_of(path: &str) -> &'static str {
 /// reason as its code alone: a log is read by more people than the
 /// database, and neither may carry what the client wrote.
 fn log(app: &App, method: &Method, path: &str, reply: &Reply, note: &Note, took: Duration) {
-    let key = note.key.as_ref().map(|k| app.log.key_tag(note.client.as_deref().unwrap_or(""), k));
-    let reason = note.reason.as_deref().map(|r| r.split(':').next().unwrap_or(r));
-    let line = json!({
-        "ts": Timestamp::now().to_string(),
-        "method": method.as_str(),
-        "path": path.chars().take(200).collect::<String>(),
-        "client": note.client,
-        "key_tag": key,
-        "status": reply.status().as_u16(),
-        "replay": note.replay,
-        "reason": reason,
-        "error": note.error,
-        "latency_ms": (took.as_secs_f64() * 1e6).round() / 1e3,
-    });
-    app.log.line(line.to_string());
+    use std::fmt::Write;
+    let mut line = String::with_capacity(256);
+    let text = |s: &str| serde_json::Value::from(s).to_string();
+    let _ = write!(
+        line,
+        r#"{{"ts":"{}","method":{},"path":{}"#,
+        Timestamp::now(),
+        text(method.as_str()),
+        text(&path.chars().take(200).collect::<String>())
+    );
+    if let Some(client) = &note.client {
+        let _ = write!(line, r#","client":{}"#, text(client));
+        if let Some(key) = &note.key {
+            let _ = write!(line, r#","key_tag":"{}""#, app.log.key_tag(client, key));
+        }
+    }
+    let _ = write!(line, r#","status":{},"replay":{}"#, reply.status().as_u16(), note.replay);
+    if let Some(reason) = &note.reason {
+        let _ = write!(line, r#","reason":{}"#, text(reason.split(':').next().unwrap_or(reason)));
+    }
+    if let Some(error) = &note.error {
+        let _ = write!(line, r#","error":{}"#, text(error));
+    }
+    let _ = write!(line, r#","latency_ms":{}}}"#, (took.as_secs_f64() * 1e6).round() / 1e3);
+    app.log.line(line);
 }
 
 async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {

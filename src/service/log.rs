@@ -85,17 +85,33 @@ impl Log {
     }
 }
 
-fn write_lines(mut sink: Box<dyn Write + Send>, queue: &Receiver<String>, written: &AtomicU64) {
-    while let Ok(first) = queue.recv() {
+/// How long the writer sleeps between batches. It polls rather than
+/// waiting on the queue, so that a request queueing its line never has to
+/// wake a thread: a wake-up per line cost more CPU than the line itself.
+const BATCH_EVERY: Duration = Duration::from_millis(10);
+
+fn write_lines(sink: Box<dyn Write + Send>, queue: &Receiver<String>, written: &AtomicU64) {
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, sink);
+    loop {
         let mut batch = 0;
-        let mut next = Some(first);
-        while let Some(line) = next {
-            let _ = sink.write_all(line.as_bytes()).and_then(|()| sink.write_all(b"\n"));
-            batch += 1;
-            next = queue.try_recv().ok();
+        loop {
+            match queue.try_recv() {
+                Ok(line) => {
+                    let _ = out.write_all(line.as_bytes()).and_then(|()| out.write_all(b"\n"));
+                    batch += 1;
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    let _ = out.flush();
+                    return;
+                }
+            }
         }
-        let _ = sink.flush();
-        written.fetch_add(batch, Ordering::Relaxed);
+        if batch > 0 {
+            let _ = out.flush();
+            written.fetch_add(batch, Ordering::Relaxed);
+        }
+        std::thread::sleep(BATCH_EVERY);
     }
 }
 
