@@ -556,8 +556,16 @@ fn main() {
 fn before_and_after(baseline: &str, dir: &Path) {
     println!("\n## This build against {baseline}, medians of 5 alternating rounds\n");
     println!("| connections | | baseline | this build | ratio |\n|---:|---|---:|---:|---:|");
+    const MEASURES: [&str; 5] = [
+        "new transfers/s",
+        "replays/s",
+        "server CPU µs per new transfer",
+        "of it, the writer thread's",
+        "server CPU µs per replay",
+    ];
     for connections in [1, 64] {
-        let mut rates: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+        // [side][measure] -> one sample per round
+        let mut samples: [[Vec<f64>; 5]; 2] = Default::default();
         for round in 0..5 {
             for (side, bin) in [baseline, IDEM].into_iter().enumerate() {
                 let db =
@@ -565,7 +573,9 @@ fn before_and_after(baseline: &str, dir: &Path) {
                 idem::store::bank::create(&idem::store::Db::parse(&db), &accounts()).unwrap();
                 let server = Server::start_bin(bin, &db, dir, &[]);
                 let run = format!("ab{connections}x{round}x{side}");
+                let cpu0 = server.cpu("idem-writer");
                 let (new, took) = load(&server.address, connections, Phase::New, &run, &[]);
+                let cpu1 = server.cpu("idem-writer");
                 let per: Vec<Vec<String>> = (0..connections)
                     .map(|c| {
                         new.fresh
@@ -576,19 +586,30 @@ fn before_and_after(baseline: &str, dir: &Path) {
                     })
                     .collect();
                 let (replay, took_r) = load(&server.address, connections, Phase::Replay, "unused", &per);
+                let cpu2 = server.cpu("idem-writer");
                 drop(server);
                 verify(&db, new.fresh.len());
-                rates[side].0.push(new.fresh.len() as f64 / took.as_secs_f64());
-                rates[side].1.push(replay.replays as f64 / took_r.as_secs_f64());
+                let us = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+                let (n, r) = (new.latencies_us.len(), replay.latencies_us.len());
+                let measured = [
+                    new.fresh.len() as f64 / took.as_secs_f64(),
+                    replay.replays as f64 / took_r.as_secs_f64(),
+                    us(cpu1.0 - cpu0.0, n),
+                    us(cpu1.1 - cpu0.1, n),
+                    us(cpu2.0 - cpu1.0, r),
+                ];
+                for (m, value) in measured.into_iter().enumerate() {
+                    samples[side][m].push(value);
+                }
             }
         }
         let median = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        let [(mut bn, mut br), (mut tn, mut tr)] = rates;
-        let (bn, br, tn, tr) = (median(&mut bn), median(&mut br), median(&mut tn), median(&mut tr));
-        println!("| {connections} | new transfers/s | {bn:.0} | {tn:.0} | {:.2}× |", tn / bn);
-        println!("| {connections} | replays/s | {br:.0} | {tr:.0} | {:.2}× |", tr / br);
+        for (m, name) in MEASURES.iter().enumerate() {
+            let (b, t) = (median(&mut samples[0][m].clone()), median(&mut samples[1][m].clone()));
+            println!("| {connections} | {name} | {b:.1} | {t:.1} | {:.2}× |", t / b);
+        }
     }
 }
