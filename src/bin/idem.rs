@@ -133,6 +133,54 @@ enum Command {
         #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
         group_max: u32,
     },
+    /// A payment gateway to pay out through, with seeded faults (a test harness).
+    ///
+    /// POST /payouts with an Idempotency-Key and {"beneficiary", "amount",
+    /// "currency"}: 201 paid, 402 account_closed (a beneficiary named
+    /// closed-...), 422 amount_over_limit; a retry with the same key and
+    /// body gets the payout's latest state (409 while pending), another body
+    /// 400 idempotency_key_reused. GET /payouts/{key}: the payout (pending,
+    /// paid, failed) or 404. Keys are forgotten after --key-window: a key
+    /// sent again after it pays again. Every decision is committed to the
+    /// ledger (--db, table payout) before it is answered; the faults lose or
+    /// garble answers, never the ledger. Prints its URL once listening.
+    Gateway {
+        /// The gateway's own ledger, a SQLite file (created if absent).
+        #[arg(long)]
+        db: PathBuf,
+        /// Address to listen on; port 0 picks a free one.
+        #[arg(long, default_value = "127.0.0.1:8090")]
+        listen: String,
+        /// Seed of the fault draws (in arrival order).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Percent of payout requests closed unanswered and unrecorded.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        lose_request: u64,
+        /// Percent recorded, then closed unanswered.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        drop_answer: u64,
+        /// Percent recorded, then answered 500.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        error_5xx: u64,
+        /// Percent recorded pending and settled only after --slow-for.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        slow: u64,
+        #[arg(long, default_value = "5s", value_parser = parse_duration)]
+        slow_for: std::time::Duration,
+        /// Lookups answer 404 for a payout younger than this.
+        #[arg(long, default_value = "0ms", value_parser = parse_duration)]
+        lookup_delay: std::time::Duration,
+        /// How long a key is remembered (Stripe: 24 h; Toss Payments: 15 days).
+        #[arg(long, default_value = "1d", value_parser = parse_duration)]
+        key_window: std::time::Duration,
+        /// Payouts above this amount are refused, 422 amount_over_limit.
+        #[arg(long, default_value_t = 1_000_000_000, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+        /// Require Authorization: Bearer TOKEN (or IDEM_GATEWAY_TOKEN).
+        #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+    },
     /// Send one transfer over HTTP, retrying until a final answer or the budget runs out.
     ///
     /// One key for every attempt (new, given, or kept in --key-file, written
@@ -364,6 +412,47 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             let mut store = store::open(&db, policy, Usage::LongLived)?;
             let purged = protocol::purge_expired(&mut store, now, batch, policy)?;
             println!("{}", json!({"purged": purged}));
+        }
+        Command::Gateway {
+            db,
+            listen,
+            seed,
+            lose_request,
+            drop_answer,
+            error_5xx,
+            slow,
+            slow_for,
+            lookup_delay,
+            key_window,
+            limit,
+            token,
+        } => {
+            let faults = idem::harness::gateway::Faults { lose_request, drop_answer, error_5xx, slow };
+            if faults.lose_request + faults.drop_answer + faults.error_5xx + faults.slow > 100 {
+                return Err(Failure("the fault percentages add up to more than 100".into()));
+            }
+            let listener = std::net::TcpListener::bind(&listen)
+                .map_err(|e| Failure(format!("cannot listen on {listen}: {e}")))?;
+            let address =
+                listener.local_addr().map_err(|e| Failure(format!("cannot listen on {listen}: {e}")))?;
+            let options = idem::harness::gateway::Options {
+                db,
+                seed,
+                faults,
+                slow_for,
+                lookup_delay,
+                key_window,
+                limit,
+                token,
+            };
+            // the ledger is opened before the URL is printed: a caller that
+            // read the URL can pay at once
+            let ledger = idem::harness::gateway::open(&options.db).map_err(|e| Failure(e.to_string()))?;
+            drop(ledger);
+            println!("http://{address}");
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+            idem::harness::gateway::serve(listener, options).map_err(|e| Failure(e.to_string()))?;
         }
         Command::Serve { db, listen, clients, pool, max_in_flight, max_connections, group_max } => {
             let descriptors = idem::service::descriptor_limit();
@@ -597,7 +686,7 @@ fn secret(inline: Option<String>, file: Option<&std::path::Path>, what: &str) ->
     }
 }
 
-/// `30s`, `500ms`, `2m`, `1h`, or a number of seconds.
+/// `30s`, `500ms`, `2m`, `1h`, `15d`, or a number of seconds.
 fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
@@ -608,6 +697,7 @@ fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
         "" | "s" => n.saturating_mul(1000),
         "m" => n.saturating_mul(60_000),
         "h" => n.saturating_mul(3_600_000),
+        "d" => n.saturating_mul(86_400_000),
         _ => return Err(format!("{text:?} is not a duration like 30s, 500ms or 2m")),
     };
     Ok(std::time::Duration::from_millis(millis))

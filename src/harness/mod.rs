@@ -7,6 +7,7 @@
 pub mod chaos;
 pub mod check;
 pub mod day;
+pub mod gateway;
 pub mod proxy;
 pub mod race;
 pub mod scenario;

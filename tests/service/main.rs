@@ -10,5 +10,6 @@ mod server;
 mod availability;
 mod chaos;
 mod client;
+mod gateway;
 mod group_commit;
 mod serve;

@@ -1,0 +1,469 @@
+//! A payment gateway to pay out through: the outside service idem does not
+//! own, with the faults that make paying through one hard.
+//!
+//! Its surface is the one real providers share: `POST /payouts` with an
+//! `Idempotency-Key` (a retry with the same key and body returns the
+//! payout's latest state, as PayPal's and Stripe's do; another body under
+//! the key is refused), and a lookup by that key, `GET /payouts/{key}` (as
+//! Toss Payments' lookup by the merchant's order id), answering `pending`,
+//! `paid`, `failed` or 404. Like them it forgets a key after a window
+//! (Stripe: 24 h; Toss: 15 days): a key sent again after it pays again, and
+//! the ledger shows it as two rows under one key.
+//!
+//! The ledger is a SQLite file of its own (`payout`), so a verdict can read
+//! what was really paid without asking the gateway. Every decision is
+//! committed before it is answered; the faults then lose or garble the
+//! answer, never the ledger:
+//! - lose the request: the connection closes, nothing recorded;
+//! - drop the answer: recorded, then the connection closes unanswered;
+//! - answer 500 after recording;
+//! - be slow: recorded `pending`, settled after `slow` (longer than a
+//!   client's timeout), then answered;
+//! - lookups answer 404 for a payout younger than `lookup_delay`
+//!   (eventual consistency).
+//!
+//! Business refusals are definitive and replayed: a beneficiary whose name
+//! starts with `closed-` is 402 `account_closed`; an amount over the limit
+//! is 422 `amount_over_limit`.
+
+use crate::harness::HarnessError;
+use crate::rng::Rng;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use rusqlite::{Connection, OptionalExtension, params};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The gateway's faults, each in percent of `POST /payouts` (first sends and
+/// retries alike), drawn in arrival order from the seed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Faults {
+    pub lose_request: u64,
+    pub drop_answer: u64,
+    pub error_5xx: u64,
+    pub slow: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The ledger (created if absent).
+    pub db: PathBuf,
+    pub seed: u64,
+    pub faults: Faults,
+    /// How long a slow payout stays `pending`.
+    pub slow_for: Duration,
+    /// Lookups answer 404 for a payout younger than this.
+    pub lookup_delay: Duration,
+    /// A key is forgotten this long after its payout was created.
+    pub key_window: Duration,
+    /// Payouts above this amount are refused (422 `amount_over_limit`).
+    pub limit: i64,
+    /// When set, requests must carry `Authorization: Bearer <token>`.
+    pub token: Option<String>,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS payout (
+    id          INTEGER PRIMARY KEY,
+    idem_key    TEXT    NOT NULL,
+    fingerprint TEXT    NOT NULL,
+    beneficiary TEXT    NOT NULL,
+    amount      INTEGER NOT NULL CHECK (amount > 0),
+    currency    TEXT    NOT NULL,
+    status      TEXT    NOT NULL CHECK (status IN ('pending', 'paid', 'failed')),
+    reason      TEXT,
+    created_ms  INTEGER NOT NULL,
+    settled_ms  INTEGER
+);
+CREATE INDEX IF NOT EXISTS payout_key ON payout (idem_key, created_ms);
+";
+
+/// The most a request body may hold.
+const MAX_BODY: usize = 16 * 1024;
+
+/// One row of the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payout {
+    pub id: i64,
+    pub key: String,
+    pub beneficiary: String,
+    pub amount: i64,
+    pub currency: String,
+    pub status: String,
+    pub reason: Option<String>,
+    pub created_ms: i64,
+}
+
+impl Payout {
+    fn json(&self) -> Value {
+        let mut v = json!({
+            "id": format!("po_{}", self.id),
+            "key": self.key,
+            "status": self.status,
+            "beneficiary": self.beneficiary,
+            "amount": self.amount,
+            "currency": self.currency,
+        });
+        if let Some(reason) = &self.reason {
+            v["reason"] = json!(reason);
+        }
+        v
+    }
+}
+
+/// Opens (creating if needed) a gateway ledger.
+pub fn open(path: &Path) -> Result<Connection, HarnessError> {
+    let conn = Connection::open(path).map_err(|e| HarnessError(format!("{}: {e}", path.display())))?;
+    conn.busy_timeout(Duration::from_secs(5))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.execute_batch(SCHEMA)?;
+    Ok(conn)
+}
+
+/// Every payout in the ledger, in the order they were made.
+pub fn ledger(conn: &Connection) -> Result<Vec<Payout>, HarnessError> {
+    let mut stmt = conn.prepare(&format!("SELECT {COLUMNS} FROM payout ORDER BY id"))?;
+    let rows = stmt.query_map([], payout)?.collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+const COLUMNS: &str = "id, idem_key, beneficiary, amount, currency, status, reason, created_ms";
+
+fn payout(row: &rusqlite::Row) -> rusqlite::Result<Payout> {
+    Ok(Payout {
+        id: row.get(0)?,
+        key: row.get(1)?,
+        beneficiary: row.get(2)?,
+        amount: row.get(3)?,
+        currency: row.get(4)?,
+        status: row.get(5)?,
+        reason: row.get(6)?,
+        created_ms: row.get(7)?,
+    })
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+struct Gateway {
+    options: Options,
+    ledger: Mutex<Connection>,
+    rng: Mutex<Rng>,
+}
+
+/// What the gateway does with one payout request, drawn from the seed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    Pass,
+    LoseRequest,
+    DropAnswer,
+    Error5xx,
+    Slow,
+}
+
+impl Gateway {
+    fn fate(&self) -> Fate {
+        let roll = self.rng.lock().unwrap_or_else(|e| e.into_inner()).below(100);
+        let f = self.options.faults;
+        let mut edge = 0;
+        for (odds, fate) in [
+            (f.lose_request, Fate::LoseRequest),
+            (f.drop_answer, Fate::DropAnswer),
+            (f.error_5xx, Fate::Error5xx),
+            (f.slow, Fate::Slow),
+        ] {
+            edge += odds;
+            if roll < edge {
+                return fate;
+            }
+        }
+        Fate::Pass
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The payout `key` names now: the newest one created inside the window.
+    fn current(conn: &Connection, key: &str, window: Duration) -> rusqlite::Result<Option<(Payout, String)>> {
+        conn.query_row(
+            &format!(
+                "SELECT {COLUMNS}, fingerprint FROM payout
+                 WHERE idem_key = ?1 AND created_ms > ?2 ORDER BY id DESC LIMIT 1"
+            ),
+            params![key, now_ms().saturating_sub(millis(window))],
+            |row| Ok((payout(row)?, row.get::<_, String>(8)?)),
+        )
+        .optional()
+    }
+}
+
+/// A request the gateway cuts instead of answering.
+#[derive(Debug)]
+struct Cut;
+
+impl std::fmt::Display for Cut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection cut by a seeded fault")
+    }
+}
+
+impl std::error::Error for Cut {}
+
+type Reply = Response<Full<Bytes>>;
+
+fn reply(status: StatusCode, body: &Value) -> Reply {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    response
+}
+
+fn error(status: StatusCode, code: &str, detail: &str) -> Reply {
+    reply(status, &json!({"error": code, "detail": detail}))
+}
+
+/// The answer for a payout in `status` (also what a retry gets).
+fn answer(p: &Payout) -> Reply {
+    let status = match (p.status.as_str(), p.reason.as_deref()) {
+        ("paid", _) => StatusCode::CREATED,
+        ("pending", _) => StatusCode::CONFLICT,
+        (_, Some("account_closed")) => StatusCode::PAYMENT_REQUIRED,
+        _ => StatusCode::UNPROCESSABLE_ENTITY,
+    };
+    reply(status, &p.json())
+}
+
+/// Keys are what a URL path carries unescaped: 1–255 of `A-Za-z0-9._:~-`.
+fn valid_key(key: &str) -> bool {
+    (1..=255).contains(&key.len())
+        && key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'~' | b'-'))
+}
+
+/// The payout a body asks for, or why it cannot be one.
+fn parse_payout(body: &[u8]) -> Result<(String, i64, String, String), String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("body must be a JSON object")?;
+    if let Some(extra) = obj.keys().find(|k| !matches!(k.as_str(), "beneficiary" | "amount" | "currency")) {
+        return Err(format!("unknown member {extra:?}"));
+    }
+    let beneficiary = obj
+        .get("beneficiary")
+        .and_then(Value::as_str)
+        .filter(|b| !b.is_empty() && b.len() <= 200)
+        .ok_or("beneficiary must be a non-empty string")?;
+    let amount = obj
+        .get("amount")
+        .filter(|a| a.is_i64())
+        .and_then(Value::as_i64)
+        .filter(|a| *a > 0)
+        .ok_or("amount must be a positive integer")?;
+    let currency = obj
+        .get("currency")
+        .and_then(Value::as_str)
+        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_uppercase()))
+        .ok_or("currency must be three capital letters")?;
+    // members in one order, so a retry spelled differently is the same payout
+    let normal = json!({"amount": amount, "beneficiary": beneficiary, "currency": currency}).to_string();
+    let fingerprint = Sha256::digest(normal.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    Ok((beneficiary.to_owned(), amount, currency.to_owned(), fingerprint))
+}
+
+async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
+    if let Some(token) = &gw.options.token {
+        let given = req.headers().get_all(hyper::header::AUTHORIZATION).iter().collect::<Vec<_>>();
+        let expected = format!("Bearer {token}");
+        if given.len() != 1 || given[0].as_bytes() != expected.as_bytes() {
+            return Ok(error(StatusCode::UNAUTHORIZED, "unauthorized", "a valid bearer token is required"));
+        }
+    }
+    let path = req.uri().path().to_owned();
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/healthz") => Ok(reply(StatusCode::OK, &json!({"status": "ok"}))),
+        (Method::POST, "/payouts") => pay(gw, req).await,
+        (Method::GET, p) if p.starts_with("/payouts/") => Ok(lookup(&gw, &p["/payouts/".len()..])),
+        _ => Ok(error(StatusCode::NOT_FOUND, "not_found", "no such route")),
+    }
+}
+
+fn lookup(gw: &Gateway, key: &str) -> Reply {
+    if !valid_key(key) {
+        return error(StatusCode::BAD_REQUEST, "invalid_request", "the key must be 1-255 of A-Za-z0-9._:~-");
+    }
+    let found = Gateway::current(&gw.conn(), key, gw.options.key_window);
+    match found {
+        Ok(Some((p, _))) if now_ms() - p.created_ms >= millis(gw.options.lookup_delay) => {
+            reply(StatusCode::OK, &p.json())
+        }
+        Ok(_) => error(StatusCode::NOT_FOUND, "not_found", "no payout under this key"),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string()),
+    }
+}
+
+async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
+    let key = match req.headers().get("idempotency-key").map(|v| v.to_str()) {
+        Some(Ok(k)) if valid_key(k) => k.to_owned(),
+        _ => {
+            return Ok(error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "Idempotency-Key must be 1-255 of A-Za-z0-9._:~-",
+            ));
+        }
+    };
+    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(_) => {
+            return Ok(error(StatusCode::BAD_REQUEST, "invalid_request", "body unreadable or over 16 KiB"));
+        }
+    };
+    let (beneficiary, amount, currency, fingerprint) = match parse_payout(&body) {
+        Ok(p) => p,
+        Err(why) => return Ok(error(StatusCode::BAD_REQUEST, "invalid_request", &why)),
+    };
+    let fate = gw.fate();
+    if fate == Fate::LoseRequest {
+        return Err(Cut);
+    }
+    let refusal = if beneficiary.starts_with("closed-") {
+        Some("account_closed")
+    } else if amount > gw.options.limit {
+        Some("amount_over_limit")
+    } else {
+        None
+    };
+    let recorded = {
+        let mut conn = gw.conn();
+        record(&mut conn, &gw.options, &key, &fingerprint, (&beneficiary, amount, &currency), refusal, fate)
+    };
+    let (payout, fresh) = match recorded {
+        Ok(Recorded::Payout(p, fresh)) => (p, fresh),
+        Ok(Recorded::OtherBody) => {
+            return Ok(error(
+                StatusCode::BAD_REQUEST,
+                "idempotency_key_reused",
+                "this key was used for another payout",
+            ));
+        }
+        Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string())),
+    };
+    let payout = if fresh && fate == Fate::Slow {
+        tokio::time::sleep(gw.options.slow_for).await;
+        match settle(&gw.conn(), payout.id, refusal) {
+            Ok(p) => p,
+            Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string())),
+        }
+    } else {
+        payout
+    };
+    match fate {
+        Fate::DropAnswer => Err(Cut),
+        Fate::Error5xx => Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "seeded fault")),
+        _ => Ok(answer(&payout)),
+    }
+}
+
+enum Recorded {
+    /// The key's payout, and whether this request made it.
+    Payout(Payout, bool),
+    OtherBody,
+}
+
+/// Finds the key's payout inside the window, or records a new one: settled
+/// at once, or `pending` when it is to be slow.
+fn record(
+    conn: &mut Connection,
+    options: &Options,
+    key: &str,
+    fingerprint: &str,
+    (beneficiary, amount, currency): (&str, i64, &str),
+    refusal: Option<&str>,
+    fate: Fate,
+) -> rusqlite::Result<Recorded> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    if let Some((p, seen)) = Gateway::current(&tx, key, options.key_window)? {
+        return Ok(if seen == fingerprint { Recorded::Payout(p, false) } else { Recorded::OtherBody });
+    }
+    let status = match (fate, refusal) {
+        (Fate::Slow, _) => "pending",
+        (_, None) => "paid",
+        (_, Some(_)) => "failed",
+    };
+    let reason = if status == "failed" { refusal } else { None };
+    let now = now_ms();
+    let id = tx.query_row(
+        "INSERT INTO payout (idem_key, fingerprint, beneficiary, amount, currency, status, reason, created_ms, settled_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, CASE WHEN ?6 = 'pending' THEN NULL ELSE ?8 END) RETURNING id",
+        params![key, fingerprint, beneficiary, amount, currency, status, reason, now],
+        |row| row.get::<_, i64>(0),
+    )?;
+    let p = Payout {
+        id,
+        key: key.to_owned(),
+        beneficiary: beneficiary.to_owned(),
+        amount,
+        currency: currency.to_owned(),
+        status: status.to_owned(),
+        reason: reason.map(str::to_owned),
+        created_ms: now,
+    };
+    tx.commit()?;
+    Ok(Recorded::Payout(p, true))
+}
+
+/// Settles a pending payout (paid, or failed with `refusal`).
+fn settle(conn: &Connection, id: i64, refusal: Option<&str>) -> rusqlite::Result<Payout> {
+    let status = if refusal.is_some() { "failed" } else { "paid" };
+    conn.query_row(
+        &format!(
+            "UPDATE payout SET status = ?2, reason = ?3, settled_ms = ?4
+             WHERE id = ?1 AND status = 'pending' RETURNING {COLUMNS}"
+        ),
+        params![id, status, refusal, now_ms()],
+        payout,
+    )
+}
+
+/// Serves the gateway on `listener` until the process ends. Every decision
+/// is committed before its answer, so killing it loses no payout.
+pub fn serve(listener: std::net::TcpListener, options: Options) -> Result<(), HarnessError> {
+    let conn = open(&options.db)?;
+    let gw = Arc::new(Gateway { rng: Mutex::new(Rng::new(options.seed)), ledger: Mutex::new(conn), options });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| HarnessError(format!("cannot start the runtime: {e}")))?;
+    runtime.block_on(async move {
+        listener.set_nonblocking(true).map_err(|e| HarnessError(format!("listener: {e}")))?;
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .map_err(|e| HarnessError(format!("listener: {e}")))?;
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let gw = gw.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| handle(gw.clone(), req));
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    })
+}
