@@ -10,6 +10,7 @@ mod server;
 mod availability;
 mod chaos;
 mod client;
+mod failover;
 mod gateway;
 mod group_commit;
 mod serve;

@@ -1,0 +1,330 @@
+//! Several `idem serve` on a replicated PostgreSQL that fails over: a real
+//! cluster from `tools/pg-ha` (Patroni and etcd from the distribution's
+//! packages: a primary and two standbys in strict synchronous mode, a
+//! commit acknowledged only once a standby has it), three services on its
+//! multi-host connection string, and the primary killed with SIGKILL
+//! mid-load.
+//!
+//! Needs `patroni` and `etcd`; without them the test is skipped, unless
+//! `IDEM_REQUIRE_TOOLS` is set (CI), where it fails.
+
+use crate::server::Serve;
+use idem::store::Db;
+use idem::store::bank::{self, Account};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const HA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/pg-ha");
+
+struct Cluster {
+    root: tempfile::TempDir,
+    port: u16,
+    conninfo: String,
+}
+
+impl Cluster {
+    fn start() -> Option<Cluster> {
+        let installed = Command::new("sh")
+            .args(["-c", "command -v patroni && command -v etcd"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !installed {
+            assert!(
+                std::env::var_os("IDEM_REQUIRE_TOOLS").is_none(),
+                "Patroni and etcd are not installed and IDEM_REQUIRE_TOOLS is set"
+            );
+            eprintln!("skipped: Patroni and etcd are not installed");
+            return None;
+        }
+        let root = tempfile::tempdir().unwrap();
+        let mut cluster = Cluster { root, port: free_ports(22), conninfo: String::new() };
+        cluster.conninfo = cluster.ha(&["start"]);
+        assert!(cluster.conninfo.contains("target_session_attrs=read-write"), "{}", cluster.conninfo);
+        Some(cluster)
+    }
+
+    /// Runs `tools/pg-ha ARGS` on this cluster; its standard output.
+    fn ha(&self, args: &[&str]) -> String {
+        let out = Command::new(HA)
+            .args(args)
+            .env("PG_HA_ROOT", self.root.path())
+            .env("PG_HA_PORT", self.port.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "tools/pg-ha {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    }
+
+    fn client(&self) -> postgres::Client {
+        postgres::Client::connect(&self.conninfo, postgres::NoTls).unwrap()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(HA)
+            .arg("destroy")
+            .env("PG_HA_ROOT", self.root.path())
+            .env("PG_HA_PORT", self.port.to_string())
+            .status();
+    }
+}
+
+/// The first of `n` consecutive loopback ports that are free now.
+fn free_ports(n: u16) -> u16 {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let seed = u64::from(std::process::id()) * 7919 + u64::from(nanos);
+    (0..200u64)
+        .map(|i| 20_000 + ((seed + i * 104_729) % 20_000) as u16)
+        .find(|base| (0..n).all(|k| std::net::TcpListener::bind(("127.0.0.1", base + k)).is_ok()))
+        .expect("no free ports")
+}
+
+/// What one client saw of one transfer.
+#[derive(Debug, Clone)]
+struct Final {
+    status: u16,
+    replay: bool,
+    transfer_id: Option<i64>,
+    amount: i64,
+    src: String,
+    dst: String,
+    /// When the attempt that got this answer was sent.
+    sent: Instant,
+    /// Whether an earlier attempt of the same key got no answer or a 503.
+    after_a_failure: bool,
+}
+
+#[derive(Default)]
+struct Seen {
+    unavailable: AtomicUsize,
+    in_progress: AtomicUsize,
+    no_answer: AtomicUsize,
+    other: Mutex<Vec<String>>,
+}
+
+/// Sends one transfer until it has a final answer, trying the instances in
+/// turn: another one after a failure, the same key every time.
+/// The final status, the answer's JSON, whether it was a replay, when the
+/// answered attempt was sent, and whether an earlier attempt failed.
+type Answer = (u16, serde_json::Value, bool, Instant, bool);
+
+fn send_until_final(urls: &[String], first: usize, key: &str, body: &str, seen: &Seen) -> Option<Answer> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut failed = false;
+    for attempt in 0.. {
+        if Instant::now() > deadline {
+            return None;
+        }
+        let url = &urls[(first + attempt) % urls.len()];
+        let sent = Instant::now();
+        let answer = agent
+            .post(format!("{url}/v1/transfers"))
+            .header("Authorization", "Bearer tok")
+            .header("Idempotency-Key", format!("\"{key}\""))
+            .header("Content-Type", "application/json")
+            .send(body);
+        match answer {
+            Ok(mut response) => {
+                let status = response.status().as_u16();
+                let replay = response.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
+                let text = response.body_mut().read_to_string().unwrap_or_default();
+                match status {
+                    201 | 402 | 404 => {
+                        return Some((
+                            status,
+                            serde_json::from_str(&text).unwrap_or_default(),
+                            replay,
+                            sent,
+                            failed,
+                        ));
+                    }
+                    503 => drop(seen.unavailable.fetch_add(1, Ordering::Relaxed)),
+                    409 => drop(seen.in_progress.fetch_add(1, Ordering::Relaxed)),
+                    _ => seen.other.lock().unwrap().push(format!("{status} {text}")),
+                }
+            }
+            Err(_) => drop(seen.no_answer.fetch_add(1, Ordering::Relaxed)),
+        }
+        failed = true;
+        std::thread::sleep(Duration::from_millis(50 + 50 * (attempt as u64 % 4)));
+    }
+    None
+}
+
+fn transfers_table(client: &mut postgres::Client) -> BTreeMap<i64, (String, String, i64)> {
+    client
+        .query("SELECT transfer_id, src::text, dst::text, amount FROM transfer", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<_, i64>(0), (r.get(1), r.get(2), r.get(3))))
+        .collect()
+}
+
+#[test]
+fn three_services_lose_nothing_acknowledged_when_the_primary_is_killed() {
+    let Some(cluster) = Cluster::start() else { return };
+    const START: i64 = 1_000_000;
+    let accounts: Vec<Account> =
+        (0..8).map(|i| Account { id: format!("a{i}"), holder: format!("h{i}"), balance: START }).collect();
+    bank::create(&Db::parse(&cluster.conninfo), &accounts).unwrap();
+    let services: Vec<Serve> = (0..3)
+        .map(|_| Serve::start(Path::new(&cluster.conninfo), &[("tok", "shop")], &["--pool", "4"], &[]))
+        .collect();
+    let urls: Vec<String> = services.iter().map(|s| s.url.clone()).collect();
+
+    // Phase 1: six clients, 40 transfers each, the primary killed a third of the way in.
+    let seen = Arc::new(Seen::default());
+    let finals: Arc<Mutex<BTreeMap<String, Final>>> = Arc::default();
+    let done = Arc::new(AtomicUsize::new(0));
+    let clients: Vec<_> = (0..6)
+        .map(|c| {
+            let (urls, seen, finals, done) = (urls.clone(), seen.clone(), finals.clone(), done.clone());
+            std::thread::spawn(move || {
+                for i in 0..40u64 {
+                    let (src, dst) = ((c + i) % 8, (c + i * 3 + 1) % 8);
+                    let dst = if dst == src { (dst + 1) % 8 } else { dst };
+                    let amount = 1 + (c * 131 + i * 17) as i64 % 500;
+                    let key = format!("c{c}-t{i}");
+                    let body =
+                        format!(r#"{{"src":"a{src}","dst":"a{dst}","amount":{amount},"currency":"KRW"}}"#);
+                    let (status, answer, replay, sent, after_a_failure) =
+                        send_until_final(&urls, c as usize, &key, &body, &seen).unwrap_or_else(|| {
+                            panic!("{key}: no final answer in 120 s (a key left blocked?)")
+                        });
+                    let transfer_id = answer["transfer_id"].as_i64();
+                    let f = Final {
+                        status,
+                        replay,
+                        transfer_id,
+                        amount,
+                        src: format!("a{src}"),
+                        dst: format!("a{dst}"),
+                        sent,
+                        after_a_failure,
+                    };
+                    finals.lock().unwrap().insert(key, f);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    while done.load(Ordering::Relaxed) < 80 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let killed = cluster.ha(&["kill-primary"]);
+    let killed_at = Instant::now();
+    for client in clients {
+        client.join().unwrap();
+    }
+    let finals = finals.lock().unwrap().clone();
+    assert!(
+        seen.other.lock().unwrap().is_empty(),
+        "answers that are neither final nor retryable: {:?}",
+        seen.other
+    );
+
+    // The verdict, read on the new primary.
+    let mut db = cluster.client();
+    let table = transfers_table(&mut db);
+    let acknowledged: Vec<&Final> = finals.values().filter(|f| f.status == 201).collect();
+    assert_eq!(finals.len(), 240);
+    assert_eq!(acknowledged.len(), 240, "every transfer is payable: {finals:?}");
+    for f in &acknowledged {
+        let id = f.transfer_id.expect("a 201 names its transfer");
+        assert_eq!(
+            table.get(&id),
+            Some(&(f.src.clone(), f.dst.clone(), f.amount)),
+            "acknowledged transfer {id} lost"
+        );
+    }
+    assert_eq!(table.len(), acknowledged.len(), "transfers nobody was told about, or paid twice");
+    let mut want: BTreeMap<String, i64> = accounts.iter().map(|a| (a.id.clone(), START)).collect();
+    for f in &acknowledged {
+        *want.get_mut(&f.src).unwrap() -= f.amount;
+        *want.get_mut(&f.dst).unwrap() += f.amount;
+    }
+    let have: BTreeMap<String, i64> = db
+        .query("SELECT acct_id::text, balance FROM account", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(have, want, "balances");
+    let blocked: i64 =
+        db.query_one("SELECT count(*) FROM idem_key WHERE state = 'in_progress'", &[]).unwrap().get(0);
+    assert_eq!(blocked, 0, "keys left claimed");
+    let resumed = acknowledged
+        .iter()
+        .filter(|f| f.sent > killed_at && !f.replay)
+        .map(|f| f.sent.duration_since(killed_at))
+        .min()
+        .expect("writes resumed");
+    let lost_acks = acknowledged.iter().filter(|f| f.after_a_failure && f.replay).count();
+    eprintln!(
+        "failover (node {killed} killed): writes resumed after {:.1} s; meanwhile {} answers 503, {} 409, {} attempts unanswered; {} commits whose answer was lost were found by the retry",
+        resumed.as_secs_f64(),
+        seen.unavailable.load(Ordering::Relaxed),
+        seen.in_progress.load(Ordering::Relaxed),
+        seen.no_answer.load(Ordering::Relaxed),
+        lost_acks,
+    );
+
+    // Phase 2: a claim left by a request that met the failover is released
+    // on the new primary, not left to block its key for the whole lease.
+    cluster.ha(&["rejoin", &killed]);
+    cluster.ha(&["wait-settled", "180"]);
+    let mut holder = cluster.client();
+    let mut lock = holder.transaction().unwrap();
+    lock.query("SELECT balance FROM account WHERE acct_id = 'a0' FOR UPDATE", &[]).unwrap();
+    let body = r#"{"src":"a0","dst":"a1","amount":7,"currency":"KRW"}"#;
+    let first = {
+        let url = urls[0].clone();
+        std::thread::spawn(move || {
+            Serve::agent()
+                .post(format!("{url}/v1/transfers"))
+                .header("Authorization", "Bearer tok")
+                .header("Idempotency-Key", "\"held\"")
+                .header("Content-Type", "application/json")
+                .send(body)
+                .map(|r| r.status().as_u16())
+        })
+    };
+    // the claim commits and streams to the standbys; the execution waits on a0
+    let claimed = Instant::now();
+    let mut reader = cluster.client();
+    while reader.query("SELECT 1 FROM idem_key WHERE idem_key = 'held'", &[]).unwrap().is_empty() {
+        assert!(claimed.elapsed() < Duration::from_secs(3), "the claim never committed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    cluster.ha(&["kill-primary"]);
+    drop(lock);
+    assert_eq!(first.join().unwrap().ok(), Some(503), "an execution on a dead connection is 503");
+    cluster.ha(&["wait-primary", "60"]);
+    let retried = Instant::now();
+    let seen = Seen::default();
+    let (status, ..) = send_until_final(&urls[..1], 0, "held", body, &seen).expect("the key is blocked");
+    assert_eq!(status, 201);
+    assert!(
+        retried.elapsed() < Duration::from_secs(20),
+        "the key waited {:.1} s: its claim was left for the lease",
+        retried.elapsed().as_secs_f64()
+    );
+    drop(services);
+}
