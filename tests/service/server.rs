@@ -141,6 +141,19 @@ impl Serve {
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
     }
+
+    /// The log once `done` holds of it, or as it is after 5 s: lines are
+    /// written by a thread of the service's own, a moment after the answer.
+    pub fn log_when(&self, done: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let log = self.log();
+            if done(&log) || std::time::Instant::now() > deadline {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 impl Drop for Serve {
