@@ -95,31 +95,23 @@ impl fmt::Display for Timestamp {
     /// a tenth of the SQLite writer's time (perf, issue 22).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let t = self.0;
-        let Ok(year) = u32::try_from(t.year()) else {
-            return write!(
-                f,
-                "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
-                t.year(),
-                u8::from(t.month()),
-                t.day(),
-                t.hour(),
-                t.minute(),
-                t.second(),
-                t.microsecond()
-            );
+        let year = match u32::try_from(t.year()) {
+            Ok(year) if year <= 9999 => year,
+            // outside four digits (never a wall clock): the general path
+            _ => {
+                return write!(
+                    f,
+                    "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
+                    t.year(),
+                    u8::from(t.month()),
+                    t.day(),
+                    t.hour(),
+                    t.minute(),
+                    t.second(),
+                    t.microsecond()
+                );
+            }
         };
-        if year > 9999 {
-            return write!(
-                f,
-                "{year}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
-                u8::from(t.month()),
-                t.day(),
-                t.hour(),
-                t.minute(),
-                t.second(),
-                t.microsecond()
-            );
-        }
         let mut out = *b"0000-00-00T00:00:00.000000Z";
         let mut put = |at: usize, width: usize, mut n: u32| {
             for i in (at..at + width).rev() {
