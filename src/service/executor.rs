@@ -224,13 +224,10 @@ fn transfer_as<S: Store>(
     (outcome, token)
 }
 
-/// Whether an outcome says the database went away under the request.
+/// Whether an outcome says the database went away under the request
+/// (`protocol::handle` answers that as a 503 `unavailable`).
 fn unavailable(outcome: &Result<Outcome, StoreError>) -> bool {
-    match outcome {
-        Ok(Outcome::Respond(r)) => r.reason == Some(Reason::Unavailable),
-        Err(e) => matches!(e, StoreError::Unavailable(_)),
-        Ok(Outcome::Crashed(_)) => false,
-    }
+    matches!(outcome, Ok(Outcome::Respond(r)) if r.reason == Some(Reason::Unavailable))
 }
 
 /// Claims left behind by requests that answered 503 because the database

@@ -284,15 +284,7 @@ fn a_token_listed_twice_refuses_to_start_naming_its_line_not_the_token() {
         "{\n  \"tok-secret-1\": \"shop-1\",\n  \"tok-2\": \"shop-2\",\n  \"tok-secret-1\": \"shop-3\"\n}\n",
     )
     .unwrap();
-    let out = std::process::Command::new(crate::server::IDEM)
-        .arg("serve")
-        .arg("--db")
-        .arg(&bank.db)
-        .arg("--clients")
-        .arg(&file)
-        .args(["--listen", "127.0.0.1:0"])
-        .output()
-        .unwrap();
+    let out = crate::server::Serve::refused(&bank.db, &file);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(out.stdout.is_empty(), "it started");
@@ -470,15 +462,7 @@ fn a_shared_memory_file_that_cannot_be_written_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let clients = dir.path().join("clients.json");
     std::fs::write(&clients, r#"{"t": "shop-1"}"#).unwrap();
-    let out = std::process::Command::new(crate::server::IDEM)
-        .arg("serve")
-        .arg("--db")
-        .arg(&bank.db)
-        .arg("--clients")
-        .arg(&clients)
-        .args(["--listen", "127.0.0.1:0"])
-        .output()
-        .unwrap();
+    let out = crate::server::Serve::refused(&bank.db, &clients);
     std::process::Command::new("chattr").args(["-i", &shm]).status().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(5), "{err}");

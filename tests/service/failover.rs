@@ -132,12 +132,27 @@ struct Seen {
     other: Mutex<Vec<String>>,
 }
 
-/// Sends one transfer until it has a final answer, trying the instances in
-/// turn: another one after a failure, the same key every time.
 /// The final status, the answer's JSON, whether it was a replay, when the
 /// answered attempt was sent, and whether an earlier attempt failed.
 type Answer = (u16, serde_json::Value, bool, Instant, bool);
 
+/// One `POST /v1/transfers` of `body` under `key`, as the shop's client.
+fn post(
+    agent: &ureq::Agent,
+    url: &str,
+    key: &str,
+    body: &str,
+) -> Result<ureq::http::Response<ureq::Body>, ureq::Error> {
+    agent
+        .post(format!("{url}/v1/transfers"))
+        .header("Authorization", "Bearer tok")
+        .header("Idempotency-Key", format!("\"{key}\""))
+        .header("Content-Type", "application/json")
+        .send(body)
+}
+
+/// Sends one transfer until it has a final answer, trying the instances in
+/// turn: another one after a failure, the same key every time.
 fn send_until_final(urls: &[String], first: usize, key: &str, body: &str, seen: &Seen) -> Option<Answer> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -152,13 +167,7 @@ fn send_until_final(urls: &[String], first: usize, key: &str, body: &str, seen: 
         }
         let url = &urls[(first + attempt) % urls.len()];
         let sent = Instant::now();
-        let answer = agent
-            .post(format!("{url}/v1/transfers"))
-            .header("Authorization", "Bearer tok")
-            .header("Idempotency-Key", format!("\"{key}\""))
-            .header("Content-Type", "application/json")
-            .send(body);
-        match answer {
+        match post(&agent, url, key, body) {
             Ok(mut response) => {
                 let status = response.status().as_u16();
                 let replay = response.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
@@ -315,15 +324,7 @@ fn three_services_lose_nothing_acknowledged_when_the_primary_is_killed() {
     let body = r#"{"src":"a0","dst":"a1","amount":7,"currency":"KRW"}"#;
     let first = {
         let url = urls[0].clone();
-        std::thread::spawn(move || {
-            Serve::agent()
-                .post(format!("{url}/v1/transfers"))
-                .header("Authorization", "Bearer tok")
-                .header("Idempotency-Key", "\"held\"")
-                .header("Content-Type", "application/json")
-                .send(body)
-                .map(|r| r.status().as_u16())
-        })
+        std::thread::spawn(move || post(&Serve::agent(), &url, "held", body).map(|r| r.status().as_u16()))
     };
     // the claim commits and streams to the standbys; the execution waits on a0
     let claimed = Instant::now();
@@ -381,15 +382,8 @@ fn a_commit_still_waiting_for_its_standby_when_the_primary_died_is_paid_once_by_
     }
     let body = r#"{"src":"a0","dst":"a1","amount":300,"currency":"KRW"}"#;
     let url = serve.url.clone();
-    let first = std::thread::spawn(move || {
-        Serve::agent()
-            .post(format!("{url}/v1/transfers"))
-            .header("Authorization", "Bearer tok")
-            .header("Idempotency-Key", "\"waiting\"")
-            .header("Content-Type", "application/json")
-            .send(body)
-            .map(|r| r.status().as_u16())
-    });
+    let first =
+        std::thread::spawn(move || post(&Serve::agent(), &url, "waiting", body).map(|r| r.status().as_u16()));
     // the execution's commit is written to the old primary's WAL and waits
     // there for a standby (PostgreSQL shows it to nobody until the wait
     // ends; a restart of that node alone would replay it as committed)

@@ -3,7 +3,7 @@
 //! with `idem_api`, detached execution, a clean drain on SIGTERM).
 
 use crate::common::*;
-use crate::server::{IDEM, Serve, body, documented, read};
+use crate::server::{Serve, body, documented, read};
 use serde_json::{Value, json};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -437,15 +437,7 @@ fn bad_clients_files_and_listen_addresses_fail_to_start_with_one_line() {
     {
         let file = dir.path().join("c.json");
         std::fs::write(&file, content).unwrap();
-        let out = std::process::Command::new(IDEM)
-            .arg("serve")
-            .arg("--db")
-            .arg(&bank.db)
-            .arg("--clients")
-            .arg(&file)
-            .args(["--listen", "127.0.0.1:0"])
-            .output()
-            .unwrap();
+        let out = Serve::refused(&bank.db, &file);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
             out.status.code() == Some(1) && err.lines().count() == 1 && err.contains(want),

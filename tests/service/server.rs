@@ -82,6 +82,20 @@ impl Serve {
         Serve { child: Some(child), url: line.trim().to_owned(), stderr, _dir: dir }
     }
 
+    /// Runs `idem serve` on `db` with the clients file `clients`, for a
+    /// test that expects it to refuse to start: its exit and output.
+    pub fn refused(db: &Path, clients: &Path) -> std::process::Output {
+        Command::new(IDEM)
+            .arg("serve")
+            .arg("--db")
+            .arg(db)
+            .arg("--clients")
+            .arg(clients)
+            .args(["--listen", "127.0.0.1:0"])
+            .output()
+            .unwrap()
+    }
+
     pub fn agent() -> ureq::Agent {
         ureq::Agent::config_builder()
             .http_status_as_error(false)
