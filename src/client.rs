@@ -71,6 +71,19 @@ pub struct Report {
     pub attempts: u32,
     /// From the first attempt to the verdict.
     pub took: Duration,
+    /// Each attempt that was sent or tried, in order.
+    pub tries: Vec<Try>,
+}
+
+/// One attempt: when it left, when it ended, and the status if an answer came.
+#[derive(Debug, Clone, Copy)]
+pub struct Try {
+    /// Which of the endpoints it went to.
+    pub endpoint: usize,
+    pub sent: Instant,
+    pub ended: Instant,
+    pub status: Option<u16>,
+    pub replayed: bool,
 }
 
 /// A fresh key: a random (version 4) UUID.
@@ -265,39 +278,53 @@ fn is_stored_refusal(status: u16, body: &str) -> bool {
 /// Sends the transfer `body` under `key` until a final answer or the end of
 /// the budget; sleeps a random pause in `[0, min(max, base · 2^n))` between
 /// attempts (full jitter), at least a 429's or 503's `Retry-After`, never
-/// past the deadline.
-pub fn send(endpoint: &Endpoint, key: &str, body: &str, policy: &Policy, rng: &mut Rng) -> Report {
+/// past the deadline. Several endpoints (instances of one service) are tried
+/// in turn, the next one after each failure, always with the same key.
+pub fn send(endpoints: &[Endpoint], key: &str, body: &str, policy: &Policy, rng: &mut Rng) -> Report {
     let started = Instant::now();
     let deadline = started + policy.budget;
-    let mut attempts = 0;
+    let mut tries: Vec<Try> = Vec::new();
     // Whether some attempt may have reached the server: from then on only
     // the transfer's own stored answer is final.
     let mut reached = false;
     let mut last = String::from("no attempt fitted in the budget");
-    let report = |verdict, attempts| Report { key: key.into(), verdict, attempts, took: started.elapsed() };
+    let report = |verdict, tries: Vec<Try>| Report {
+        key: key.into(),
+        verdict,
+        attempts: tries.len() as u32,
+        took: started.elapsed(),
+        tries,
+    };
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return report(Verdict::Unknown { last }, attempts);
+        if left.is_zero() || endpoints.is_empty() {
+            return report(Verdict::Unknown { last }, tries);
         }
-        attempts += 1;
+        let endpoint = tries.len() % endpoints.len();
         let mut at_least = Duration::ZERO;
-        last = match attempt(endpoint, key, body, policy.attempt_timeout.min(left)) {
+        let sent = Instant::now();
+        let answer = attempt(&endpoints[endpoint], key, body, policy.attempt_timeout.min(left));
+        let (status, replayed) = match &answer {
+            Attempt::Answer { status, replayed, .. } => (Some(*status), *replayed),
+            _ => (None, false),
+        };
+        tries.push(Try { endpoint, sent, ended: Instant::now(), status, replayed });
+        last = match answer {
             Attempt::Answer { status, body, replayed, .. } if (200..300).contains(&status) => {
-                return report(Verdict::Done { status, body, replayed }, attempts);
+                return report(Verdict::Done { status, body, replayed }, tries);
             }
             Attempt::Answer { status, body, .. }
                 if (400..500).contains(&status) && !matches!(status, 409 | 429) =>
             {
                 if !reached || is_stored_refusal(status, &body) {
-                    return report(Verdict::Refused { status, body }, attempts);
+                    return report(Verdict::Refused { status, body }, tries);
                 }
                 let last = format!(
                     "HTTP {status} {}: this refusal does not say what became of an earlier attempt, \
                      which may have gone through",
                     body.chars().take(200).collect::<String>()
                 );
-                return report(Verdict::Unknown { last }, attempts);
+                return report(Verdict::Unknown { last }, tries);
             }
             Attempt::Answer { status, retry_after, .. } => {
                 if matches!(status, 429 | 503) {
@@ -312,12 +339,12 @@ pub fn send(endpoint: &Endpoint, key: &str, body: &str, policy: &Policy, rng: &m
                 why
             }
         };
-        let cap = policy.base_backoff.saturating_mul(1 << attempts.min(20)).min(policy.max_backoff);
+        let cap = policy.base_backoff.saturating_mul(1 << tries.len().min(20)).min(policy.max_backoff);
         let pause = Duration::from_micros(rng.below(cap.as_micros().max(1) as u64)).max(at_least);
         let left = deadline.saturating_duration_since(Instant::now());
         if at_least >= left {
             last = format!("{last}; Retry-After {} s is past the budget", at_least.as_secs());
-            return report(Verdict::Unknown { last }, attempts);
+            return report(Verdict::Unknown { last }, tries);
         }
         std::thread::sleep(pause.min(left));
     }
@@ -355,7 +382,7 @@ mod tests {
         drop(listener);
         let policy = Policy { budget: Duration::from_millis(300), ..Policy::default() };
         let endpoint = Endpoint { url, token: "t".into() };
-        let report = send(&endpoint, "k", "{}", &policy, &mut Rng::new(7));
+        let report = send(&[endpoint], "k", "{}", &policy, &mut Rng::new(7));
         assert!(matches!(report.verdict, Verdict::Unknown { .. }), "{report:?}");
         assert!(report.attempts > 1 && report.took < Duration::from_millis(600), "{report:?}");
     }

@@ -10,6 +10,7 @@ use idem::protocol;
 use idem::request::ScopedKey;
 use idem::store::{self, Db, Usage};
 use serde_json::json;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -195,9 +196,10 @@ enum Command {
     /// same key. Exit 1: the key or key file cannot be used, or the token
     /// file cannot be read. Exit 2: usage.
     Transfer {
-        /// The service's base URL, e.g. http://127.0.0.1:8080.
-        #[arg(long)]
-        url: String,
+        /// The service's base URL, e.g. http://127.0.0.1:8080. Repeat it for
+        /// several instances of one service: each retry goes to the next.
+        #[arg(long, required = true)]
+        url: Vec<String>,
         /// Bearer token (visible to other users in the process list: prefer --token-file or IDEM_TOKEN).
         #[arg(long, env = "IDEM_TOKEN", hide_env_values = true, conflicts_with = "token_file")]
         token: Option<String>,
@@ -230,9 +232,12 @@ enum Command {
     /// Each client sends its own transfers with the retrying client, through
     /// a fault-injecting proxy (dropped requests and answers, cut answers,
     /// delays, duplicates); the server is SIGKILLed and restarted --kills
-    /// times (and the database restarted by --restart-db). The verdict, from
-    /// the database and the clients' logs, goes to DIR/chaos.json and
-    /// DIR/chaos_report.md; exit 1 if anything went out twice or was lost.
+    /// times (and the database restarted by --restart-db). With --instances
+    /// N, N servers share the database and each client tries them in turn;
+    /// --failover N runs --failover-cmd N times (a replicated PostgreSQL's
+    /// primary killed). The verdict, from the database and the clients'
+    /// logs, goes to DIR/chaos.json and DIR/chaos_report.md; exit 1 if
+    /// anything went out twice or was lost, or a key was left claimed.
     Chaos {
         #[arg(long, default_value = "out/chaos")]
         out: PathBuf,
@@ -247,8 +252,22 @@ enum Command {
         /// Transfers per client.
         #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(u32).range(1..))]
         transfers: u32,
-        #[arg(long, default_value_t = 2)]
-        kills: u16,
+        /// Server kills (default: 2 with one instance, else 0).
+        #[arg(long)]
+        kills: Option<u16>,
+        /// Servers running at once on the one database.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+        instances: u16,
+        /// How many times the database's primary is killed (--failover-cmd),
+        /// evenly spaced over the day.
+        #[arg(long, default_value_t = 0)]
+        failover: u16,
+        /// Kills the primary; returns once it is dead.
+        #[arg(long, value_name = "CMD", default_value = "tools/pg-ha kill-primary")]
+        failover_cmd: String,
+        /// Then runs until the cluster is whole again (a new primary, the old one a standby).
+        #[arg(long, value_name = "CMD", default_value = "tools/pg-ha heal")]
+        heal_cmd: String,
         /// The server command (default: this binary's `serve`); --db, --listen, --clients are appended.
         #[arg(long, value_name = "CMD")]
         serve: Option<String>,
@@ -258,6 +277,9 @@ enum Command {
         /// Each client's time budget per transfer.
         #[arg(long, default_value = "20s", value_parser = parse_duration)]
         budget: std::time::Duration,
+        /// Each client's pause between two transfers, to stretch the day.
+        #[arg(long, default_value = "0ms", value_parser = parse_duration)]
+        think: std::time::Duration,
     },
     /// Judge any implementation of the same job: one line per property, PASS, FAIL or SKIP.
     ///
@@ -499,7 +521,22 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             let token = secret(token, token_file.as_deref(), "--token or --token-file (or IDEM_TOKEN)")?;
             return transfer(url, token, [src, dst], amount, currency, key, key_file, budget, policy);
         }
-        Command::Chaos { out, seed, db, clients, transfers, kills, serve, restart_db, budget } => {
+        Command::Chaos {
+            out,
+            seed,
+            db,
+            clients,
+            transfers,
+            kills,
+            instances,
+            failover,
+            failover_cmd,
+            heal_cmd,
+            serve,
+            restart_db,
+            budget,
+            think,
+        } => {
             let seed = seed.unwrap_or_else(|| {
                 std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
@@ -510,15 +547,25 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 Some(cmd) => cmd.split_whitespace().map(String::from).collect(),
                 None => vec![me, "serve".into()],
             };
-            let restart_db = restart_db.map(|cmd| -> Box<dyn Fn() -> Result<(), String> + Send + Sync> {
+            let shell = |cmd: String| -> idem::harness::chaos::Command {
                 Box::new(move || {
-                    let status = std::process::Command::new("sh").args(["-c", &cmd]).status();
+                    // its output goes to stderr: stdout is the day's summary
+                    let stdout = std::io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+                    let status = std::process::Command::new("sh").args(["-c", &cmd]).stdout(stdout).status();
                     match status {
                         Ok(s) if s.success() => Ok(()),
                         other => Err(format!("{cmd}: {other:?}")),
                     }
                 })
-            });
+            };
+            let kills = kills.unwrap_or(if instances == 1 { 2 } else { 0 });
+            if kills > 0 && instances > 1 {
+                return Err(Failure(
+                    "--kills needs --instances 1: the claims a killed server leaves are released by \
+                     `idem recover`, which cannot tell them from the live instances' claims"
+                        .into(),
+                ));
+            }
             let config = idem::harness::chaos::Config {
                 out: out.clone(),
                 seed,
@@ -526,15 +573,20 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 clients: usize::from(clients),
                 transfers: transfers as usize,
                 serve,
+                instances: usize::from(instances),
                 kills: usize::from(kills),
-                restart_db,
+                restart_db: restart_db.map(shell),
+                failovers: usize::from(failover),
+                failover: (failover > 0).then(|| [shell(failover_cmd), shell(heal_cmd)]),
                 budget,
+                think,
                 odds: idem::harness::proxy::Odds::default(),
             };
             let s = idem::harness::chaos::run(config, policy)?;
             println!(
                 "seed {seed}: {} transfers intended, {} made; paid twice {}, lost {}, unintended {}; \
-                 {} requests, {} dropped, {} answers dropped, {} cut, {} duplicated; {} kills; {} unknown",
+                 {} requests, {} dropped, {} answers dropped, {} cut, {} duplicated; {} kills, {} failovers \
+                 ({} not run: the day had ended); {} unknown, {} keys left claimed",
                 s.transfers_intended,
                 s.transfers_made,
                 s.transfers_paid_twice,
@@ -546,12 +598,30 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 s.responses_cut,
                 s.requests_duplicated,
                 s.server_kills,
-                s.outcomes_unknown
+                s.failovers.len(),
+                s.failovers_not_run,
+                s.outcomes_unknown,
+                s.keys_left_claimed
             );
+            for f in &s.failovers {
+                println!(
+                    "failover at {} ms: writes resumed after {}, {} answered 503, {} commits whose answer was lost found by the retry",
+                    f.at_ms,
+                    f.writes_resumed_ms.map_or("(not before the next)".into(), |ms| format!("{ms} ms")),
+                    f.answered_503,
+                    f.acks_lost_found_by_retry
+                );
+            }
             println!("wrote {}", out.join("chaos.json").display());
             println!("wrote {}", out.join("chaos_report.md").display());
             if !s.exactly_once() {
                 return Err(Failure("NOT exactly once: see chaos_report.md".into()));
+            }
+            if !s.passed() {
+                return Err(Failure(format!(
+                    "{} keys left claimed: see chaos_report.md",
+                    s.keys_left_claimed
+                )));
             }
         }
         Command::Check { engine, engine_arg, url, token, src, dst, profile, seed } => {
@@ -620,7 +690,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
 
 #[allow(clippy::too_many_arguments)]
 fn transfer(
-    url: String,
+    urls: Vec<String>,
     token: String,
     [src, dst]: [String; 2],
     amount: i64,
@@ -646,8 +716,9 @@ fn transfer(
     let policy = client::Policy { budget, ..client::Policy::default() };
     let seed =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-    let report =
-        client::send(&client::Endpoint { url, token }, &key, &body, &policy, &mut idem::rng::Rng::new(seed));
+    let endpoints: Vec<client::Endpoint> =
+        urls.into_iter().map(|url| client::Endpoint { url, token: token.clone() }).collect();
+    let report = client::send(&endpoints, &key, &body, &policy, &mut idem::rng::Rng::new(seed));
     let (attempts, took) = (report.attempts, report.took.as_secs_f64());
     Ok(match report.verdict {
         Verdict::Done { body, .. } => {

@@ -1,7 +1,8 @@
 //! `idem chaos`: a day of many concurrent clients sending their transfers
 //! through a lossy network ([`proxy`]) to a real service, which is killed
 //! with SIGKILL and restarted mid-day (and, on PostgreSQL, the database
-//! restarted once). Then the verdict, from the database and the clients' own
+//! restarted once, or a replicated one's primary killed: a failover). With
+//! several instances, each client tries them in turn. Then the verdict, from the database and the clients' own
 //! logs: every transfer a client was told about exists; no transfer went out
 //! twice; none exists that no client intended; the balances are conserved;
 //! and a client whose budget ran out is listed with what the database says.
@@ -25,10 +26,13 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// An action of the machine room, run from the day's own thread.
+pub type Command = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 const ACCOUNTS: usize = 6;
 const OPENING_BALANCE: i64 = 1_000_000_000;
@@ -44,12 +48,26 @@ pub struct Config {
     pub transfers: usize,
     /// The server command; `--db DB --listen ADDR --clients FILE` are appended.
     pub serve: Vec<String>,
-    /// How many times the server is killed mid-day (evenly spaced).
+    /// How many servers run at once on the one database, each behind a
+    /// fault proxy of its own; each client tries them in turn.
+    pub instances: usize,
+    /// How many times the server is killed mid-day (evenly spaced); only
+    /// with one instance, since the claims of the killed one are released
+    /// by the operator's `idem recover`, which cannot tell them from the
+    /// live ones' claims.
     pub kills: usize,
     /// Restarts the database once mid-day (PostgreSQL).
-    pub restart_db: Option<Box<dyn Fn() -> Result<(), String> + Send + Sync>>,
+    pub restart_db: Option<Command>,
+    /// Kills a replicated database's primary this many times, evenly spaced
+    /// over the day: `failover[0]` returns once the primary is dead,
+    /// `failover[1]` once the cluster is whole again.
+    pub failovers: usize,
+    pub failover: Option<[Command; 2]>,
     /// Each client's budget per transfer.
     pub budget: Duration,
+    /// Each client's pause between two transfers (a day long enough for
+    /// several failovers).
+    pub think: Duration,
     pub odds: Odds,
 }
 
@@ -67,6 +85,8 @@ pub struct Intent {
     pub millis: u64,
     /// The transfer id the client was told, if any.
     pub told: Option<i64>,
+    #[serde(skip)]
+    pub tries: Vec<client::Try>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -91,8 +111,16 @@ pub struct Summary {
     pub requests_delayed: u64,
     pub requests_duplicated: u64,
     pub requests_unreachable: u64,
+    pub instances: usize,
+    /// Requests each instance's proxy received.
+    pub requests_per_instance: Vec<u64>,
     pub server_kills: usize,
     pub database_restarts: usize,
+    /// One entry per failover of the database's primary.
+    pub failovers: Vec<Failover>,
+    /// Failovers not run because every client had finished (a longer day
+    /// fits more: each failover waits for the cluster to be whole again).
+    pub failovers_not_run: usize,
     pub claims_released_after_kills: usize,
     pub outcomes_unknown: usize,
     pub transfers_made: usize,
@@ -107,7 +135,28 @@ pub struct Summary {
     pub balances_conserved: bool,
     pub time_to_certainty_ms_p50: u64,
     pub time_to_certainty_ms_p99: u64,
+    /// Keys still claimed at the end of the day: each blocks its key's
+    /// retries until its lease runs out.
+    pub keys_left_claimed: usize,
     pub unknown: Vec<Unknown>,
+}
+
+/// What one failover cost the clients, from their own attempts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Failover {
+    /// When the primary was killed, from the start of the day.
+    pub at_ms: u64,
+    /// From the kill to the end of the first attempt sent after it that
+    /// made a new transfer; `None` if none did before the next failover.
+    pub writes_resumed_ms: Option<u64>,
+    /// Attempts answered 503 between the kill and the resumption.
+    pub answered_503: usize,
+    pub answered_409: usize,
+    /// Attempts without an answer meanwhile (the fault proxy's too).
+    pub unanswered: usize,
+    /// Attempts in flight when the primary died whose transfer was
+    /// committed all the same: answered 503, then replayed to a retry.
+    pub acks_lost_found_by_retry: usize,
 }
 
 impl Summary {
@@ -120,6 +169,11 @@ impl Summary {
             && self.answers_misattributed == 0
             && self.balances_conserved
     }
+
+    /// Exactly once, and no key left blocked by a claim nobody will finish.
+    pub fn passed(&self) -> bool {
+        self.exactly_once() && self.keys_left_claimed == 0
+    }
 }
 
 /// A running server process and the address it printed.
@@ -130,7 +184,7 @@ struct Server {
 
 fn start_server(serve: &[String], db: &Db, clients: &Path, log: &Path) -> Result<Server, ChaosError> {
     let (program, args) = serve.split_first().ok_or_else(|| ChaosError("empty --serve command".into()))?;
-    let mut child = Command::new(program)
+    let mut child = std::process::Command::new(program)
         .args(args)
         .arg("--db")
         .arg(db.to_arg())
@@ -150,6 +204,14 @@ fn start_server(serve: &[String], db: &Db, clients: &Path, log: &Path) -> Result
             ChaosError(format!("the server's first line was {line:?}, not http://HOST:PORT"))
         })?;
     Ok(Server { child, address })
+}
+
+/// How many keys are claimed now.
+fn claims_left(db: &Db, policy: &Policy) -> Result<usize, ChaosError> {
+    let mut store = store::open(db, policy, Usage::LongLived)?;
+    Ok(store::atomically(&mut *store, store::Durability::Durable, policy, |tx| {
+        Ok(store::End::Rollback(tx.in_progress()?.len()))
+    })?)
 }
 
 /// Every claim left in progress is released: the service that held them was
@@ -190,18 +252,38 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     let log = config.out.join("server.log");
     let _ = std::fs::remove_file(&log);
 
-    let mut server = start_server(&config.serve, &db, &clients_file, &log)?;
-    let proxy = Proxy::start(server.address, config.seed, config.odds)
-        .map_err(|e| ChaosError(format!("starting the fault proxy: {e}")))?;
+    if config.instances == 0 {
+        return Err(ChaosError("no instances to run".into()));
+    }
+    if config.instances > 1 && config.kills > 0 {
+        return Err(ChaosError(
+            "server kills need one instance: releasing a killed server's claims would release the live ones' too"
+                .into(),
+        ));
+    }
+    let mut servers = Vec::new();
+    let mut proxies = Vec::new();
+    for i in 0..config.instances {
+        let server = start_server(&config.serve, &db, &clients_file, &log)?;
+        let proxy = Proxy::start(server.address, config.seed.wrapping_add(i as u64), config.odds)
+            .map_err(|e| ChaosError(format!("starting the fault proxy: {e}")))?;
+        servers.push(server);
+        proxies.push(proxy);
+    }
     let total = config.clients * config.transfers;
     let settled = Arc::new(AtomicUsize::new(0));
     let intents = Arc::new(Mutex::new(Vec::new()));
+    let day_started = Instant::now();
 
     let workers: Vec<_> = (0..config.clients)
         .map(|c| {
-            let endpoint = Endpoint { url: proxy.url(), token: tokens[c].clone() };
+            // client c starts on instance c and moves on to the next after a failure
+            let endpoints: Vec<Endpoint> = (0..proxies.len())
+                .map(|i| Endpoint { url: proxies[(c + i) % proxies.len()].url(), token: tokens[c].clone() })
+                .collect();
             let (settled, intents) = (settled.clone(), intents.clone());
-            let (seed, transfers, budget) = (config.seed, config.transfers, config.budget);
+            let (seed, transfers, budget, think) =
+                (config.seed, config.transfers, config.budget, config.think);
             std::thread::spawn(move || {
                 let mut rng = Rng::new(seed ^ (c as u64 + 1).wrapping_mul(0x9e37_79b9));
                 let policy = client::Policy { budget, ..client::Policy::default() };
@@ -214,7 +296,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                     let body = serde_json::json!({"src": format!("acct-{src}"), "dst": format!("acct-{dst}"),
                                                   "amount": amount, "currency": "KRW"})
                     .to_string();
-                    let report = client::send(&endpoint, &key, &body, &policy, &mut rng);
+                    let report = client::send(&endpoints, &key, &body, &policy, &mut rng);
                     let (verdict, told) = match &report.verdict {
                         Verdict::Done { body, .. } => {
                             let id = serde_json::from_str::<serde_json::Value>(body)
@@ -235,51 +317,84 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                         attempts: report.attempts,
                         millis: report.took.as_millis() as u64,
                         told,
+                        tries: report.tries,
                     };
                     intents.lock().unwrap_or_else(|e| e.into_inner()).push(intent);
                     settled.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(think);
                 }
             })
         })
         .collect();
 
-    // The faults of the machine room: kills evenly spaced over the day, the
-    // database restart half way.
+    // The faults of the machine room, evenly spaced over the day: server
+    // kills, failovers, and the database restart half way.
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    enum Fault {
+        Kill,
+        Failover,
+        RestartDb,
+    }
     let mut kills = 0;
     let mut database_restarts = 0;
     let mut released = 0;
-    let mut stops: Vec<(usize, bool)> =
-        (1..=config.kills).map(|k| (total * k / (config.kills + 1), true)).collect();
-    if config.restart_db.is_some() {
-        stops.push((total / 2, false));
-    }
-    stops.sort();
-    for (at, kill) in stops {
+    let mut failed_over = Vec::new();
+    let mut failovers_not_run = 0;
+    let spaced = |n: usize, fault: fn() -> Fault| (1..=n).map(move |k| (total * k / (n + 1), fault()));
+    let mut faults: Vec<(usize, Fault)> = spaced(config.kills, || Fault::Kill)
+        .chain(spaced(if config.failover.is_some() { config.failovers } else { 0 }, || Fault::Failover))
+        .chain(spaced(usize::from(config.restart_db.is_some()), || Fault::RestartDb))
+        .collect();
+    faults.sort();
+    for (at, fault) in faults {
         while settled.load(Ordering::Relaxed) < at.max(1) && workers.iter().any(|w| !w.is_finished()) {
             std::thread::sleep(Duration::from_millis(5));
         }
-        if kill {
-            let _ = server.child.kill(); // SIGKILL: no goodbye, claims left where they are
-            let _ = server.child.wait();
-            kills += 1;
-            released += release_claims(&db, policy)?;
-            server = start_server(&config.serve, &db, &clients_file, &log)?;
-            proxy.set_upstream(server.address);
-        } else if let Some(restart) = &config.restart_db {
-            restart().map_err(|e| ChaosError(format!("restarting the database: {e}")))?;
-            database_restarts += 1;
-            released += release_claims(&db, policy)?;
+        match (fault, &config.restart_db, &config.failover) {
+            (Fault::Kill, _, _) => {
+                let server = &mut servers[kills % config.instances];
+                let _ = server.child.kill(); // SIGKILL: no goodbye, claims left where they are
+                let _ = server.child.wait();
+                released += release_claims(&db, policy)?;
+                *server = start_server(&config.serve, &db, &clients_file, &log)?;
+                proxies[kills % config.instances].set_upstream(server.address);
+                kills += 1;
+            }
+            (Fault::RestartDb, Some(restart), _) => {
+                restart().map_err(|e| ChaosError(format!("restarting the database: {e}")))?;
+                database_restarts += 1;
+                released += release_claims(&db, policy)?;
+            }
+            // No release here: the services themselves must free what the
+            // failover interrupted, or the verdict counts the keys blocked.
+            // a failover after the last transfer would measure nothing
+            (Fault::Failover, _, Some(_)) if workers.iter().all(|w| w.is_finished()) => {
+                failovers_not_run += 1
+            }
+            (Fault::Failover, _, Some([kill, heal])) => {
+                kill().map_err(|e| ChaosError(format!("killing the primary: {e}")))?;
+                failed_over.push(Instant::now());
+                heal().map_err(|e| ChaosError(format!("after the failover: {e}")))?;
+            }
+            _ => {}
         }
     }
     for w in workers {
         w.join().map_err(|_| ChaosError("a client thread panicked".into()))?;
     }
-    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
-    let _ = server.child.wait();
+    let day_ended = Instant::now();
+    for server in &mut servers {
+        unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+        let _ = server.child.wait();
+    }
 
     let intents = std::mem::take(&mut *intents.lock().unwrap_or_else(|e| e.into_inner()));
-    let summary = verdict(&db, &intents, &accounts, &proxy, [kills, database_restarts, released], &config)?;
-    drop(proxy);
+    let failovers = failover_figures(&intents, &failed_over, day_started, day_ended);
+    let claimed = claims_left(&db, policy)?;
+    let summary =
+        verdict(&db, &intents, &accounts, &proxies, [kills, database_restarts, released, claimed], &config)?;
+    let summary = Summary { failovers, failovers_not_run, ..summary };
+    drop(proxies);
     super::day::write_file(&config.out.join("chaos.json"), &super::day::to_json(&summary)?)?;
     super::day::write_file(&config.out.join("chaos_report.md"), &report(&summary))?;
     Ok(summary)
@@ -290,8 +405,8 @@ fn verdict(
     db: &Db,
     intents: &[Intent],
     accounts: &[bank::Account],
-    proxy: &Proxy,
-    [kills, database_restarts, released]: [usize; 3],
+    proxies: &[Proxy],
+    [kills, database_restarts, released, claimed]: [usize; 4],
     config: &Config,
 ) -> Result<Summary, ChaosError> {
     let (transfers, balances) = bank::ledger(db)?;
@@ -345,27 +460,32 @@ fn verdict(
             .copied()
             .unwrap_or(0)
     };
-    let counts = &proxy.counts;
-    let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let load = |count: fn(&super::proxy::Counts) -> &std::sync::atomic::AtomicU64| {
+        proxies.iter().map(|p| count(&p.counts).load(Ordering::Relaxed)).sum::<u64>()
+    };
     let attempts: Vec<u32> = intents.iter().map(|i| i.attempts).collect();
     Ok(Summary {
         seed: config.seed,
         clients: config.clients,
         transfers_intended: intents.len(),
-        requests_sent: load(&counts.requests),
+        requests_sent: load(|c| &c.requests),
         attempts_per_transfer_mean: (attempts.iter().sum::<u32>() as f64 / attempts.len().max(1) as f64
             * 100.0)
             .round()
             / 100.0,
         attempts_per_transfer_max: attempts.iter().copied().max().unwrap_or(0),
-        requests_dropped: load(&counts.dropped_requests),
-        responses_dropped: load(&counts.dropped_responses),
-        responses_cut: load(&counts.cut_responses),
-        requests_delayed: load(&counts.delayed),
-        requests_duplicated: load(&counts.duplicated),
-        requests_unreachable: load(&counts.unreachable),
+        requests_dropped: load(|c| &c.dropped_requests),
+        responses_dropped: load(|c| &c.dropped_responses),
+        responses_cut: load(|c| &c.cut_responses),
+        requests_delayed: load(|c| &c.delayed),
+        requests_duplicated: load(|c| &c.duplicated),
+        requests_unreachable: load(|c| &c.unreachable),
+        instances: config.instances,
+        requests_per_instance: proxies.iter().map(|p| p.counts.requests.load(Ordering::Relaxed)).collect(),
         server_kills: kills,
         database_restarts,
+        failovers: Vec::new(),
+        failovers_not_run: 0,
         claims_released_after_kills: released,
         outcomes_unknown: unknown.len(),
         transfers_made: transfers.len(),
@@ -377,8 +497,51 @@ fn verdict(
             && balances == want,
         time_to_certainty_ms_p50: percentile(50),
         time_to_certainty_ms_p99: percentile(99),
+        keys_left_claimed: claimed,
         unknown,
     })
+}
+
+/// Each failover's cost, read from the clients' attempts: the window from
+/// the kill to the first new transfer made by an attempt sent after it.
+fn failover_figures(
+    intents: &[Intent],
+    kills: &[Instant],
+    day_started: Instant,
+    day_ended: Instant,
+) -> Vec<Failover> {
+    let tries = || intents.iter().flat_map(|i| i.tries.iter());
+    kills
+        .iter()
+        .enumerate()
+        .map(|(k, &killed)| {
+            let next = kills.get(k + 1).copied().unwrap_or(day_ended);
+            let resumed = tries()
+                .filter(|t| t.sent >= killed && t.ended < next && !t.replayed)
+                .filter(|t| t.status.is_some_and(|s| (200..300).contains(&s)))
+                .map(|t| t.ended)
+                .min();
+            let until = resumed.unwrap_or(next);
+            let meanwhile = |status: Option<u16>| {
+                tries().filter(|t| t.ended >= killed && t.ended <= until && t.status == status).count()
+            };
+            let acks_lost = intents
+                .iter()
+                .filter(|i| i.tries.last().is_some_and(|t| t.replayed))
+                .filter(|i| {
+                    i.tries.iter().any(|t| t.sent < killed && t.ended >= killed && t.status == Some(503))
+                })
+                .count();
+            Failover {
+                at_ms: killed.duration_since(day_started).as_millis() as u64,
+                writes_resumed_ms: resumed.map(|r| r.duration_since(killed).as_millis() as u64),
+                answered_503: meanwhile(Some(503)),
+                answered_409: meanwhile(Some(409)),
+                unanswered: meanwhile(None),
+                acks_lost_found_by_retry: acks_lost,
+            }
+        })
+        .collect()
 }
 
 fn report(s: &Summary) -> String {
@@ -406,7 +569,9 @@ fn report(s: &Summary) -> String {
         ("requests delayed", s.requests_delayed),
         ("requests delivered twice at once", s.requests_duplicated),
         ("requests that found the server down", s.requests_unreachable),
+        ("instances of the server", s.instances as u64),
         ("server kills (SIGKILL) and restarts", s.server_kills as u64),
+        ("failovers (the primary SIGKILLed)", s.failovers.len() as u64),
         ("database restarts", s.database_restarts as u64),
         ("claims of the killed released (idem recover --release)", s.claims_released_after_kills as u64),
     ] {
@@ -421,6 +586,29 @@ fn report(s: &Summary) -> String {
         s.time_to_certainty_ms_p99,
         s.outcomes_unknown
     ));
+    md.push_str(&format!(
+        "Keys still claimed at the end of the day (each blocking its retries until its lease ends): {}.\n",
+        s.keys_left_claimed
+    ));
+    if s.failovers_not_run > 0 {
+        md.push_str(&format!(
+            "Failovers not run because every client had finished first: {} (more --transfers make a longer day).\n",
+            s.failovers_not_run
+        ));
+    }
+    if !s.failovers.is_empty() {
+        md.push_str(
+            "\n| failover at | writes resumed after | answered 503 | answered 409 | unanswered | \
+             commits whose answer was lost, found by the retry |\n|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for f in &s.failovers {
+            let resumed = f.writes_resumed_ms.map_or("not before the next".into(), |ms| format!("{ms} ms"));
+            md.push_str(&format!(
+                "| {} ms | {resumed} | {} | {} | {} | {} |\n",
+                f.at_ms, f.answered_503, f.answered_409, f.unanswered, f.acks_lost_found_by_retry
+            ));
+        }
+    }
     if !s.unknown.is_empty() {
         md.push_str("\n| client | key | what the database says |\n|---:|---|---|\n");
         for u in &s.unknown {

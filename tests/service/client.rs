@@ -305,3 +305,32 @@ fn keys_are_sent_as_escaped_sf_strings_and_unsendable_ones_are_refused_at_once()
     let log = serve.log_when(|log| posts(log) >= 2);
     assert_eq!(posts(&log), 2, "{log}");
 }
+
+const UNAVAILABLE: &str =
+    "HTTP/1.1 503 Service Unavailable\r\nretry-after: 0\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+
+#[test]
+fn with_several_urls_each_retry_goes_to_the_next_instance_with_the_same_key() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (bank.accounts[0].as_str().unwrap(), bank.accounts[1].as_str().unwrap());
+    let serve = Serve::start(&bank.db, &[("tok", "shop-1")], &[], &[]);
+    // the first instance commits and loses the answer, then answers only 503
+    let (sick, _front) = front(&serve.url, vec![UNAVAILABLE; 100]);
+    let args = ["--src", s, "--dst", d, "--amount", "9", "--key", "k-two", "--budget", "3s"];
+    let alone = Command::new(IDEM)
+        .args(["transfer", "--url", &sick, "--token", "tok"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert_eq!(alone.status.code(), Some(75), "one sick instance: the outcome stays unknown");
+    let both = Command::new(IDEM)
+        .args(["transfer", "--url", &sick, "--url", &serve.url, "--token", "tok"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert_eq!(both.status.code(), Some(0), "{}", String::from_utf8_lossy(&both.stderr));
+    let t: serde_json::Value = serde_json::from_slice(&both.stdout).unwrap();
+    assert_eq!(t["amount"], 9);
+    assert_eq!(bank.transfers().len(), 1, "paid twice");
+}

@@ -438,3 +438,47 @@ fn a_commit_still_waiting_for_its_standby_when_the_primary_died_is_paid_once_by_
     assert_eq!(transfers_table(&mut rejoined), table, "the old primary holds the new timeline's history");
     drop(serve);
 }
+
+#[test]
+fn idem_chaos_over_three_instances_with_a_failover_mid_day_pays_every_transfer_exactly_once() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(cluster) = Cluster::start() else { return };
+    let out = tempfile::tempdir().unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["chaos", "--instances", "3", "--failover", "1", "--clients", "16", "--transfers", "15"])
+        .args(["--seed", "20261203", "--budget", "30s"])
+        .args(["--failover-cmd", &format!("{HA} kill-primary"), "--heal-cmd", &format!("{HA} heal")])
+        .arg("--db")
+        .arg(&cluster.conninfo)
+        .arg("--out")
+        .arg(out.path())
+        .env("PG_HA_ROOT", cluster.root.path())
+        .env("PG_HA_PORT", cluster.port.to_string())
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(out.path().join("chaos_report.md")).unwrap_or_default();
+    eprintln!("{}{}\n{report}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "idem chaos failed");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("chaos.json")).unwrap()).unwrap();
+    for (what, want) in [
+        ("transfers_paid_twice", 0),
+        ("transfers_lost", 0),
+        ("transfers_unintended", 0),
+        ("keys_left_claimed", 0),
+        ("transfers_intended", 240),
+    ] {
+        assert_eq!(s[what], want, "{what}");
+    }
+    assert_eq!(s["balances_conserved"], true);
+    let failovers = s["failovers"].as_array().unwrap();
+    assert_eq!(failovers.len(), 1, "{s}");
+    let resumed = failovers[0]["writes_resumed_ms"].as_u64().expect("writes resumed after the failover");
+    assert!(resumed < 30_000, "writes resumed only after {resumed} ms");
+    // the day went on through the failover: the primary died with clients still sending
+    assert!(
+        failovers[0]["answered_503"].as_u64().unwrap() + failovers[0]["unanswered"].as_u64().unwrap() > 0
+    );
+    // the cluster is whole again, the killed node a standby
+    cluster.ha(&["wait-settled", "60"]);
+}
