@@ -12,6 +12,7 @@
 pub mod canonical; // RFC 8785 canonical JSON and the SHA-256 fingerprint
 pub mod clock; // RFC 3339 instants in one sortable text form
 pub mod ledger; // balance checks and moves inside the execution transaction
+pub mod payout; // payouts through an outside gateway: intent, call, result; reconcile
 pub mod policy; // policy.json, embedded: every number the engine enforces
 pub mod protocol; // claim → execute → complete, replay, conflict; the core
 pub mod reason; // why an answer is not a plain success, typed

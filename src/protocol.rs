@@ -267,23 +267,33 @@ pub fn settled<S: Reads + ?Sized>(
 
 /// Step 1: claim the key for `ctx.token`, or say why not.
 pub fn claim<S: Store + ?Sized>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
+    claim_key(store, &req.key, &req.fingerprint, ctx)
+}
+
+/// [`claim`] for any request under `key` whose body has `fingerprint`.
+pub fn claim_key<S: Store + ?Sized>(
+    store: &mut S,
+    key: &ScopedKey,
+    fingerprint: &str,
+    ctx: Ctx,
+) -> Result<Claimed, StoreError> {
     let claim = Claim {
-        fingerprint: req.fingerprint.clone(),
+        fingerprint: fingerprint.to_owned(),
         token: ctx.token.to_owned(),
         created_at: ctx.now,
         lease_until: ctx.now.plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
     };
     store::atomically(store, Durability::Lazy, ctx.policy, |tx| {
-        let Some(existing) = tx.insert_claim(&req.key, &claim)? else {
+        let Some(existing) = tx.insert_claim(key, &claim)? else {
             return Ok(End::Commit(Claimed::Mine));
         };
-        let created_at = match decide(&existing, &req.fingerprint, ctx.now, ctx.policy) {
+        let created_at = match decide(&existing, fingerprint, ctx.now, ctx.policy) {
             // A taken-over key keeps its age: retention counts from the first claim.
             Decision::TakeOver => existing.created_at,
             Decision::Expired => ctx.now,
             other => return Ok(End::Rollback(Claimed::Answer(answer(other, ctx.policy)))),
         };
-        Ok(match tx.replace_claim(&req.key, &existing, &Claim { created_at, ..claim.clone() })? {
+        Ok(match tx.replace_claim(key, &existing, &Claim { created_at, ..claim.clone() })? {
             true => End::Commit(Claimed::Mine),
             // Another attempt got there first, or the old holder is still
             // executing: either way the key is in flight.
@@ -438,7 +448,7 @@ pub fn answer(decision: Decision, policy: &Policy) -> Response {
     }
 }
 
-fn in_progress(policy: &Policy) -> Response {
+pub(crate) fn in_progress(policy: &Policy) -> Response {
     Response::refusal(policy.on_in_flight, Reason::InProgress)
 }
 

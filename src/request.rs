@@ -69,6 +69,23 @@ pub struct Request {
     pub fingerprint: String,
 }
 
+/// A payout: money leaves `src` for a beneficiary outside, through a
+/// gateway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payout {
+    pub src: AcctId,
+    pub beneficiary: String,
+    pub amount: i64,
+    pub currency: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutRequest {
+    pub key: ScopedKey,
+    pub payout: Payout,
+    pub fingerprint: String,
+}
+
 /// Why a request is malformed. `Display` is the `reason` of the 400 response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestError {
@@ -135,6 +152,31 @@ pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
 /// a request file, so either front replays the other.
 pub fn parse_body(key: ScopedKey, bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
     transfer_request(key, &json(bytes, policy)?, &ON_ITS_OWN, policy)
+}
+
+const PAYOUT_BODY: [&str; 4] = ["src", "beneficiary", "amount", "currency"];
+
+/// Parses and validates a payout sent over HTTP (`POST /v1/payouts`), by the
+/// same rules as a transfer: strict members, exact integer amounts, the
+/// policy's currencies, and a fingerprint of the RFC 8785 form.
+pub fn parse_payout(key: ScopedKey, bytes: &[u8], policy: &Policy) -> Result<PayoutRequest, RequestError> {
+    let body = json(bytes, policy)?;
+    only_fields(&body, "body", &PAYOUT_BODY, "")?;
+    let limit = policy.max_field_chars;
+    let payout = Payout {
+        src: acct_field(&body, "src", "src", limit)?,
+        beneficiary: text_field(&body, "beneficiary", limit)?,
+        amount: match body.get("amount") {
+            None => return Err(RequestError::Missing("amount")),
+            Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => *a,
+            Some(_) => return Err(RequestError::Amount { max: policy.max_amount }),
+        },
+        currency: text_field(&body, "currency", limit)?,
+    };
+    if !policy.currencies.contains(&payout.currency) {
+        return Err(RequestError::Currency(clip(&payout.currency)));
+    }
+    Ok(PayoutRequest { key, payout, fingerprint: fingerprint(&body) })
 }
 
 fn json(bytes: &[u8], policy: &Policy) -> Result<Json, RequestError> {

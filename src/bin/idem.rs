@@ -23,6 +23,38 @@ struct Cli {
     command: Command,
 }
 
+/// Where payouts go.
+#[derive(clap::Args, Debug)]
+struct GatewayArgs {
+    /// The gateway's base URL (POST /payouts, GET /payouts/{key}), e.g. one `idem gateway`.
+    #[arg(long, value_name = "URL")]
+    gateway: Option<String>,
+    /// Bearer token for the gateway (or IDEM_GATEWAY_TOKEN).
+    #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
+    gateway_token: Option<String>,
+    /// Each call's whole time; past it the payout's outcome is unknown.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    gateway_timeout: std::time::Duration,
+    /// The gateway's lookups may miss a payout younger than this.
+    #[arg(long, default_value = "0ms", value_parser = parse_duration)]
+    gateway_lookup_delay: std::time::Duration,
+    /// The gateway forgets a key after this (Stripe: 24h; Toss Payments: 15d).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    gateway_key_window: std::time::Duration,
+}
+
+impl GatewayArgs {
+    fn http(self) -> Option<idem::payout::HttpGateway> {
+        Some(idem::payout::HttpGateway {
+            url: self.gateway?.trim_end_matches('/').to_owned(),
+            token: self.gateway_token,
+            timeout: self.gateway_timeout,
+            lookup_delay: self.gateway_lookup_delay,
+            key_window: self.gateway_key_window,
+        })
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// The day: gen, dup-report and replay into DIR, plus policy.json and idem_report.md.
@@ -133,6 +165,30 @@ enum Command {
         /// SQLite: the most transfers one group commit (one fsync) carries; 1 commits each alone.
         #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
         group_max: u32,
+        /// With --gateway: POST /v1/payouts pays out through it (see the README).
+        #[command(flatten)]
+        gateway: GatewayArgs,
+        /// How often payouts left unknown or stranded are reconciled (with --gateway).
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        reconcile_every: std::time::Duration,
+    },
+    /// Settle payouts left unknown (or stranded in progress past their lease) by asking the gateway.
+    ///
+    /// Each is looked up by its downstream key: paid → completed (the answer
+    /// the client would have got is stored); failed → the hold goes back to
+    /// its account; pending → left; not found → sent again with the same key,
+    /// only after the gateway's lookup delay and inside its key window, else
+    /// left for a person. One JSON line per decision. Two reconcilers at once
+    /// never work on one payout. --list prints the payouts not settled.
+    Reconcile {
+        /// SQLite file or PostgreSQL connection string (or IDEM_DB).
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        #[command(flatten)]
+        gateway: GatewayArgs,
+        /// Only list the payouts not settled, one JSON line each; change nothing.
+        #[arg(long)]
+        list: bool,
     },
     /// A payment gateway to pay out through, with seeded faults (a test harness).
     ///
@@ -398,6 +454,28 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 }
             }
         }
+        Command::Reconcile { db, gateway, list } => {
+            let mut store = store::open(&db, policy, Usage::LongLived)?;
+            idem::payout::prepare(&mut *store, policy)?;
+            if list {
+                for p in idem::payout::open(&mut *store, now()?, policy)? {
+                    println!(
+                        "{}",
+                        json!({"payout_id": p.id, "downstream_key": p.downstream_key, "state": p.state.name(),
+                               "amount": p.amount, "created_at": p.created_at.to_string(), "note": p.note})
+                    );
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            let gateway = gateway.http().ok_or_else(|| Failure("give --gateway URL (or --list)".into()))?;
+            let token = protocol::fresh_token().map_err(|e| Failure(format!("no randomness: {e}")))?;
+            let fixed = fixed_now()?;
+            let clock = move || fixed.unwrap_or_else(Timestamp::now);
+            let lease = gateway.timeout * 2;
+            for d in idem::payout::reconcile(&mut *store, &gateway, &token, &clock, lease, policy)? {
+                println!("{}", d.to_json());
+            }
+        }
         Command::Recover { db, release, force_live } => {
             let now = now()?;
             let mut store = store::open(&db, policy, Usage::LongLived)?;
@@ -476,7 +554,17 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             let _ = std::io::stdout().flush();
             idem::harness::gateway::serve(listener, options).map_err(|e| Failure(e.to_string()))?;
         }
-        Command::Serve { db, listen, clients, pool, max_in_flight, max_connections, group_max } => {
+        Command::Serve {
+            db,
+            listen,
+            clients,
+            pool,
+            max_in_flight,
+            max_connections,
+            group_max,
+            gateway,
+            reconcile_every,
+        } => {
             let descriptors = idem::service::descriptor_limit();
             let options = idem::service::Options {
                 db,
@@ -487,6 +575,8 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                     .map_or_else(|| idem::service::default_max_connections(descriptors), |n| n as usize),
                 group_max: group_max as usize,
                 log_secret: std::env::var_os("IDEM_LOG_SECRET").map(|s| s.into_encoded_bytes()),
+                gateway: gateway.http(),
+                reconcile_every,
             };
             let clock: idem::service::executor::Clock = match fixed_now()? {
                 Some(fixed) => std::sync::Arc::new(move || fixed),

@@ -51,7 +51,13 @@ pub enum Job {
     Ping {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
+    /// Any other work on a writer's connection, outside a group commit
+    /// (the payout steps); it sends its own reply.
+    Run(Work),
 }
+
+/// Work for a writer's connection; it sends its own reply.
+pub type Work = Box<dyn FnOnce(&mut dyn Store) + Send>;
 
 /// The connections the service runs on.
 pub enum Stores {
@@ -279,9 +285,10 @@ fn report(health: &Health, outcome: &Result<Outcome, StoreError>) {
 
 type TransferReply = oneshot::Sender<Result<Outcome, StoreError>>;
 
-/// Answers `job` on the spot if it is a read; a transfer is handed back.
-/// A client that has gone does not take its answer: the work is done anyway.
-fn read_or_transfer<S: Reads + ?Sized>(
+/// Answers `job` on the spot if it is a read or other work; a transfer is
+/// handed back. A client that has gone does not take its answer: the work
+/// is done anyway.
+fn read_or_transfer<S: Reads>(
     store: &mut S,
     job: Job,
     policy: &Policy,
@@ -289,6 +296,7 @@ fn read_or_transfer<S: Reads + ?Sized>(
 ) -> Option<(Request, TransferReply)> {
     match job {
         Job::Transfer { req, reply } => return Some((req, reply)),
+        Job::Run(work) => work(store),
         Job::Settled { req, reply } => {
             drop(reply.send(protocol::settled(store, &req, Ctx { policy, now: clock(), token: "" })))
         }
@@ -324,7 +332,7 @@ fn one_at_a_time<S: Reads + ?Sized>(
             }
         };
         let Some(job) = job else { break };
-        if let Some((req, reply)) = read_or_transfer(&mut *store, job, policy, clock) {
+        if let Some((req, reply)) = read_or_transfer(&mut store, job, policy, clock) {
             orphans.release(&mut *store, policy, clock);
             let (outcome, token) = transfer_as(&mut store, &req, policy, clock);
             if unavailable(&outcome) {

@@ -4,11 +4,12 @@
 //! transfer goes through the same protocol as `idem_api`, in the same key
 //! space, scoped by `(client id from the token, route path, key)`.
 
-use super::executor::{Executor, Job};
+use super::executor::{Clock, Executor, Job};
 use super::health::Health;
 use super::log::Log;
 use super::metrics::Metrics;
 use crate::clock::Timestamp;
+use crate::payout::{self, Begun, HttpGateway, PAYOUTS};
 use crate::policy::Policy;
 use crate::protocol::{Outcome, Response as Answer};
 use crate::reason::Reason;
@@ -45,6 +46,8 @@ pub struct App {
     health: Arc<Health>,
     policy: &'static Policy,
     in_flight: Semaphore,
+    /// Where payouts go, and the service's clock; `None`: no payouts.
+    payouts: Option<(Arc<HttpGateway>, Clock)>,
 }
 
 impl App {
@@ -55,6 +58,7 @@ impl App {
         log: Log,
         policy: &'static Policy,
         max_in_flight: usize,
+        payouts: Option<(Arc<HttpGateway>, Clock)>,
     ) -> Self {
         let clients = clients.into_iter().map(|(token, client)| (digest(token.as_bytes()), client)).collect();
         App {
@@ -65,6 +69,7 @@ impl App {
             health,
             policy,
             in_flight: Semaphore::new(max_in_flight),
+            payouts,
         }
     }
 
@@ -134,6 +139,8 @@ fn route_of(path: &str) -> &'static str {
         "/metrics" => "/metrics",
         "/openapi.json" => "/openapi.json",
         p if p.starts_with("/v1/transfers/") => "/v1/transfers/{id}",
+        PAYOUTS => PAYOUTS,
+        p if p.starts_with("/v1/payouts/") => "/v1/payouts/{id}",
         _ => "other",
     }
 }
@@ -183,12 +190,18 @@ async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
         }
         (&Method::GET, "/openapi.json") => text(StatusCode::OK, "application/json", OPENAPI.to_owned()),
         (&Method::POST, TRANSFERS) => transfer(app, req, note).await,
+        (&Method::POST, PAYOUTS) => transfer(app, req, note).await,
+        (&Method::GET, p) if p.starts_with("/v1/payouts/") => {
+            payout_lookup(app, req.headers(), &p["/v1/payouts/".len()..], note).await
+        }
         (&Method::GET, p) if p.starts_with("/v1/transfers/") => {
             lookup(app, req.headers(), &p[14..], note).await
         }
         (_, "/healthz" | "/metrics" | "/openapi.json") => not_allowed("GET, HEAD", note),
-        (_, TRANSFERS) => not_allowed("POST", note),
-        (_, p) if p.starts_with("/v1/transfers/") => not_allowed("GET, HEAD", note),
+        (_, TRANSFERS | PAYOUTS) => not_allowed("POST", note),
+        (_, p) if p.starts_with("/v1/transfers/") || p.starts_with("/v1/payouts/") => {
+            not_allowed("GET, HEAD", note)
+        }
         _ => problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note),
     }
 }
@@ -254,46 +267,15 @@ async fn refuse_or_transfer(
     body: &mut Option<Incoming>,
     note: &mut Note,
 ) -> Reply {
-    let Some(client) = authenticate(app, req.headers()) else { return unauthorized(note) };
-    note.client = Some(client.clone());
-    if !is_json(req.headers()) {
-        return problem(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "The body must be application/json.",
-            note,
-        );
-    }
-    let limit = app.policy.max_request_bytes;
-    let too_large = || format!("The body must be at most {limit} bytes.");
-    let declared =
-        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", &too_large(), note);
-    }
-    let key = match idempotency_key(req.headers(), app.policy.max_field_chars) {
-        Ok(key) => key,
-        Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail, note),
+    let payouts = req.uri().path() == PAYOUTS;
+    let (client, key, body) = match read_request(app, req, body, note).await {
+        Ok(read) => read,
+        Err(reply) => return reply,
     };
-    note.key = Some(key.clone());
-    let Some(incoming) = body.take() else { return failed(note) };
-    let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
-        Err(_) => {
-            return problem(
-                StatusCode::REQUEST_TIMEOUT,
-                "request_timeout",
-                "The body did not arrive in time.",
-                note,
-            );
-        }
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", &too_large(), note);
-        }
-        Ok(Err(_)) => {
-            return problem(StatusCode::BAD_REQUEST, "invalid_request", "The body could not be read.", note);
-        }
-        Ok(Ok(body)) => body.to_bytes(),
-    };
+    if payouts {
+        let scoped = ScopedKey { client_id: client, endpoint: PAYOUTS.into(), idem_key: key };
+        return make_payout(app, scoped, &body, note).await;
+    }
     let scoped = ScopedKey { client_id: client, endpoint: TRANSFERS.into(), idem_key: key };
     let parsed = match request::parse_body(scoped, &body, app.policy) {
         Ok(parsed) => parsed,
@@ -323,6 +305,161 @@ async fn refuse_or_transfer(
         Ok(Ok(Outcome::Respond(answer))) => respond(answer, note),
         Ok(Ok(Outcome::Crashed(_))) | Err(_) => failed(note),
         Ok(Err(e)) => store_error(app, &e, note),
+    }
+}
+
+/// A POST's client, key and body, or the answer that refuses it: 401, 415,
+/// 413, 400 for the key, 408 for a body too slow.
+async fn read_request(
+    app: &App,
+    req: Request<()>,
+    body: &mut Option<Incoming>,
+    note: &mut Note,
+) -> Result<(String, String, Bytes), Reply> {
+    let Some(client) = authenticate(app, req.headers()) else { return Err(unauthorized(note)) };
+    note.client = Some(client.clone());
+    if !is_json(req.headers()) {
+        return Err(problem(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "The body must be application/json.",
+            note,
+        ));
+    }
+    let limit = app.policy.max_request_bytes;
+    let too_large = || format!("The body must be at most {limit} bytes.");
+    let declared =
+        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", &too_large(), note));
+    }
+    let key = match idempotency_key(req.headers(), app.policy.max_field_chars) {
+        Ok(key) => key,
+        Err((reason, detail)) => return Err(problem(StatusCode::BAD_REQUEST, reason, &detail, note)),
+    };
+    note.key = Some(key.clone());
+    let Some(incoming) = body.take() else { return Err(failed(note)) };
+    match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
+        Err(_) => Err(problem(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "The body did not arrive in time.",
+            note,
+        )),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", &too_large(), note))
+        }
+        Ok(Err(_)) => {
+            Err(problem(StatusCode::BAD_REQUEST, "invalid_request", "The body could not be read.", note))
+        }
+        Ok(Ok(body)) => Ok((client, key, body.to_bytes())),
+    }
+}
+
+/// Runs `work` on a writer's connection; `None` if the queue is full or the
+/// worker went away.
+async fn on_writer<R: Send + 'static>(
+    app: &App,
+    work: impl FnOnce(&mut dyn crate::store::Store) -> R + Send + 'static,
+) -> Option<R> {
+    let (reply, answer) = oneshot::channel();
+    let job = Job::Run(Box::new(move |store| drop(reply.send(work(store)))));
+    if !app.executor.submit(job) {
+        return None;
+    }
+    answer.await.ok()
+}
+
+/// `POST /v1/payouts`: the intent (claim, hold, payout row) on a writer,
+/// the gateway's call on a blocking thread with no connection held, the
+/// result on a writer again.
+async fn make_payout(app: &App, key: ScopedKey, body: &[u8], note: &mut Note) -> Reply {
+    let Some((gateway, clock)) = app.payouts.clone() else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "This service makes no payouts (it was started without --gateway).",
+            note,
+        );
+    };
+    let req = match request::parse_payout(key, body, app.policy) {
+        Ok(req) => req,
+        Err(e) => {
+            let reason = e.to_string();
+            return problem(StatusCode::BAD_REQUEST, &reason, &reason, note);
+        }
+    };
+    let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
+    let policy = app.policy;
+    let lease = gateway.timeout * 2;
+    let now = clock.clone();
+    let begun = on_writer(app, move |store| {
+        let token = crate::protocol::fresh_token()
+            .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
+        let ctx = crate::protocol::Ctx { policy, now: now(), token: &token };
+        payout::begin(store, &req, ctx, lease)
+    })
+    .await;
+    let row = match begun {
+        None => return busy(app, note),
+        Some(Err(e)) => return store_error(app, &e, note),
+        Some(Ok(Begun::Answer(answer))) => return respond_payout(answer, note),
+        Some(Ok(Begun::Call(row))) => row,
+    };
+    let call = {
+        let (gateway, row) = (gateway.clone(), row.clone());
+        tokio::task::spawn_blocking(move || payout::Gateway::send(&*gateway, &row))
+            .await
+            .unwrap_or_else(|e| payout::Call::Unknown(format!("the call did not end: {e}")))
+    };
+    let finished = on_writer(app, move |store| payout::finish(store, &row, call, clock(), policy)).await;
+    match finished {
+        Some(Ok(answer)) => respond_payout(answer, note),
+        // The result is not recorded: the payout stays in progress until
+        // the reconciler asks the gateway; the client polls or retries.
+        Some(Err(e)) => store_error(app, &e, note),
+        None => busy(app, note),
+    }
+}
+
+/// A payout's answer: 201 with the payout, 202 with where to poll, or a
+/// problem; `Location` names the payout.
+fn respond_payout(answer: payout::Answer, note: &mut Note) -> Reply {
+    let payout::Answer { response, payout_id } = answer;
+    match response.status {
+        201 | 202 => {
+            note.replay = response.replay;
+            let status = if response.status == 201 { StatusCode::CREATED } else { StatusCode::ACCEPTED };
+            let mut reply = text(status, "application/json", response.body.clone());
+            if response.replay {
+                reply.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            if response.status == 202 {
+                reply.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            if let Some(location) =
+                payout_id.and_then(|id| HeaderValue::from_str(&format!("{PAYOUTS}/{id}")).ok())
+            {
+                reply.headers_mut().insert(header::LOCATION, location);
+            }
+            reply
+        }
+        _ => respond(response, note),
+    }
+}
+
+/// `GET /v1/payouts/{id}`: where a payout of the caller stands.
+async fn payout_lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Reply {
+    let Some(client) = authenticate(app, headers) else { return unauthorized(note) };
+    note.client = Some(client.clone());
+    let not_found = |note: &mut Note| problem(StatusCode::NOT_FOUND, "not_found", "No such payout.", note);
+    let (Some(_), Ok(id)) = (&app.payouts, id.parse::<i64>()) else { return not_found(note) };
+    let policy = app.policy;
+    match on_writer(app, move |store| payout::lookup(store, &client, id, policy)).await {
+        Some(Ok(Some(p))) => text(StatusCode::OK, "application/json", payout::to_json(&p)),
+        Some(Ok(None)) => not_found(note),
+        Some(Err(e)) => store_error(app, &e, note),
+        None => busy(app, note),
     }
 }
 

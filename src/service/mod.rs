@@ -56,6 +56,10 @@ pub struct Options {
     pub group_max: usize,
     /// The secret that keys the logged key tags (`None`: a random one).
     pub log_secret: Option<Vec<u8>>,
+    /// Where payouts go (`None`: `/v1/payouts` is not served).
+    pub gateway: Option<crate::payout::HttpGateway>,
+    /// How often the service reconciles payouts left unknown or stranded.
+    pub reconcile_every: Duration,
 }
 
 /// Why the service could not start (or stop cleanly).
@@ -218,6 +222,45 @@ pub fn default_max_connections(descriptors: u64) -> usize {
     usize::try_from(descriptors.saturating_sub(64).max(16)).unwrap_or(usize::MAX).min(1 << 20)
 }
 
+/// The recovery job of payouts, on a connection of its own, every `every`:
+/// each decision is a log line. A process that dies mid-run leaves the
+/// payouts it took to the next run, once their lease is over.
+fn reconcile_in_background(
+    mut store: Box<dyn crate::store::Store + Send>,
+    gateway: crate::payout::HttpGateway,
+    every: Duration,
+    policy: &'static Policy,
+    clock: Clock,
+    app: Arc<http::App>,
+) -> std::io::Result<()> {
+    std::thread::Builder::new().name("idem-reconcile".into()).spawn(move || {
+        loop {
+            std::thread::sleep(every);
+            let token = match crate::protocol::fresh_token() {
+                Ok(token) => token,
+                Err(_) => continue,
+            };
+            let lease = gateway.timeout * 2;
+            let line = |fields: serde_json::Value| {
+                let mut v = serde_json::json!({"ts": clock().to_string(), "event": "reconcile"});
+                if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {
+                    v.extend(fields);
+                }
+                app.log.line(v.to_string());
+            };
+            match crate::payout::reconcile(&mut *store, &gateway, &token, &*clock, lease, policy) {
+                Ok(decisions) => {
+                    for d in decisions {
+                        line(serde_json::from_str(&d.to_json()).unwrap_or_default());
+                    }
+                }
+                Err(e) => line(serde_json::json!({"error": e.to_string()})),
+            }
+        }
+    })?;
+    Ok(())
+}
+
 /// A service whose stores are open and whose workers run, ready to serve.
 pub struct Service {
     app: Arc<http::App>,
@@ -239,13 +282,32 @@ impl Service {
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
         let executor =
-            Executor::start(stores, capacity, options.group_max, policy, clock, health.clone(), hook)
+            Executor::start(stores, capacity, options.group_max, policy, clock.clone(), health.clone(), hook)
                 .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
         let log = log::Log::start(log_sink, options.log_secret)
             .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;
-        let app =
-            http::App::new(options.clients, executor, health, log, policy, options.max_in_flight.max(1));
-        Ok(Service { app: Arc::new(app), max_connections: options.max_connections.max(1) })
+        let reconciler = match &options.gateway {
+            Some(_) => {
+                let mut store = crate::store::open(&options.db, policy, crate::store::Usage::LongLived)?;
+                crate::payout::prepare(&mut *store, policy)?;
+                Some(store)
+            }
+            None => None,
+        };
+        let app = Arc::new(http::App::new(
+            options.clients,
+            executor,
+            health,
+            log,
+            policy,
+            options.max_in_flight.max(1),
+            options.gateway.clone().map(|g| (Arc::new(g), clock.clone())),
+        ));
+        if let (Some(store), Some(gateway)) = (reconciler, options.gateway) {
+            reconcile_in_background(store, gateway, options.reconcile_every, policy, clock, app.clone())
+                .map_err(|e| ServeError::Other(format!("cannot start the reconciler: {e}")))?;
+        }
+        Ok(Service { app, max_connections: options.max_connections.max(1) })
     }
 
     /// Serves `listener` until `shutdown` resolves, then lets the requests

@@ -170,7 +170,7 @@ pub(crate) mod audit_sql {
            (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')
          ORDER BY transfer_id";
     pub const HOLLOW: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
-           AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))";
+           AND endpoint <> '/v1/payouts' AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))";
     pub const IN_PROGRESS: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'";
     pub const COMPLETED: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'";
 }
@@ -282,6 +282,70 @@ pub struct NewTransfer<'a> {
     pub created_at: Timestamp,
 }
 
+/// Where a payout stands. `InProgress`: the money is held (debited from
+/// `src`) and a call to the gateway may be under way; `Unknown`: the call
+/// ended without a definitive answer, the money still held; `Completed`:
+/// the gateway paid; `Failed`: it refused for good, the hold was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayoutState {
+    InProgress,
+    Completed,
+    Failed,
+    Unknown,
+}
+
+impl PayoutState {
+    pub fn name(self) -> &'static str {
+        match self {
+            PayoutState::InProgress => "in_progress",
+            PayoutState::Completed => "completed",
+            PayoutState::Failed => "failed",
+            PayoutState::Unknown => "unknown",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<PayoutState, StoreError> {
+        Ok(match text {
+            "in_progress" => PayoutState::InProgress,
+            "completed" => PayoutState::Completed,
+            "failed" => PayoutState::Failed,
+            "unknown" => PayoutState::Unknown,
+            other => return Err(StoreError::Backend(format!("corrupt payout row: state {other:?}").into())),
+        })
+    }
+
+    /// Whether the payout is settled for good.
+    pub fn settled(self) -> bool {
+        matches!(self, PayoutState::Completed | PayoutState::Failed)
+    }
+}
+
+/// A payout's row: the intent and where it stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutRow {
+    pub id: i64,
+    /// The idempotency key it was made under, and the request's fingerprint.
+    pub key: ScopedKey,
+    pub fingerprint: String,
+    pub src: AcctId,
+    pub beneficiary: String,
+    pub amount: i64,
+    pub currency: String,
+    /// The key the gateway sees: derived from this row, never the client's.
+    pub downstream_key: String,
+    pub state: PayoutState,
+    /// Who may call the gateway for it now (a request, or a reconciler)…
+    pub holder: String,
+    /// …until then.
+    pub lease_until: Timestamp,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+    /// The last thing learnt: the gateway's reason, or why it is unknown.
+    pub note: Option<String>,
+    /// The HTTP status of the settled answer (201, or the refusal's).
+    pub status: Option<u16>,
+}
+
 /// Everything the harness reads back to judge a run: the ledger and how it
 /// ties to the keys. Read-only, for tests, `idem prove` and `idem check`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -329,6 +393,18 @@ pub trait Reads: Store {
     /// The key's committed record, by a plain read outside any transaction:
     /// no lock taken, none waited for (see `protocol::settled`).
     fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError>;
+}
+
+impl<S: Reads + ?Sized> Reads for Box<S> {
+    fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
+        (**self).transfer_for(client_id, transfer_id)
+    }
+    fn ping(&mut self) -> Result<(), StoreError> {
+        (**self).ping()
+    }
+    fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        (**self).peek(key)
+    }
 }
 
 impl<S: Store + ?Sized> Store for Box<S> {
@@ -400,6 +476,39 @@ pub trait Tx {
     /// Every key still `in_progress`, oldest first.
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError>;
     fn commit(self: Box<Self>) -> Result<(), StoreError>;
+
+    // Payouts. A store without them (the models under `tests/`) says so.
+
+    /// Creates the `payout` table if it is not there.
+    fn ensure_payouts(&mut self) -> Result<(), StoreError> {
+        Err(no_payouts())
+    }
+    /// Inserts a payout (its `id` is ignored) and returns its id.
+    fn insert_payout(&mut self, _row: &PayoutRow) -> Result<i64, StoreError> {
+        Err(no_payouts())
+    }
+    /// The newest payout made under `key`, locked.
+    fn payout_of(&mut self, _key: &ScopedKey) -> Result<Option<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+    /// The payout `id`, locked.
+    fn payout(&mut self, _id: i64) -> Result<Option<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Writes `row`'s state, holder, lease, note and status only if its holder is
+    /// still `seen_holder`; `false` if another took it.
+    fn update_payout(&mut self, _row: &PayoutRow, _seen_holder: &str) -> Result<bool, StoreError> {
+        Err(no_payouts())
+    }
+    /// Payouts not settled whose lease has run out at `now`, oldest first;
+    /// with `all`, every payout not settled.
+    fn payouts_open(&mut self, _now: Timestamp, _all: bool) -> Result<Vec<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+}
+
+fn no_payouts() -> StoreError {
+    StoreError::Schema("this store keeps no payouts".into())
 }
 
 /// How a unit of work ends: commit what it wrote, or roll it back.

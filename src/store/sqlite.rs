@@ -16,8 +16,8 @@
 //! module for why that is safe).
 
 use super::{
-    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, RECORD_COLUMNS, Reads, Store,
-    StoreError, Stored, Tx, audit_sql,
+    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PayoutRow, PayoutState,
+    RECORD_COLUMNS, Reads, Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -65,6 +65,80 @@ CREATE TABLE IF NOT EXISTS idem_key (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idem_key_created_at ON idem_key (created_at);
 ";
+
+/// Created on first use by payouts only, so a database that never pays out
+/// holds exactly the lab's tables.
+const PAYOUT_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS payout (
+    payout_id      INTEGER PRIMARY KEY,
+    client_id      TEXT NOT NULL,
+    endpoint       TEXT NOT NULL,
+    idem_key       TEXT NOT NULL,
+    fingerprint    TEXT NOT NULL,
+    src            NOT NULL,
+    beneficiary    TEXT NOT NULL,
+    amount         INTEGER NOT NULL CHECK (typeof(amount) = 'integer' AND amount > 0),
+    currency       TEXT NOT NULL,
+    downstream_key TEXT NOT NULL UNIQUE,
+    state          TEXT NOT NULL CHECK (state IN ('in_progress', 'completed', 'failed', 'unknown')),
+    holder         TEXT NOT NULL,
+    lease_until    TEXT NOT NULL,
+    created_at     TEXT NOT NULL,
+    updated_at     TEXT NOT NULL,
+    note           TEXT,
+    status         INTEGER,
+    CHECK ((state IN ('completed', 'failed')) = (status IS NOT NULL))
+);
+CREATE INDEX IF NOT EXISTS payout_key ON payout (client_id, endpoint, idem_key);
+CREATE INDEX IF NOT EXISTS payout_open ON payout (state, lease_until);
+";
+
+const PAYOUT_COLUMNS: &str =
+    "payout_id, client_id, endpoint, idem_key, fingerprint, src, beneficiary, amount,
+    currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status";
+
+fn payout_row(r: &Row) -> rusqlite::Result<Result<PayoutRow, StoreError>> {
+    let time = |i: usize| -> rusqlite::Result<Result<Timestamp, StoreError>> {
+        let text: String = r.get(i)?;
+        Ok(Timestamp::parse(&text)
+            .map_err(|e| StoreError::Backend(format!("corrupt payout row: {e}").into())))
+    };
+    let (lease_until, created_at, updated_at) = (time(12)?, time(13)?, time(14)?);
+    let src = acct_id(r.get(5)?);
+    let state: String = r.get(10)?;
+    let (id, client_id, endpoint, idem_key) = (r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?);
+    let (beneficiary, amount, currency, downstream_key) = (r.get(6)?, r.get(7)?, r.get(8)?, r.get(9)?);
+    let (fingerprint, holder, note, status) = (r.get(4)?, r.get(11)?, r.get(15)?, r.get(16)?);
+    Ok((|| {
+        Ok(PayoutRow {
+            id,
+            key: crate::request::ScopedKey { client_id, endpoint, idem_key },
+            fingerprint,
+            src: src?,
+            beneficiary,
+            amount,
+            currency,
+            downstream_key,
+            state: PayoutState::parse(&state)?,
+            holder,
+            lease_until: lease_until?,
+            created_at: created_at?,
+            updated_at: updated_at?,
+            note,
+            status,
+        })
+    })())
+}
+
+impl SqliteTx<'_> {
+    fn payouts_where(&self, condition: &str, params: &[&dyn ToSql]) -> Result<Vec<PayoutRow>, StoreError> {
+        let sql = format!("SELECT {PAYOUT_COLUMNS} FROM payout WHERE {condition}");
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let rows: Vec<Result<PayoutRow, StoreError>> =
+            stmt.query_map(params, payout_row).and_then(|rows| rows.collect()).map_err(backend)?;
+        rows.into_iter().collect()
+    }
+}
 
 /// Prepared statements kept per connection: more than a request runs.
 const STATEMENTS_CACHED: usize = 64;
@@ -678,6 +752,83 @@ impl Tx for SqliteTx<'_> {
             Ok((key, record_at(r, 3)?))
         });
         rows.and_then(|rows| rows.collect()).map_err(backend)
+    }
+
+    fn ensure_payouts(&mut self) -> Result<(), StoreError> {
+        self.conn.execute_batch(PAYOUT_SCHEMA).map_err(backend)
+    }
+
+    fn insert_payout(&mut self, p: &PayoutRow) -> Result<i64, StoreError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO payout (client_id, endpoint, idem_key, fingerprint, src, beneficiary, amount, currency,
+                                     downstream_key, state, holder, lease_until, created_at, updated_at, note)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?13, ?14) RETURNING payout_id",
+            )
+            .and_then(|mut s| {
+                s.query_row(
+                    rusqlite::params![
+                        p.key.client_id,
+                        p.key.endpoint,
+                        p.key.idem_key,
+                        p.fingerprint,
+                        p.src,
+                        p.beneficiary,
+                        p.amount,
+                        p.currency,
+                        p.downstream_key,
+                        p.state.name(),
+                        p.holder,
+                        p.lease_until.to_string(),
+                        p.created_at.to_string(),
+                        p.note,
+                    ],
+                    |r| r.get(0),
+                )
+            })
+            .map_err(backend)
+    }
+
+    fn payout_of(&mut self, key: &ScopedKey) -> Result<Option<PayoutRow>, StoreError> {
+        let rows = self.payouts_where(
+            "client_id = ?1 AND endpoint = ?2 AND idem_key = ?3 ORDER BY payout_id DESC LIMIT 1",
+            &[&key.client_id, &key.endpoint, &key.idem_key],
+        )?;
+        Ok(rows.into_iter().next())
+    }
+
+    fn payout(&mut self, id: i64) -> Result<Option<PayoutRow>, StoreError> {
+        Ok(self.payouts_where("payout_id = ?1", &[&id])?.into_iter().next())
+    }
+
+    fn update_payout(&mut self, p: &PayoutRow, seen_holder: &str) -> Result<bool, StoreError> {
+        self.conn
+            .prepare_cached(
+                "UPDATE payout SET state = ?2, holder = ?3, lease_until = ?4, updated_at = ?5, note = ?6, status = ?8
+                 WHERE payout_id = ?1 AND holder = ?7",
+            )
+            .and_then(|mut s| {
+                s.execute(rusqlite::params![
+                    p.id,
+                    p.state.name(),
+                    p.holder,
+                    p.lease_until.to_string(),
+                    p.updated_at.to_string(),
+                    p.note,
+                    seen_holder,
+                    p.status,
+                ])
+            })
+            .map(|n| n == 1)
+            .map_err(backend)
+    }
+
+    fn payouts_open(&mut self, now: Timestamp, all: bool) -> Result<Vec<PayoutRow>, StoreError> {
+        let now = now.to_string();
+        self.payouts_where(
+            "state IN ('in_progress', 'unknown') AND (?2 OR lease_until <= ?1) ORDER BY created_at, payout_id",
+            &[&now, &all],
+        )
     }
 
     fn commit(mut self: Box<Self>) -> Result<(), StoreError> {

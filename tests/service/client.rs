@@ -318,11 +318,8 @@ fn with_several_urls_each_retry_goes_to_the_next_instance_with_the_same_key() {
     // the first instance commits and loses the answer, then answers only 503
     let (sick, _front) = front(&serve.url, vec![UNAVAILABLE; 100]);
     let args = ["--src", s, "--dst", d, "--amount", "9", "--key", "k-two", "--budget", "3s"];
-    let alone = Command::new(IDEM)
-        .args(["transfer", "--url", &sick, "--token", "tok"])
-        .args(args)
-        .output()
-        .unwrap();
+    let alone =
+        Command::new(IDEM).args(["transfer", "--url", &sick, "--token", "tok"]).args(args).output().unwrap();
     assert_eq!(alone.status.code(), Some(75), "one sick instance: the outcome stays unknown");
     let both = Command::new(IDEM)
         .args(["transfer", "--url", &sick, "--url", &serve.url, "--token", "tok"])

@@ -3,75 +3,9 @@
 //! test asserts what a gateway that paid twice, lost a payout or forgot too
 //! early would get wrong.
 
-use crate::server::{IDEM, Serve};
-use serde_json::Value;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use crate::server::{Gateway, IDEM};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-struct Gateway {
-    child: Child,
-    url: String,
-    db: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Gateway {
-    fn start(args: &[&str]) -> Gateway {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("gateway.db");
-        let mut child = Command::new(IDEM)
-            .arg("gateway")
-            .arg("--db")
-            .arg(&db)
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.starts_with("http://127.0.0.1:"), "first line {line:?}");
-        Gateway { child, url: line.trim().to_owned(), db, _dir: dir }
-    }
-
-    /// `POST /payouts`: the status and JSON answer, or `None` when the
-    /// connection closed unanswered.
-    fn pay(&self, key: &str, body: &str, token: Option<&str>) -> Option<(u16, Value)> {
-        let mut req = Serve::agent().post(format!("{}/payouts", self.url)).header("Idempotency-Key", key);
-        if let Some(token) = token {
-            req = req.header("Authorization", format!("Bearer {token}"));
-        }
-        let mut response = req.send(body).ok()?;
-        let text = response.body_mut().read_to_string().ok()?;
-        Some((response.status().as_u16(), serde_json::from_str(&text).unwrap()))
-    }
-
-    fn look(&self, key: &str) -> (u16, Value) {
-        let mut response = Serve::agent().get(format!("{}/payouts/{key}", self.url)).call().unwrap();
-        let text = response.body_mut().read_to_string().unwrap();
-        (response.status().as_u16(), serde_json::from_str(&text).unwrap())
-    }
-
-    /// (key, amount, status) of every ledger row.
-    fn ledger(&self) -> Vec<(String, i64, String)> {
-        ledger(&self.db)
-    }
-}
-
-fn ledger(db: &Path) -> Vec<(String, i64, String)> {
-    let conn = idem::harness::gateway::open(db).unwrap();
-    idem::harness::gateway::ledger(&conn).unwrap().into_iter().map(|p| (p.key, p.amount, p.status)).collect()
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 const BODY: &str = r#"{"beneficiary":"acct-7","amount":500,"currency":"KRW"}"#;
 

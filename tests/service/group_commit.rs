@@ -27,6 +27,8 @@ fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
         max_connections: 1024,
         group_max: 256,
         log_secret: None,
+        gateway: None,
+        reconcile_every: std::time::Duration::from_secs(30),
     };
     let clock: idem::service::executor::Clock = Arc::new(idem::clock::Timestamp::now);
     let service =

@@ -13,4 +13,5 @@ mod client;
 mod failover;
 mod gateway;
 mod group_commit;
+mod payouts;
 mod serve;

@@ -123,7 +123,11 @@ impl Serve {
         if let Some(token) = token {
             req = req.header("Authorization", format!("Bearer {token}"));
         }
-        let template = if path.starts_with("/v1/transfers/") { "/v1/transfers/{id}" } else { path };
+        let template = match path {
+            p if p.starts_with("/v1/transfers/") => "/v1/transfers/{id}",
+            p if p.starts_with("/v1/payouts/") => "/v1/payouts/{id}",
+            p => p,
+        };
         documented("get", template, read(req.call()))
     }
 
@@ -225,4 +229,68 @@ pub fn documented(method: &str, path: &str, http: Http) -> Http {
 /// The compact JSON of a transfer body.
 pub fn body(src: &Value, dst: &Value, amount: i64) -> String {
     serde_json::json!({"src": src, "dst": dst, "amount": amount, "currency": "KRW"}).to_string()
+}
+
+/// A running `idem gateway`, its URL and its ledger file.
+pub struct Gateway {
+    child: Child,
+    pub url: String,
+    pub db: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Gateway {
+    pub fn start(args: &[&str]) -> Gateway {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("gateway.db");
+        let mut child = Command::new(IDEM)
+            .arg("gateway")
+            .arg("--db")
+            .arg(&db)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("http://127.0.0.1:"), "first line {line:?}");
+        Gateway { child, url: line.trim().to_owned(), db, _dir: dir }
+    }
+
+    /// `POST /payouts`: the status and JSON answer, or `None` when the
+    /// connection closed unanswered.
+    pub fn pay(&self, key: &str, body: &str, token: Option<&str>) -> Option<(u16, Value)> {
+        let mut req = Serve::agent().post(format!("{}/payouts", self.url)).header("Idempotency-Key", key);
+        if let Some(token) = token {
+            req = req.header("Authorization", format!("Bearer {token}"));
+        }
+        let mut response = req.send(body).ok()?;
+        let text = response.body_mut().read_to_string().ok()?;
+        Some((response.status().as_u16(), serde_json::from_str(&text).unwrap()))
+    }
+
+    pub fn look(&self, key: &str) -> (u16, Value) {
+        let mut response = Serve::agent().get(format!("{}/payouts/{key}", self.url)).call().unwrap();
+        let text = response.body_mut().read_to_string().unwrap();
+        (response.status().as_u16(), serde_json::from_str(&text).unwrap())
+    }
+
+    /// (key, amount, status) of every ledger row.
+    pub fn ledger(&self) -> Vec<(String, i64, String)> {
+        ledger(&self.db)
+    }
+}
+
+pub fn ledger(db: &Path) -> Vec<(String, i64, String)> {
+    let conn = idem::harness::gateway::open(db).unwrap();
+    idem::harness::gateway::ledger(&conn).unwrap().into_iter().map(|p| (p.key, p.amount, p.status)).collect()
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

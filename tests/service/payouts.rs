@@ -1,0 +1,302 @@
+//! Payouts through an outside gateway (`POST /v1/payouts`, `idem
+//! reconcile`): a real `idem serve` and a real `idem gateway`, each a
+//! process on loopback, their databases read directly. Each test asserts
+//! what an implementation that paid twice, lost the money it held, called
+//! the gateway under a second key, or guessed an outcome would get wrong.
+
+use crate::server::{Gateway, Http, IDEM, Serve, documented, read};
+use idem::store::Db;
+use idem::store::bank::{self, Account};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const START: i64 = 100_000;
+
+/// A bank of two accounts, A and B, each holding [`START`].
+fn bank() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("bank.db");
+    let accounts: Vec<Account> = ["A", "B"]
+        .iter()
+        .map(|id| Account { id: (*id).into(), holder: "h".into(), balance: START })
+        .collect();
+    bank::create(&Db::Sqlite(db.clone()), &accounts).unwrap();
+    (dir, db)
+}
+
+fn serve(db: &Path, gateway: &str, extra: &[&str]) -> Serve {
+    let timeout: &[&str] =
+        if extra.contains(&"--gateway-timeout") { &[] } else { &["--gateway-timeout", "5s"] };
+    let args = [&["--gateway", gateway, "--reconcile-every", "1h"][..], timeout, extra].concat();
+    Serve::start(db, &[("tok", "shop")], &args, &[])
+}
+
+fn pay(serve: &Serve, key: &str, body: &str) -> Http {
+    let req = Serve::agent()
+        .post(format!("{}/v1/payouts", serve.url))
+        .header("Authorization", "Bearer tok")
+        .header("Idempotency-Key", format!("\"{key}\""))
+        .header("Content-Type", "application/json");
+    documented("post", "/v1/payouts", read(req.send(body)))
+}
+
+fn payout(beneficiary: &str, amount: i64) -> String {
+    serde_json::json!({"src": "A", "beneficiary": beneficiary, "amount": amount, "currency": "KRW"})
+        .to_string()
+}
+
+fn balance(db: &Path, id: &str) -> i64 {
+    bank::ledger(&Db::Sqlite(db.to_path_buf())).unwrap().1[id]
+}
+
+/// (payout_id, state, downstream_key) of every payout row.
+fn payouts(db: &Path) -> Vec<(i64, String, String)> {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    let mut stmt =
+        conn.prepare("SELECT payout_id, state, downstream_key FROM payout ORDER BY payout_id").unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect()
+}
+
+/// `idem reconcile` once: its decisions.
+fn reconcile(db: &Path, gateway: &str, args: &[&str], now: Option<&str>) -> Vec<Value> {
+    let mut cmd = Command::new(IDEM);
+    cmd.args(["reconcile", "--gateway", gateway, "--db"]).arg(db).args(args);
+    if let Some(now) = now {
+        cmd.env("IDEM_NOW", now);
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// An RFC 3339 instant `ahead` from now.
+fn later(ahead: Duration) -> String {
+    idem::clock::Timestamp::now().plus_seconds(ahead.as_secs() as i64).to_string()
+}
+
+#[test]
+fn a_payout_is_paid_once_its_retries_replay_it_and_a_refusal_releases_the_hold() {
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&["--limit", "50000"]);
+    let s = serve(&db, &gw.url, &[]);
+    let first = pay(&s, "p-1", &payout("bob", 700));
+    assert_eq!(first.status, 201, "{}", first.body);
+    assert_eq!(first.json()["state"], "completed");
+    let id = first.json()["payout_id"].as_i64().unwrap();
+    assert_eq!(first.header("location"), Some(format!("/v1/payouts/{id}").as_str()));
+    // the same body, spelled otherwise: the same bytes, not a second payout
+    let again = pay(&s, "p-1", r#"{"currency":"KRW","amount":700,"beneficiary":"bob","src":"A"}"#);
+    assert_eq!((again.status, &again.body), (201, &first.body));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.header("location"), first.header("location"));
+    assert_eq!(pay(&s, "p-1", &payout("bob", 701)).status, 422);
+    // the scope is per route: the same key on transfers is another key
+    assert_eq!(gw.ledger().len(), 1);
+    assert_eq!(balance(&db, "A"), START - 700);
+
+    // definitive refusals: the hold goes back, the refusal is replayed
+    let closed = pay(&s, "p-2", &payout("closed-carol", 300));
+    assert_eq!((closed.status, closed.reason().as_deref()), (402, Some("account_closed")), "{}", closed.body);
+    let over = pay(&s, "p-3", &payout("dave", 60_000));
+    assert_eq!((over.status, over.reason().as_deref()), (422, Some("amount_over_limit")), "{}", over.body);
+    assert_eq!(balance(&db, "A"), START - 700, "a refused payout's hold was not released");
+    let closed_again = pay(&s, "p-2", &payout("closed-carol", 300));
+    assert_eq!((closed_again.status, closed_again.header("idempotent-replayed")), (402, Some("true")));
+    assert_eq!(gw.ledger().len(), 3, "a refusal was sent twice");
+    // refusals of idem's own: no call at all
+    assert_eq!(pay(&s, "p-4", &payout("erin", START)).reason().as_deref(), Some("insufficient_funds"));
+    let ghost = r#"{"src":"ghost","beneficiary":"f","amount":1,"currency":"KRW"}"#;
+    assert_eq!(pay(&s, "p-5", ghost).status, 404);
+    assert_eq!(pay(&s, "p-6", r#"{"src":"A","amount":1,"currency":"KRW"}"#).status, 400);
+    assert_eq!(gw.ledger().len(), 3);
+    let got = s.get(&format!("/v1/payouts/{id}"), Some("tok"));
+    assert_eq!((got.status, got.json()["state"].as_str()), (200, Some("completed")));
+    assert_eq!(s.get(&format!("/v1/payouts/{id}"), Some("nope")).status, 401);
+}
+
+#[test]
+fn an_answer_lost_after_the_gateway_paid_is_202_until_the_reconciler_asks_and_settles_it() {
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&["--drop-answer", "100"]);
+    let s = serve(&db, &gw.url, &[]);
+    let first = pay(&s, "p-lost", &payout("bob", 900));
+    assert_eq!(first.status, 202, "an unanswered call is not a failure: {}", first.body);
+    assert_eq!(first.json()["state"], "unknown");
+    let location = first.header("location").unwrap().to_owned();
+    // every retry says where it stands, and calls nobody
+    for _ in 0..3 {
+        let retry = pay(&s, "p-lost", &payout("bob", 900));
+        assert_eq!(
+            (retry.status, retry.header("location")),
+            (202, Some(location.as_str())),
+            "{}",
+            retry.body
+        );
+    }
+    assert_eq!(gw.ledger().len(), 1, "a retry called the gateway again");
+    assert_eq!(balance(&db, "A"), START - 900, "the money is held while unknown");
+    let [(id, state, downstream)] = &payouts(&db)[..] else { panic!() };
+    assert_eq!(state, "unknown");
+    assert_eq!(gw.ledger()[0].0, *downstream, "the gateway saw idem's downstream key");
+    assert!(!downstream.contains("p-lost"), "the client's key leaked downstream: {downstream}");
+
+    let decisions = reconcile(&db, &gw.url, &[], None);
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    assert_eq!(
+        (decisions[0]["payout_id"].as_i64(), decisions[0]["now"].as_str()),
+        (Some(*id), Some("completed"))
+    );
+    let settled = pay(&s, "p-lost", &payout("bob", 900));
+    assert_eq!(
+        (settled.status, settled.json()["state"].as_str()),
+        (201, Some("completed")),
+        "{}",
+        settled.body
+    );
+    assert_eq!(settled.body, pay(&s, "p-lost", &payout("bob", 900)).body);
+    assert_eq!(s.get(&location, Some("tok")).json()["state"], "completed");
+    assert_eq!(reconcile(&db, &gw.url, &[], None).len(), 0, "nothing left to reconcile");
+    assert_eq!((gw.ledger().len(), balance(&db, "A")), (1, START - 900));
+}
+
+#[test]
+fn a_request_lost_before_the_gateway_is_resent_with_its_key_only_past_the_lookup_delay_and_inside_the_window()
+{
+    let (_dir, db) = bank();
+    let lossy = Gateway::start(&["--lose-request", "100"]);
+    let s = serve(&db, &lossy.url, &[]);
+    assert_eq!(pay(&s, "p-a", &payout("bob", 100)).status, 202);
+    assert_eq!(pay(&s, "p-b", &payout("bob", 200)).status, 202);
+    assert!(lossy.ledger().is_empty());
+    let gw = Gateway::start(&[]);
+    let url = &gw.url;
+    let delay = ["--gateway-lookup-delay", "10m"];
+    // not found, but the gateway may not show it yet: a resend now could be a second payout
+    let early = reconcile(&db, url, &delay, None);
+    assert!(early.iter().all(|d| d["now"] == "unknown"), "{early:?}");
+    assert!(early[0]["decision"].as_str().unwrap().contains("lookup delay"), "{early:?}");
+    assert!(gw.ledger().is_empty(), "resent within the lookup delay");
+    // past the key window the gateway would pay again: a person decides
+    let too_late = reconcile(
+        &db,
+        url,
+        &[&delay[..], &["--gateway-key-window", "1h"]].concat(),
+        Some(&later(Duration::from_secs(7200))),
+    );
+    assert!(too_late.iter().all(|d| d["decision"].as_str().unwrap().contains("person")), "{too_late:?}");
+    assert!(gw.ledger().is_empty(), "resent past the key window");
+    let list = Command::new(IDEM).args(["reconcile", "--list", "--db"]).arg(&db).output().unwrap();
+    let listed = String::from_utf8(list.stdout).unwrap();
+    assert_eq!(listed.lines().count(), 2, "{listed}");
+    assert!(listed.contains("needs a person"), "{listed}");
+    // past the delay, inside the window: resent once, with the same key
+    // (after the lease the run above took)
+    let resent = reconcile(&db, url, &delay, Some(&later(Duration::from_secs(3 * 3600))));
+    assert!(resent.len() == 2 && resent.iter().all(|d| d["now"] == "completed"), "{resent:?}");
+    let keys: Vec<String> = payouts(&db).into_iter().map(|p| p.2).collect();
+    let paid: Vec<String> = gw.ledger().into_iter().map(|p| p.0).collect();
+    assert_eq!(paid, keys);
+    assert_eq!(pay(&s, "p-b", &payout("bob", 200)).status, 201);
+    assert_eq!(balance(&db, "A"), START - 300);
+}
+
+#[test]
+fn two_reconcilers_at_once_never_work_on_one_payout() {
+    let (_dir, db) = bank();
+    let lossy = Gateway::start(&["--lose-request", "100"]);
+    let s = serve(&db, &lossy.url, &[]);
+    for i in 0..12 {
+        assert_eq!(pay(&s, &format!("p-{i}"), &payout("bob", 10 + i)).status, 202);
+    }
+    let gw = Gateway::start(&["--slow", "100", "--slow-for", "200ms"]);
+    let runs: Vec<_> = (0..2)
+        .map(|_| {
+            let (db, url) = (db.clone(), gw.url.clone());
+            std::thread::spawn(move || reconcile(&db, &url, &[], None))
+        })
+        .collect();
+    let decisions: Vec<Vec<Value>> = runs.into_iter().map(|r| r.join().unwrap()).collect();
+    let mut ids: Vec<i64> = decisions.iter().flatten().map(|d| d["payout_id"].as_i64().unwrap()).collect();
+    ids.sort_unstable();
+    let before = ids.len();
+    ids.dedup();
+    assert_eq!(before, ids.len(), "a payout was worked on by both: {decisions:?}");
+    assert_eq!(ids.len(), 12, "{decisions:?}");
+    let ledger = gw.ledger();
+    assert_eq!(ledger.len(), 12, "{ledger:?}");
+    assert_eq!(balance(&db, "A"), START - (10..22).sum::<i64>());
+}
+
+#[test]
+fn a_service_killed_during_the_call_leaves_a_held_intent_that_its_retry_and_the_reconciler_settle_once() {
+    let (_dir, db) = bank();
+    // a gateway that takes the request and never answers: the call is in
+    // flight when the service dies
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_url = format!("http://{}", hole.local_addr().unwrap());
+    let held = std::thread::spawn(move || hole.accept().map(|(stream, _)| stream));
+    let s = serve(&db, &hole_url, &["--gateway-timeout", "60s"]);
+    let url = s.url.clone();
+    std::thread::spawn(move || {
+        let req = Serve::agent()
+            .post(format!("{url}/v1/payouts"))
+            .header("Authorization", "Bearer tok")
+            .header("Idempotency-Key", "\"p-kill\"")
+            .header("Content-Type", "application/json");
+        let _ = req.send(payout("bob", 450).as_str());
+    });
+    let _in_flight = held.join().unwrap().unwrap();
+    assert_eq!(payouts(&db).len(), 1, "the intent is committed before the call");
+    let pid = s.pid();
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    drop(s);
+    assert_eq!(balance(&db, "A"), START - 450, "the hold survives the kill");
+
+    let gw = Gateway::start(&[]);
+    let s = serve(&db, &gw.url, &[]);
+    let retry = pay(&s, "p-kill", &payout("bob", 450));
+    assert_eq!((retry.status, retry.json()["state"].as_str()), (202, Some("in_progress")), "{}", retry.body);
+    assert!(gw.ledger().is_empty(), "the retry called the gateway: the dead call may have gone through");
+    // inside the call's lease nobody else touches it
+    assert!(reconcile(&db, &gw.url, &[], None).is_empty());
+    let decisions = reconcile(&db, &gw.url, &[], Some(&later(Duration::from_secs(600))));
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    assert_eq!(decisions[0]["now"], "completed");
+    assert_eq!(pay(&s, "p-kill", &payout("bob", 450)).status, 201);
+    assert_eq!((gw.ledger().len(), balance(&db, "A")), (1, START - 450));
+}
+
+#[test]
+fn a_slow_gateway_holds_no_database_connection_transfers_go_on() {
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&["--slow", "100", "--slow-for", "3s"]);
+    let s = serve(&db, &gw.url, &[]);
+    let url = s.url.clone();
+    let slow = std::thread::spawn(move || {
+        let req = Serve::agent()
+            .post(format!("{url}/v1/payouts"))
+            .header("Authorization", "Bearer tok")
+            .header("Idempotency-Key", "\"p-slow\"")
+            .header("Content-Type", "application/json");
+        read(req.send(payout("bob", 5).as_str()))
+    });
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while payouts(&db).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let started = Instant::now();
+    for i in 0..20 {
+        let t = s.post(
+            Some("tok"),
+            Some(&format!("\"t-{i}\"")),
+            r#"{"src":"B","dst":"A","amount":1,"currency":"KRW"}"#,
+        );
+        assert_eq!(t.status, 201, "{}", t.body);
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_millis(1500), "20 transfers took {took:?} behind a slow payout");
+    assert!(!slow.is_finished(), "the payout was not slow");
+    assert_eq!(slow.join().unwrap().status, 201);
+}
