@@ -258,6 +258,8 @@ pub fn finish<S: Store + ?Sized>(
     policy: &Policy,
 ) -> Result<Answer, StoreError> {
     store::atomically(store, Durability::Durable, policy, |tx| {
+        // the key before the payout, in the order the intent locks them
+        tx.lock_key(&row.key)?;
         let Some(current) = tx.payout(row.id)? else {
             return Err(StoreError::Backend(format!("payout {} vanished", row.id).into()));
         };

@@ -346,6 +346,53 @@ pub struct PayoutRow {
     pub status: Option<u16>,
 }
 
+/// A payout's row as a store reads it, before it is checked: each store
+/// fills one, [`PayoutText::decode`] reads it.
+pub(crate) struct PayoutText {
+    pub id: i64,
+    pub key: ScopedKey,
+    pub fingerprint: String,
+    pub src: AcctId,
+    pub beneficiary: String,
+    pub amount: i64,
+    pub currency: String,
+    pub downstream_key: String,
+    pub state: String,
+    pub holder: String,
+    pub lease_until: String,
+    pub created_at: String,
+    pub updated_at: String,
+    pub note: Option<String>,
+    pub status: Option<i64>,
+}
+
+impl PayoutText {
+    pub fn decode(self) -> Result<PayoutRow, StoreError> {
+        let corrupt = |why: String| StoreError::Backend(format!("corrupt payout row: {why}").into());
+        let time = |text: &str| Timestamp::parse(text).map_err(|e| corrupt(e.to_string()));
+        Ok(PayoutRow {
+            id: self.id,
+            key: self.key,
+            fingerprint: self.fingerprint,
+            src: self.src,
+            beneficiary: self.beneficiary,
+            amount: self.amount,
+            currency: self.currency,
+            downstream_key: self.downstream_key,
+            state: PayoutState::parse(&self.state)?,
+            holder: self.holder,
+            lease_until: time(&self.lease_until)?,
+            created_at: time(&self.created_at)?,
+            updated_at: time(&self.updated_at)?,
+            note: self.note,
+            status: self
+                .status
+                .map(|s| u16::try_from(s).map_err(|_| corrupt(format!("status {s}"))))
+                .transpose()?,
+        })
+    }
+}
+
 /// Everything the harness reads back to judge a run: the ledger and how it
 /// ties to the keys. Read-only, for tests, `idem prove` and `idem check`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -16,7 +16,7 @@
 //! module for why that is safe).
 
 use super::{
-    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PayoutRow, PayoutState,
+    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PayoutRow, PayoutText,
     RECORD_COLUMNS, Reads, Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
@@ -98,36 +98,28 @@ const PAYOUT_COLUMNS: &str =
     currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status";
 
 fn payout_row(r: &Row) -> rusqlite::Result<Result<PayoutRow, StoreError>> {
-    let time = |i: usize| -> rusqlite::Result<Result<Timestamp, StoreError>> {
-        let text: String = r.get(i)?;
-        Ok(Timestamp::parse(&text)
-            .map_err(|e| StoreError::Backend(format!("corrupt payout row: {e}").into())))
+    let src = match acct_id(r.get(5)?) {
+        Ok(src) => src,
+        Err(e) => return Ok(Err(e)),
     };
-    let (lease_until, created_at, updated_at) = (time(12)?, time(13)?, time(14)?);
-    let src = acct_id(r.get(5)?);
-    let state: String = r.get(10)?;
-    let (id, client_id, endpoint, idem_key) = (r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?);
-    let (beneficiary, amount, currency, downstream_key) = (r.get(6)?, r.get(7)?, r.get(8)?, r.get(9)?);
-    let (fingerprint, holder, note, status) = (r.get(4)?, r.get(11)?, r.get(15)?, r.get(16)?);
-    Ok((|| {
-        Ok(PayoutRow {
-            id,
-            key: crate::request::ScopedKey { client_id, endpoint, idem_key },
-            fingerprint,
-            src: src?,
-            beneficiary,
-            amount,
-            currency,
-            downstream_key,
-            state: PayoutState::parse(&state)?,
-            holder,
-            lease_until: lease_until?,
-            created_at: created_at?,
-            updated_at: updated_at?,
-            note,
-            status,
-        })
-    })())
+    let text = PayoutText {
+        id: r.get(0)?,
+        key: ScopedKey { client_id: r.get(1)?, endpoint: r.get(2)?, idem_key: r.get(3)? },
+        fingerprint: r.get(4)?,
+        src,
+        beneficiary: r.get(6)?,
+        amount: r.get(7)?,
+        currency: r.get(8)?,
+        downstream_key: r.get(9)?,
+        state: r.get(10)?,
+        holder: r.get(11)?,
+        lease_until: r.get(12)?,
+        created_at: r.get(13)?,
+        updated_at: r.get(14)?,
+        note: r.get(15)?,
+        status: r.get(16)?,
+    };
+    Ok(text.decode())
 }
 
 impl SqliteTx<'_> {

@@ -14,16 +14,29 @@ use std::time::{Duration, Instant};
 
 const START: i64 = 100_000;
 
-/// A bank of two accounts, A and B, each holding [`START`].
-fn bank() -> (tempfile::TempDir, PathBuf) {
+/// A bank of two accounts, A and B, each holding [`START`], in a new SQLite
+/// file or (`pg`) a new PostgreSQL schema, whose connection string stands
+/// where the file's path would; `None` when PostgreSQL is not here.
+fn bank_on(pg: bool) -> Option<(tempfile::TempDir, PathBuf)> {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("bank.db");
+    let db = match pg {
+        true => PathBuf::from(crate::common::pg::server()?.fresh_schema(false)),
+        false => dir.path().join("bank.db"),
+    };
     let accounts: Vec<Account> = ["A", "B"]
         .iter()
         .map(|id| Account { id: (*id).into(), holder: "h".into(), balance: START })
         .collect();
-    bank::create(&Db::Sqlite(db.clone()), &accounts).unwrap();
-    (dir, db)
+    bank::create(&parse(&db), &accounts).unwrap();
+    Some((dir, db))
+}
+
+fn bank() -> (tempfile::TempDir, PathBuf) {
+    bank_on(false).unwrap()
+}
+
+fn parse(db: &Path) -> Db {
+    Db::parse(db.to_str().unwrap())
 }
 
 fn serve(db: &Path, gateway: &str, extra: &[&str]) -> Serve {
@@ -48,11 +61,16 @@ fn payout(beneficiary: &str, amount: i64) -> String {
 }
 
 fn balance(db: &Path, id: &str) -> i64 {
-    bank::ledger(&Db::Sqlite(db.to_path_buf())).unwrap().1[id]
+    bank::ledger(&parse(db)).unwrap().1[id]
 }
 
 /// (payout_id, state, downstream_key) of every payout row.
 fn payouts(db: &Path) -> Vec<(i64, String, String)> {
+    const SQL: &str = "SELECT payout_id, state, downstream_key FROM payout ORDER BY payout_id";
+    if let Db::Postgres(_) = parse(db) {
+        let mut client = crate::common::pg::client(db.to_str().unwrap());
+        return client.query(SQL, &[]).unwrap().iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    }
     let conn = rusqlite::Connection::open(db).unwrap();
     let mut stmt =
         conn.prepare("SELECT payout_id, state, downstream_key FROM payout ORDER BY payout_id").unwrap();
@@ -78,7 +96,16 @@ fn later(ahead: Duration) -> String {
 
 #[test]
 fn a_payout_is_paid_once_its_retries_replay_it_and_a_refusal_releases_the_hold() {
-    let (_dir, db) = bank();
+    paid_once(false);
+}
+
+#[test]
+fn on_postgres_a_payout_is_paid_once_its_retries_replay_it_and_a_refusal_releases_the_hold() {
+    paid_once(true);
+}
+
+fn paid_once(pg: bool) {
+    let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&["--limit", "50000"]);
     let s = serve(&db, &gw.url, &[]);
     let first = pay(&s, "p-1", &payout("bob", 700));
@@ -118,7 +145,16 @@ fn a_payout_is_paid_once_its_retries_replay_it_and_a_refusal_releases_the_hold()
 
 #[test]
 fn an_answer_lost_after_the_gateway_paid_is_202_until_the_reconciler_asks_and_settles_it() {
-    let (_dir, db) = bank();
+    answer_lost(false);
+}
+
+#[test]
+fn on_postgres_an_answer_lost_after_the_gateway_paid_is_202_until_the_reconciler_settles_it() {
+    answer_lost(true);
+}
+
+fn answer_lost(pg: bool) {
+    let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&["--drop-answer", "100"]);
     let s = serve(&db, &gw.url, &[]);
     let first = pay(&s, "p-lost", &payout("bob", 900));
@@ -231,7 +267,16 @@ fn two_reconcilers_at_once_never_work_on_one_payout() {
 
 #[test]
 fn a_service_killed_during_the_call_leaves_a_held_intent_that_its_retry_and_the_reconciler_settle_once() {
-    let (_dir, db) = bank();
+    killed_during_the_call(false);
+}
+
+#[test]
+fn on_postgres_a_service_killed_during_the_call_leaves_a_held_intent_settled_once() {
+    killed_during_the_call(true);
+}
+
+fn killed_during_the_call(pg: bool) {
+    let Some((_dir, db)) = bank_on(pg) else { return };
     // a gateway that takes the request and never answers: the call is in
     // flight when the service dies
     let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
