@@ -3,12 +3,14 @@
 //! deadline, and, when the deadline passes without an answer, the honest
 //! verdict: the outcome is unknown, retry with the same key.
 //!
-//! What is retried: a timeout, a connection error, a cut answer, 409 (the
+//! What is retried: a timeout, a connection error, a cut answer, 202 (a
+//! payout under way: the same key asks again where it stands), 409 (the
 //! first attempt is still running), 429 and 503 (after their `Retry-After`)
 //! and any other 5xx. What is final depends on what came before. Until an
 //! attempt may have reached the server, any other 4xx is the server's final
-//! word. After that, only the transfer's own stored answer is final: a 2xx,
-//! or a 402/404/422 problem whose `reason` is one the protocol stores. Any
+//! word. After that, only the request's own stored answer is final: a 2xx,
+//! a replayed refusal (`Idempotent-Replayed: true`), or a 402/404/422
+//! problem whose `reason` is one the protocol stores. Any
 //! other refusal (a rotated token's 401, a gateway's 400) says nothing about
 //! the attempt whose answer was lost, so the verdict is "unknown".
 
@@ -224,14 +226,14 @@ enum Attempt {
     Lost(String),
 }
 
-fn attempt(endpoint: &Endpoint, key: &str, body: &str, timeout: Duration) -> Attempt {
+fn attempt(endpoint: &Endpoint, route: &str, key: &str, body: &str, timeout: Duration) -> Attempt {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(timeout))
         .build()
         .into();
     let sent = agent
-        .post(format!("{}/v1/transfers", endpoint.url.trim_end_matches('/')))
+        .post(format!("{}{route}", endpoint.url.trim_end_matches('/')))
         .header("Authorization", format!("Bearer {}", endpoint.token))
         .header("Idempotency-Key", sf_string(key))
         .header("Content-Type", "application/json")
@@ -281,6 +283,18 @@ fn is_stored_refusal(status: u16, body: &str) -> bool {
 /// past the deadline. Several endpoints (instances of one service) are tried
 /// in turn, the next one after each failure, always with the same key.
 pub fn send(endpoints: &[Endpoint], key: &str, body: &str, policy: &Policy, rng: &mut Rng) -> Report {
+    send_to(endpoints, "/v1/transfers", key, body, policy, rng)
+}
+
+/// [`send`] to another route of the same service (`/v1/payouts`).
+pub fn send_to(
+    endpoints: &[Endpoint],
+    route: &str,
+    key: &str,
+    body: &str,
+    policy: &Policy,
+    rng: &mut Rng,
+) -> Report {
     let started = Instant::now();
     let deadline = started + policy.budget;
     let mut tries: Vec<Try> = Vec::new();
@@ -303,20 +317,22 @@ pub fn send(endpoints: &[Endpoint], key: &str, body: &str, policy: &Policy, rng:
         let endpoint = tries.len() % endpoints.len();
         let mut at_least = Duration::ZERO;
         let sent = Instant::now();
-        let answer = attempt(&endpoints[endpoint], key, body, policy.attempt_timeout.min(left));
+        let answer = attempt(&endpoints[endpoint], route, key, body, policy.attempt_timeout.min(left));
         let (status, replayed) = match &answer {
             Attempt::Answer { status, replayed, .. } => (Some(*status), *replayed),
             _ => (None, false),
         };
         tries.push(Try { endpoint, sent, ended: Instant::now(), status, replayed });
         last = match answer {
-            Attempt::Answer { status, body, replayed, .. } if (200..300).contains(&status) => {
+            Attempt::Answer { status, body, replayed, .. }
+                if (200..300).contains(&status) && status != 202 =>
+            {
                 return report(Verdict::Done { status, body, replayed }, tries);
             }
-            Attempt::Answer { status, body, .. }
+            Attempt::Answer { status, body, replayed, .. }
                 if (400..500).contains(&status) && !matches!(status, 409 | 429) =>
             {
-                if !reached || is_stored_refusal(status, &body) {
+                if !reached || replayed || is_stored_refusal(status, &body) {
                     return report(Verdict::Refused { status, body }, tries);
                 }
                 let last = format!(
@@ -327,7 +343,7 @@ pub fn send(endpoints: &[Endpoint], key: &str, body: &str, policy: &Policy, rng:
                 return report(Verdict::Unknown { last }, tries);
             }
             Attempt::Answer { status, retry_after, .. } => {
-                if matches!(status, 429 | 503) {
+                if matches!(status, 202 | 429 | 503) {
                     at_least = Duration::from_secs(retry_after.unwrap_or(0));
                 }
                 reached = true;

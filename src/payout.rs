@@ -160,7 +160,7 @@ pub fn begin<S: Store + ?Sized>(
                 Ok(End::Rollback(tx.payout_of(&req.key)?))
             })?;
             Ok(Begun::Answer(match made {
-                Some(p) if p.fingerprint == req.fingerprint && !p.state.settled() => answer_of(&p),
+                Some(p) if p.fingerprint == req.fingerprint => answer_of(&p),
                 _ => Answer::plain(response),
             }))
         }
@@ -266,14 +266,20 @@ pub fn finish<S: Store + ?Sized>(
         if current.holder != row.holder || current.state.settled() {
             return Ok(End::Rollback(answer_of(&current)));
         }
-        settle(tx, current, call.clone(), now).map(End::Commit)
+        settle(tx, current, call.clone(), now, policy).map(End::Commit)
     })
 }
 
 /// Writes a result into a payout its caller holds: the state, the hold
 /// released on a refusal, and the key completed with the answer once the
 /// payout is settled.
-fn settle(tx: &mut dyn Tx, mut p: PayoutRow, call: Call, now: Timestamp) -> Result<Answer, StoreError> {
+fn settle(
+    tx: &mut dyn Tx,
+    mut p: PayoutRow,
+    call: Call,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<Answer, StoreError> {
     let seen = p.holder.clone();
     match call {
         Call::Paid => {
@@ -294,10 +300,13 @@ fn settle(tx: &mut dyn Tx, mut p: PayoutRow, call: Call, now: Timestamp) -> Resu
         return Err(StoreError::Conflict); // the caller holds the row locked: cannot happen
     }
     let answer = answer_of(&p);
+    // The key is this payout's while it is within retention of the payout
+    // (whoever holds its claim now: a retry that took it over, or claimed
+    // it again after a release); after that it may name a new request.
     if p.state.settled()
         && let Some(rec) = tx.lock_key(&p.key)?
         && rec.fingerprint == p.fingerprint
-        && rec.created_at <= p.created_at
+        && !rec.created_at.is_at_least(policy.retention_seconds(), p.created_at)
         && let KeyState::InProgress { .. } = rec.state
     {
         tx.complete(&p.key, &rec.token, &stored(&answer.response), now)?;

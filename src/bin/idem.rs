@@ -336,6 +336,12 @@ enum Command {
         /// Each client's pause between two transfers, to stretch the day.
         #[arg(long, default_value = "0ms", value_parser = parse_duration)]
         think: std::time::Duration,
+        /// Every fourth intent is a payout through an `idem gateway` that
+        /// loses 5% of requests, drops 10% of answers, answers 5% with 500
+        /// and is slow on 5% (2 s, past idem's 1 s timeout); the verdict
+        /// reads its ledger too.
+        #[arg(long)]
+        payouts: bool,
     },
     /// Judge any implementation of the same job: one line per property, PASS, FAIL or SKIP.
     ///
@@ -626,6 +632,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             restart_db,
             budget,
             think,
+            payouts,
         } => {
             let seed = seed.unwrap_or_else(|| {
                 std::time::SystemTime::now()
@@ -635,7 +642,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             let me = own_path()?.to_string_lossy().into_owned();
             let serve = match serve {
                 Some(cmd) => cmd.split_whitespace().map(String::from).collect(),
-                None => vec![me, "serve".into()],
+                None => vec![me.clone(), "serve".into()],
             };
             let shell = |cmd: String| -> idem::harness::chaos::Command {
                 Box::new(move || {
@@ -671,6 +678,16 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 budget,
                 think,
                 odds: idem::harness::proxy::Odds::default(),
+                gateway: payouts.then(|| {
+                    let faults =
+                        ["--lose-request", "5", "--drop-answer", "10", "--error-5xx", "5", "--slow", "5"];
+                    let seed = seed.to_string();
+                    [&[me.as_str(), "gateway", "--slow-for", "2s", "--seed", &seed][..], &faults[..]]
+                        .concat()
+                        .into_iter()
+                        .map(String::from)
+                        .collect()
+                }),
             };
             let s = idem::harness::chaos::run(config, policy)?;
             println!(

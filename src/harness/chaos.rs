@@ -63,6 +63,10 @@ pub struct Config {
     /// `failover[1]` once the cluster is whole again.
     pub failovers: usize,
     pub failover: Option<[Command; 2]>,
+    /// With a gateway command (`idem gateway` and its faults; `--db` and
+    /// `--listen` are appended), every fourth intent of each client is a
+    /// payout through it, and the servers reconcile every second.
+    pub gateway: Option<Vec<String>>,
     /// Each client's budget per transfer.
     pub budget: Duration,
     /// Each client's pause between two transfers (a day long enough for
@@ -75,15 +79,18 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize)]
 pub struct Intent {
     pub client: usize,
+    /// `transfer` or `payout`.
+    pub kind: &'static str,
     pub key: String,
     pub src: String,
+    /// The destination account, or a payout's beneficiary.
     pub dst: String,
     pub amount: i64,
     /// `done`, `refused` or `unknown`.
     pub verdict: String,
     pub attempts: u32,
     pub millis: u64,
-    /// The transfer id the client was told, if any.
+    /// The transfer (or payout) id the client was told, if any.
     pub told: Option<i64>,
     #[serde(skip)]
     pub tries: Vec<client::Try>,
@@ -139,6 +146,43 @@ pub struct Summary {
     /// retries until its lease runs out.
     pub keys_left_claimed: usize,
     pub unknown: Vec<Unknown>,
+    /// The payouts' verdict, on a day with payouts.
+    pub payouts: Option<PayoutVerdict>,
+}
+
+/// What became of the payouts, from idem's `payout` table and the gateway's
+/// own ledger, after the day and a final reconciliation.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PayoutVerdict {
+    pub intended: usize,
+    pub completed: usize,
+    pub failed: usize,
+    /// Intents for which idem made more than one payout row (each with its
+    /// own downstream key: a second payout).
+    pub made_twice: usize,
+    /// Downstream keys the gateway paid more than once.
+    pub paid_twice_at_gateway: usize,
+    /// Gateway payouts under a key no idem payout holds.
+    pub at_gateway_without_intent: usize,
+    /// Payouts a client was told were made (201) that the gateway did not pay.
+    pub told_but_not_paid: usize,
+    /// idem says completed, the gateway did not pay; or the gateway paid and
+    /// idem says failed.
+    pub disagreements: usize,
+    /// Payouts not settled after the final reconciliation, each with why.
+    pub left_for_a_person: Vec<String>,
+    /// Attempts answered 202 (under way or unknown) over the day.
+    pub gateway_requests: usize,
+}
+
+impl PayoutVerdict {
+    fn exactly_once(&self) -> bool {
+        self.made_twice == 0
+            && self.paid_twice_at_gateway == 0
+            && self.at_gateway_without_intent == 0
+            && self.told_but_not_paid == 0
+            && self.disagreements == 0
+    }
 }
 
 /// What one failover cost the clients, from their own attempts.
@@ -168,9 +212,11 @@ impl Summary {
             && self.transfers_unintended == 0
             && self.answers_misattributed == 0
             && self.balances_conserved
+            && self.payouts.as_ref().is_none_or(PayoutVerdict::exactly_once)
     }
 
-    /// Exactly once, and no key left blocked by a claim nobody will finish.
+    /// Exactly once, no key left blocked by a claim nobody will finish, and
+    /// every payout settled but those left for a person with a reason.
     pub fn passed(&self) -> bool {
         self.exactly_once() && self.keys_left_claimed == 0
     }
@@ -182,7 +228,13 @@ struct Server {
     address: SocketAddr,
 }
 
-fn start_server(serve: &[String], db: &Db, clients: &Path, log: &Path) -> Result<Server, ChaosError> {
+fn start_server(
+    serve: &[String],
+    db: &Db,
+    clients: &Path,
+    log: &Path,
+    extra: &[String],
+) -> Result<Server, ChaosError> {
     let (program, args) = serve.split_first().ok_or_else(|| ChaosError("empty --serve command".into()))?;
     let mut child = std::process::Command::new(program)
         .args(args)
@@ -190,6 +242,7 @@ fn start_server(serve: &[String], db: &Db, clients: &Path, log: &Path) -> Result
         .arg(db.to_arg())
         .args(["--listen", "127.0.0.1:0", "--clients"])
         .arg(clients)
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(io_at(log))?)
         .spawn()
@@ -206,12 +259,142 @@ fn start_server(serve: &[String], db: &Db, clients: &Path, log: &Path) -> Result
     Ok(Server { child, address })
 }
 
-/// How many keys are claimed now.
+/// How many keys are claimed now, but for those of payouts not settled
+/// (their key stays claimed until they are: a retry is answered 202).
 fn claims_left(db: &Db, policy: &Policy) -> Result<usize, ChaosError> {
     let mut store = store::open(db, policy, Usage::LongLived)?;
+    let open: Vec<_> = match bank::payouts(db)?.is_empty() {
+        true => Vec::new(),
+        false => crate::payout::open(&mut *store, crate::clock::Timestamp::now(), policy)?
+            .into_iter()
+            .map(|p| p.key)
+            .collect(),
+    };
     Ok(store::atomically(&mut *store, store::Durability::Durable, policy, |tx| {
-        Ok(store::End::Rollback(tx.in_progress()?.len()))
+        Ok(store::End::Rollback(tx.in_progress()?.into_iter().filter(|(k, _)| !open.contains(k)).count()))
     })?)
+}
+
+/// A running `idem gateway` and its ledger file.
+struct GatewayProcess {
+    child: Child,
+    url: String,
+    ledger: PathBuf,
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_gateway(command: &[String], out: &Path) -> Result<GatewayProcess, ChaosError> {
+    let (program, args) = command.split_first().ok_or_else(|| ChaosError("empty gateway command".into()))?;
+    let ledger = out.join("gateway.db");
+    bank::remove_files(&ledger)?;
+    let log = out.join("gateway.log");
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .arg("--db")
+        .arg(&ledger)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).map_err(io_at(&log))?)
+        .spawn()
+        .map_err(|e| ChaosError(format!("cannot start {program}: {e}")))?;
+    let mut line = String::new();
+    let stdout = child.stdout.take().ok_or_else(|| ChaosError("no stdout from the gateway".into()))?;
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| ChaosError(format!("the gateway's first line: {e}")))?;
+    let url = line.trim().to_owned();
+    if !url.starts_with("http://") {
+        return Err(ChaosError(format!("the gateway's first line was {line:?}, not its URL")));
+    }
+    Ok(GatewayProcess { child, url, ledger })
+}
+
+/// After the day: reconciles until every payout is settled or left for a
+/// person (a gateway still settling a slow payout is waited for, up to
+/// 30 s), then judges the payouts against the gateway's own ledger.
+fn settle_payouts(
+    db: &Db,
+    gateway: GatewayProcess,
+    intents: &[Intent],
+    policy: &Policy,
+) -> Result<PayoutVerdict, ChaosError> {
+    use crate::payout::{self, HttpGateway};
+    let http = HttpGateway {
+        url: gateway.url.clone(),
+        token: None,
+        timeout: Duration::from_secs(2),
+        lookup_delay: Duration::ZERO,
+        key_window: Duration::from_secs(86_400),
+    };
+    let mut store = store::open(db, policy, Usage::LongLived)?;
+    payout::prepare(&mut *store, policy)?;
+    let token = protocol::fresh_token().map_err(|e| ChaosError(format!("no randomness: {e}")))?;
+    // Every server is stopped: no call is in flight, so the leases they
+    // took can be treated as over.
+    let ahead = || crate::clock::Timestamp::now().plus_seconds(60);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        payout::reconcile(&mut *store, &http, &token, &ahead, Duration::from_secs(2), policy)?;
+        let open = payout::open(&mut *store, ahead(), policy)?;
+        let for_a_person =
+            |p: &store::PayoutRow| p.note.as_deref().is_some_and(|n| n.starts_with("needs a person"));
+        if open.iter().all(for_a_person) || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let rows = bank::payouts(db)?;
+    let conn = super::gateway::open(&gateway.ledger)?;
+    let paid = super::gateway::ledger(&conn)?;
+    drop(gateway);
+    let mut v = PayoutVerdict {
+        intended: intents.iter().filter(|i| i.kind == "payout").count(),
+        ..PayoutVerdict::default()
+    };
+    let by_amount: BTreeMap<i64, &Intent> =
+        intents.iter().filter(|i| i.kind == "payout").map(|i| (i.amount, i)).collect();
+    let mut rows_per_intent: BTreeMap<i64, usize> = BTreeMap::new();
+    for r in &rows {
+        *rows_per_intent.entry(r.amount).or_default() += 1;
+        let at_gateway: Vec<_> = paid.iter().filter(|g| g.key == r.downstream_key).collect();
+        let gateway_paid = at_gateway.iter().any(|g| g.status == "paid");
+        match r.state.as_str() {
+            "completed" => v.completed += 1,
+            "failed" => v.failed += 1,
+            _ => v.left_for_a_person.push(format!(
+                "payout {} ({}): {}",
+                r.id,
+                r.state,
+                r.note.as_deref().unwrap_or("no note")
+            )),
+        }
+        if (r.state == "completed") != gateway_paid && (r.state == "completed" || r.state == "failed") {
+            v.disagreements += 1;
+        }
+        if let Some(i) = by_amount.get(&r.amount)
+            && i.verdict == "done"
+            && !gateway_paid
+        {
+            v.told_but_not_paid += 1;
+        }
+    }
+    v.made_twice = rows_per_intent.values().map(|n| n.saturating_sub(1)).sum::<usize>()
+        + rows.iter().filter(|r| !by_amount.contains_key(&r.amount)).count();
+    let mut per_key: BTreeMap<&str, usize> = BTreeMap::new();
+    for g in paid.iter().filter(|g| g.status == "paid") {
+        *per_key.entry(g.key.as_str()).or_default() += 1;
+    }
+    v.paid_twice_at_gateway = per_key.values().filter(|n| **n > 1).count();
+    v.at_gateway_without_intent =
+        paid.iter().filter(|g| !rows.iter().any(|r| r.downstream_key == g.key)).count();
+    v.gateway_requests = paid.len();
+    Ok(v)
 }
 
 /// Every claim left in progress is released: the service that held them was
@@ -261,10 +444,21 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                 .into(),
         ));
     }
+    let gateway = match &config.gateway {
+        Some(command) => Some(start_gateway(command, &config.out)?),
+        None => None,
+    };
+    let extra: Vec<String> = match &gateway {
+        Some(gw) => ["--gateway", &gw.url, "--gateway-timeout", "1s", "--reconcile-every", "1s"]
+            .map(String::from)
+            .to_vec(),
+        None => Vec::new(),
+    };
+    let payouts = gateway.is_some();
     let mut servers = Vec::new();
     let mut proxies = Vec::new();
     for i in 0..config.instances {
-        let server = start_server(&config.serve, &db, &clients_file, &log)?;
+        let server = start_server(&config.serve, &db, &clients_file, &log, &extra)?;
         let proxy = Proxy::start(server.address, config.seed.wrapping_add(i as u64), config.odds)
             .map_err(|e| ChaosError(format!("starting the fault proxy: {e}")))?;
         servers.push(server);
@@ -293,15 +487,24 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                     // an amount of its own names the intent in the transfer table
                     let amount = 1_000 + (c * transfers + i) as i64;
                     let key = format!("chaos-{seed}-{c}-{i}");
-                    let body = serde_json::json!({"src": format!("acct-{src}"), "dst": format!("acct-{dst}"),
-                                                  "amount": amount, "currency": "KRW"})
+                    let payout = payouts && i % 4 == 3;
+                    let (kind, route, dst, id_member) = match payout {
+                        true => ("payout", "/v1/payouts", format!("ben-{c}-{i}"), "payout_id"),
+                        false => ("transfer", "/v1/transfers", format!("acct-{dst}"), "transfer_id"),
+                    };
+                    let body = match payout {
+                        true => serde_json::json!({"src": format!("acct-{src}"), "beneficiary": dst,
+                                                   "amount": amount, "currency": "KRW"}),
+                        false => serde_json::json!({"src": format!("acct-{src}"), "dst": dst,
+                                                    "amount": amount, "currency": "KRW"}),
+                    }
                     .to_string();
-                    let report = client::send(&endpoints, &key, &body, &policy, &mut rng);
+                    let report = client::send_to(&endpoints, route, &key, &body, &policy, &mut rng);
                     let (verdict, told) = match &report.verdict {
                         Verdict::Done { body, .. } => {
                             let id = serde_json::from_str::<serde_json::Value>(body)
                                 .ok()
-                                .and_then(|v| v["transfer_id"].as_i64());
+                                .and_then(|v| v[id_member].as_i64());
                             ("done", id)
                         }
                         Verdict::Refused { .. } => ("refused", None),
@@ -309,9 +512,10 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                     };
                     let intent = Intent {
                         client: c,
+                        kind,
                         key,
                         src: format!("acct-{src}"),
-                        dst: format!("acct-{dst}"),
+                        dst,
                         amount,
                         verdict: verdict.into(),
                         attempts: report.attempts,
@@ -356,7 +560,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                 let _ = server.child.kill(); // SIGKILL: no goodbye, claims left where they are
                 let _ = server.child.wait();
                 released += release_claims(&db, policy)?;
-                *server = start_server(&config.serve, &db, &clients_file, &log)?;
+                *server = start_server(&config.serve, &db, &clients_file, &log, &extra)?;
                 proxies[kills % config.instances].set_upstream(server.address);
                 kills += 1;
             }
@@ -389,11 +593,15 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     }
 
     let intents = std::mem::take(&mut *intents.lock().unwrap_or_else(|e| e.into_inner()));
+    let payout_verdict = match gateway {
+        Some(gw) => Some(settle_payouts(&db, gw, &intents, policy)?),
+        None => None,
+    };
     let failovers = failover_figures(&intents, &failed_over, day_started, day_ended);
     let claimed = claims_left(&db, policy)?;
     let summary =
         verdict(&db, &intents, &accounts, &proxies, [kills, database_restarts, released, claimed], &config)?;
-    let summary = Summary { failovers, failovers_not_run, ..summary };
+    let summary = Summary { failovers, failovers_not_run, payouts: payout_verdict, ..summary };
     drop(proxies);
     super::day::write_file(&config.out.join("chaos.json"), &super::day::to_json(&summary)?)?;
     super::day::write_file(&config.out.join("chaos_report.md"), &report(&summary))?;
@@ -410,6 +618,7 @@ fn verdict(
     config: &Config,
 ) -> Result<Summary, ChaosError> {
     let (transfers, balances) = bank::ledger(db)?;
+    let payouts = bank::payouts(db)?;
     let by_amount: BTreeMap<i64, &Intent> = intents.iter().map(|i| (i.amount, i)).collect();
     let mut made: BTreeMap<i64, Vec<i64>> = BTreeMap::new(); // amount → transfer ids
     let mut unintended = 0;
@@ -423,7 +632,7 @@ fn verdict(
     let paid_twice = made.values().map(|v| v.len().saturating_sub(1)).sum();
     let mut lost = 0;
     let mut misattributed = 0;
-    for i in intents {
+    for i in intents.iter().filter(|i| i.kind == "transfer") {
         if let Some(told) = i.told {
             match transfers.iter().find(|t| t.id == told) {
                 None => lost += 1,
@@ -438,10 +647,19 @@ fn verdict(
         .map(|i| Unknown {
             client: i.client,
             key: i.key.clone(),
-            database: match ids(i.amount).len() {
-                0 => "not out".into(),
-                1 => "went out once".into(),
-                n => format!("went out {n} times"),
+            database: match (i.kind, ids(i.amount).len()) {
+                ("payout", _) => {
+                    let states: Vec<&str> =
+                        payouts.iter().filter(|p| p.amount == i.amount).map(|p| p.state.as_str()).collect();
+                    match states.as_slice() {
+                        [] => "no payout".into(),
+                        [state] => format!("one payout, {state}"),
+                        many => format!("{} payouts: {}", many.len(), many.join(", ")),
+                    }
+                }
+                (_, 0) => "not out".into(),
+                (_, 1) => "went out once".into(),
+                (_, n) => format!("went out {n} times"),
             },
         })
         .collect();
@@ -450,6 +668,12 @@ fn verdict(
     for t in &transfers {
         *want.entry(t.src.clone()).or_insert(0) -= t.amount;
         *want.entry(t.dst.clone()).or_insert(0) += t.amount;
+    }
+    // a payout's money left its account unless the gateway refused it:
+    // paid out, or held while not settled
+    let out: i64 = payouts.iter().filter(|p| p.state != "failed").map(|p| p.amount).sum();
+    for p in payouts.iter().filter(|p| p.state != "failed") {
+        *want.entry(p.src.clone()).or_insert(0) -= p.amount;
     }
     let mut certainty: Vec<u64> =
         intents.iter().filter(|i| i.verdict != "unknown").map(|i| i.millis).collect();
@@ -467,7 +691,7 @@ fn verdict(
     Ok(Summary {
         seed: config.seed,
         clients: config.clients,
-        transfers_intended: intents.len(),
+        transfers_intended: intents.iter().filter(|i| i.kind == "transfer").count(),
         requests_sent: load(|c| &c.requests),
         attempts_per_transfer_mean: (attempts.iter().sum::<u32>() as f64 / attempts.len().max(1) as f64
             * 100.0)
@@ -493,12 +717,14 @@ fn verdict(
         transfers_lost: lost,
         transfers_unintended: unintended,
         answers_misattributed: misattributed,
-        balances_conserved: balances.values().sum::<i64>() == accounts.iter().map(|a| a.balance).sum::<i64>()
+        balances_conserved: balances.values().sum::<i64>() + out
+            == accounts.iter().map(|a| a.balance).sum::<i64>()
             && balances == want,
         time_to_certainty_ms_p50: percentile(50),
         time_to_certainty_ms_p99: percentile(99),
         keys_left_claimed: claimed,
         unknown,
+        payouts: None,
     })
 }
 
@@ -590,6 +816,27 @@ fn report(s: &Summary) -> String {
         "Keys still claimed at the end of the day (each blocking its retries until its lease ends): {}.\n",
         s.keys_left_claimed
     ));
+    if let Some(p) = &s.payouts {
+        md.push_str(&format!(
+            "\n**Payouts** ({}): {} intended, {} completed, {} failed (the gateway refused: the hold released). \
+             Made twice: {}. Paid twice at the gateway: {}. Paid at the gateway with no idem intent: {}. \
+             A client told paid, the gateway did not pay: {}. idem and the gateway disagree: {}. \
+             Requests the gateway recorded: {}.\n",
+            if p.exactly_once() { "exactly once" } else { "NOT exactly once" },
+            p.intended,
+            p.completed,
+            p.failed,
+            p.made_twice,
+            p.paid_twice_at_gateway,
+            p.at_gateway_without_intent,
+            p.told_but_not_paid,
+            p.disagreements,
+            p.gateway_requests
+        ));
+        for why in &p.left_for_a_person {
+            md.push_str(&format!("- left for a person: {why}\n"));
+        }
+    }
     if s.failovers_not_run > 0 {
         md.push_str(&format!(
             "Failovers not run because every client had finished first: {} (more --transfers make a longer day).\n",

@@ -362,9 +362,16 @@ async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
         Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string())),
     };
     let payout = if fresh && fate == Fate::Slow {
-        tokio::time::sleep(gw.options.slow_for).await;
-        match settle(&gw.conn(), payout.id, refusal) {
-            Ok(p) => p,
+        // Settled on a task of its own: a caller that stops waiting must not
+        // leave the payout pending for good (a provider settles it anyway).
+        let (later, id) = (gw.clone(), payout.id);
+        let settling = tokio::spawn(async move {
+            tokio::time::sleep(later.options.slow_for).await;
+            settle(&later.conn(), id, refusal).map_err(|e| e.to_string())
+        });
+        match settling.await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e)),
             Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string())),
         }
     } else {

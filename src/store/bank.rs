@@ -33,7 +33,7 @@ fn sqlite(e: rusqlite::Error) -> StoreError {
 
 /// Creates `account` holding `accounts` in `db`: a new SQLite file (which
 /// must not exist), or a PostgreSQL database (or schema) with no `account`,
-/// `transfer` or `idem_key` yet.
+/// `transfer`, `idem_key` or `payout` yet.
 pub fn create(db: &Db, accounts: &[Account]) -> Result<(), StoreError> {
     const TABLE: &str =
         "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance BIGINT NOT NULL)";
@@ -43,7 +43,7 @@ pub fn create(db: &Db, accounts: &[Account]) -> Result<(), StoreError> {
             let mut tx = client.transaction().map_err(pg::pg)?;
             let taken: Option<String> = tx
                 .query_one(
-                    "SELECT string_agg(t, ', ') FROM unnest(ARRAY['account', 'transfer', 'idem_key']) AS t
+                    "SELECT string_agg(t, ', ') FROM unnest(ARRAY['account', 'transfer', 'idem_key', 'payout']) AS t
                      WHERE to_regclass(t) IS NOT NULL",
                     &[],
                 )
@@ -91,10 +91,10 @@ pub fn settle(db: &Db) -> Result<(), StoreError> {
     }
 }
 
-/// Removes a bank: the SQLite file and its companions, or the three tables.
+/// Removes a bank: the SQLite file and its companions, or the tables.
 pub fn drop(db: &Db) -> Result<(), StoreError> {
     match db {
-        Db::Postgres(_) => execute(db, "DROP TABLE IF EXISTS idem_key, transfer, account"),
+        Db::Postgres(_) => execute(db, "DROP TABLE IF EXISTS payout, idem_key, transfer, account"),
         Db::Sqlite(path) => remove_files(path),
     }
 }
@@ -158,6 +158,71 @@ pub fn ledger(db: &Db) -> Result<(Vec<TransferRow>, BTreeMap<String, i64>), Stor
                 let balances =
                     stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<_, _>>()?;
                 Ok((transfers, balances))
+            };
+            read().map_err(sqlite)
+        }
+    }
+}
+
+/// One row of idem's `payout` table, read straight from the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutLine {
+    pub id: i64,
+    pub src: String,
+    pub amount: i64,
+    pub state: String,
+    pub downstream_key: String,
+    pub note: Option<String>,
+}
+
+/// Every payout, oldest first; none if the table was never created.
+pub fn payouts(db: &Db) -> Result<Vec<PayoutLine>, StoreError> {
+    const SQL: &str = "SELECT payout_id, CAST(src AS TEXT), amount, state, downstream_key, note
+                       FROM payout ORDER BY payout_id";
+    match db {
+        Db::Postgres(spec) => {
+            let mut client = pg::client(spec, Policy::embedded())?;
+            let exists: bool =
+                client.query_one("SELECT to_regclass('payout') IS NOT NULL", &[]).map_err(pg::pg)?.get(0);
+            if !exists {
+                return Ok(Vec::new());
+            }
+            let rows = client.query(SQL, &[]).map_err(pg::pg)?;
+            Ok(rows
+                .iter()
+                .map(|r| PayoutLine {
+                    id: r.get(0),
+                    src: r.get(1),
+                    amount: r.get(2),
+                    state: r.get(3),
+                    downstream_key: r.get(4),
+                    note: r.get(5),
+                })
+                .collect())
+        }
+        Db::Sqlite(path) => {
+            let conn = Connection::open(path).map_err(sqlite)?;
+            let read = || -> rusqlite::Result<Vec<PayoutLine>> {
+                let exists: bool = conn.query_row(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'payout')",
+                    [],
+                    |r| r.get(0),
+                )?;
+                if !exists {
+                    return Ok(Vec::new());
+                }
+                let mut stmt = conn.prepare(SQL)?;
+                let rows = stmt.query_map([], |r| {
+                    Ok(PayoutLine {
+                        id: r.get(0)?,
+                        src: r.get(1)?,
+                        amount: r.get(2)?,
+                        state: r.get(3)?,
+                        downstream_key: r.get(4)?,
+                        note: r.get(5)?,
+                    })
+                })?;
+                rows.collect()
             };
             read().map_err(sqlite)
         }

@@ -24,6 +24,7 @@ fn config(out: &std::path::Path, db: Option<String>, serve: Vec<String>) -> Conf
         restart_db: None,
         failovers: 0,
         failover: None,
+        gateway: None,
         budget: Duration::from_secs(20),
         think: Duration::ZERO,
         odds: Odds::default(),
@@ -74,6 +75,42 @@ fn a_lossy_day_over_three_instances_on_one_file_pays_every_transfer_exactly_once
     assert!(s.passed(), "{s:?}");
     assert!(s.responses_dropped > 0, "no faults injected: {s:?}");
     assert!(s.requests_per_instance.len() == 3 && !s.requests_per_instance.contains(&0), "{s:?}");
+}
+
+/// `idem gateway` with the faults `idem chaos --payouts` uses.
+fn lossy_gateway() -> Vec<String> {
+    let faults =
+        ["--lose-request", "5", "--drop-answer", "10", "--error-5xx", "5", "--slow", "5", "--slow-for", "2s"];
+    [&[env!("CARGO_BIN_EXE_idem"), "gateway"][..], &faults[..]]
+        .concat()
+        .into_iter()
+        .map(String::from)
+        .collect()
+}
+
+fn payouts_day(db: Option<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), db, idem_serve());
+    cfg.gateway = Some(lossy_gateway());
+    let s = run(cfg, Policy::embedded()).unwrap();
+    eprintln!("{}", std::fs::read_to_string(dir.path().join("chaos_report.md")).unwrap());
+    assert!(s.passed(), "{s:?}");
+    let p = s.payouts.as_ref().expect("a payout verdict");
+    assert_eq!(p.intended, 6 * 6, "every fourth of 25 intents, for 6 clients: {p:?}");
+    assert!(p.left_for_a_person.is_empty(), "{p:?}");
+    assert_eq!(p.completed, p.intended, "no payout is refused on this day: {p:?}");
+    assert!(p.gateway_requests >= p.intended && s.server_kills == 2, "{s:?}");
+}
+
+#[test]
+fn a_lossy_day_with_payouts_through_a_lossy_gateway_pays_each_out_exactly_once() {
+    payouts_day(None);
+}
+
+#[test]
+fn on_postgres_a_lossy_day_with_payouts_pays_each_out_exactly_once() {
+    let Some(server) = crate::common::pg::server() else { return };
+    payouts_day(Some(server.fresh_schema(false)));
 }
 
 #[test]
