@@ -19,6 +19,7 @@ mod kill;
 mod loom_claim;
 mod loom_rows;
 mod opposite;
+mod payout_storm;
 mod pg_restart;
 mod policy;
 mod prove;

@@ -1,0 +1,337 @@
+//! The storm, for payouts: random days of payouts through a model gateway
+//! that pays, refuses, loses the request or drops its answer, with the
+//! process dying after the intent (before or after the gateway got the
+//! call), reconciliations and the clock moving, run through the real
+//! protocol (`payout::begin`, `finish`, `reconcile`) on every store. After
+//! every step: the money adds up (balances + held + paid out), no key has
+//! two payouts, idem and the gateway agree on every settled payout, every
+//! gateway payout has its idem intent, and a settled answer is final and
+//! replayed byte for byte. At the end, a reconciliation settles everything
+//! and the gateway has paid exactly what idem says it did.
+
+use crate::common::{Backend, backends, store_with};
+use idem::clock::Timestamp;
+use idem::payout::{self, Begun, Call, Gateway, Lookup};
+use idem::policy::Policy;
+use idem::protocol::Ctx;
+use idem::request::{AcctId, Payout, PayoutRequest, ScopedKey};
+use idem::store::{self, Durability, End, PayoutRow, PayoutState, Store};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+const OPENING: i64 = 1_000;
+const LEASE: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    Pay,
+    Refuse,
+    /// The request never reaches the gateway.
+    Lose,
+    /// The gateway pays, the answer is lost.
+    Drop,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Pay {
+        client: u8,
+        key: u8,
+        amount: i64,
+        fate: Fate,
+    },
+    /// The process dies after the intent; the call reached the gateway (and
+    /// was paid) or not.
+    Crash {
+        client: u8,
+        key: u8,
+        amount: i64,
+        reached: bool,
+    },
+    /// A reconciliation; `fate` is what any resend meets.
+    Reconcile {
+        fate: Fate,
+    },
+    Wait(i64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let fate = prop::sample::select(vec![Fate::Pay, Fate::Refuse, Fate::Lose, Fate::Drop]);
+    let amount = prop::sample::select(vec![100i64, 250, 700]);
+    prop_oneof![
+        6 => (0..2u8, 0..3u8, amount.clone(), fate.clone())
+            .prop_map(|(client, key, amount, fate)| Op::Pay { client, key, amount, fate }),
+        2 => (0..2u8, 0..3u8, amount, any::<bool>())
+            .prop_map(|(client, key, amount, reached)| Op::Crash { client, key, amount, reached }),
+        2 => fate.prop_map(|fate| Op::Reconcile { fate }),
+        2 => prop::sample::select(vec![1i64, 30, 61, 600]).prop_map(Op::Wait),
+    ]
+}
+
+/// The outside service, in memory: one outcome per key, as a provider
+/// deduplicates by its idempotency key.
+struct ModelGateway {
+    ledger: Mutex<BTreeMap<String, bool>>, // key → paid (true) or refused (false)
+    fate: Mutex<Fate>,
+}
+
+impl ModelGateway {
+    fn answer(paid: bool) -> Call {
+        match paid {
+            true => Call::Paid,
+            false => Call::Refused { status: 402, reason: "account_closed".into() },
+        }
+    }
+}
+
+impl Gateway for ModelGateway {
+    fn send(&self, p: &PayoutRow) -> Call {
+        let fate = *self.fate.lock().unwrap();
+        let mut ledger = self.ledger.lock().unwrap();
+        if fate == Fate::Lose {
+            return Call::Unknown("lost on the way".into());
+        }
+        let paid = *ledger.entry(p.downstream_key.clone()).or_insert(fate != Fate::Refuse);
+        match fate {
+            Fate::Drop => Call::Unknown("answer lost".into()),
+            _ => Self::answer(paid),
+        }
+    }
+
+    fn lookup(&self, key: &str) -> Lookup {
+        match self.ledger.lock().unwrap().get(key) {
+            Some(true) => Lookup::Paid,
+            Some(false) => Lookup::Failed { reason: "account_closed".into() },
+            None => Lookup::NotFound,
+        }
+    }
+
+    fn lookup_delay(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    fn key_window(&self) -> Duration {
+        Duration::from_secs(86_400)
+    }
+}
+
+fn request(client: u8, key: u8, amount: i64) -> PayoutRequest {
+    let body = format!(r#"{{"src":"acct-0","beneficiary":"bob","amount":{amount},"currency":"KRW"}}"#);
+    let key = ScopedKey {
+        client_id: format!("client-{client}"),
+        endpoint: payout::PAYOUTS.into(),
+        idem_key: format!("k{key}"),
+    };
+    let req = idem::request::parse_payout(key, body.as_bytes(), Policy::embedded()).unwrap();
+    assert_eq!(
+        req.payout,
+        Payout {
+            src: AcctId::Text("acct-0".into()),
+            beneficiary: "bob".into(),
+            amount,
+            currency: "KRW".into()
+        }
+    );
+    req
+}
+
+/// Every payout row (ids are dense: nothing deletes a payout).
+fn rows(store: &mut dyn Store, policy: &Policy) -> Vec<PayoutRow> {
+    store::atomically(store, Durability::Lazy, policy, |tx| {
+        let mut all = Vec::new();
+        while let Some(p) = tx.payout(all.len() as i64 + 1)? {
+            all.push(p);
+        }
+        Ok(End::Rollback(all))
+    })
+    .unwrap()
+}
+
+struct Day<'a> {
+    store: &'a mut dyn Store,
+    gateway: ModelGateway,
+    start: Timestamp,
+    now: i64,
+    tokens: u64,
+    /// The amount each key was first sent with, and its settled answer.
+    keys: BTreeMap<(u8, u8), (i64, Option<(u16, String)>)>,
+}
+
+impl Day<'_> {
+    fn ctx_token(&mut self) -> String {
+        self.tokens += 1;
+        format!("t{}", self.tokens)
+    }
+
+    fn now(&self) -> Timestamp {
+        self.start.plus_seconds(self.now)
+    }
+
+    /// Checks one answer to `(client, key)` sent with `amount`.
+    fn check(
+        &mut self,
+        client: u8,
+        key: u8,
+        amount: i64,
+        answer: payout::Answer,
+    ) -> Result<(), TestCaseError> {
+        let r = answer.response;
+        let (first_amount, settled) = self.keys.entry((client, key)).or_insert((amount, None)).clone();
+        if first_amount != amount {
+            prop_assert_eq!(r.status, 422, "another body under the key: {:?}", r);
+            return Ok(());
+        }
+        let text = format!("{:?}|{}", r.reason, r.body);
+        match (r.status, settled) {
+            (201 | 402, Some((status, first))) => {
+                prop_assert_eq!((r.status, &text), (status, &first), "a settled answer changed");
+            }
+            (201 | 402, None) => {
+                self.keys.insert((client, key), (amount, Some((r.status, text))));
+            }
+            (202, None) => {}
+            (status, settled) => {
+                return Err(TestCaseError::fail(format!("answer {status} {r:?} after {settled:?}")));
+            }
+        }
+        Ok(())
+    }
+
+    fn begin(&mut self, client: u8, key: u8, amount: i64) -> Result<Option<Box<PayoutRow>>, TestCaseError> {
+        let policy = Policy::embedded();
+        let token = self.ctx_token();
+        let ctx = Ctx { policy, now: self.now(), token: &token };
+        match payout::begin(&mut *self.store, &request(client, key, amount), ctx, LEASE).unwrap() {
+            Begun::Answer(answer) => self.check(client, key, amount, answer).map(|()| None),
+            Begun::Call(row) => {
+                self.keys.entry((client, key)).or_insert((amount, None));
+                Ok(Some(row))
+            }
+        }
+    }
+
+    fn reconcile(&mut self, fate: Fate, ahead: i64) {
+        *self.gateway.fate.lock().unwrap() = fate;
+        let token = self.ctx_token();
+        let now = self.start.plus_seconds(self.now + ahead);
+        payout::reconcile(&mut *self.store, &self.gateway, &token, &|| now, LEASE, Policy::embedded())
+            .unwrap();
+    }
+
+    /// The invariants, from idem's tables and the gateway's ledger.
+    fn invariants(&mut self, after: &Op) -> Result<(), TestCaseError> {
+        let policy = Policy::embedded();
+        let rows = rows(&mut *self.store, policy);
+        let audit = self.store.audit().unwrap();
+        let out: i64 = rows.iter().filter(|p| p.state != PayoutState::Failed).map(|p| p.amount).sum();
+        prop_assert_eq!(audit.money() + out, OPENING * 2, "money after {:?}: {:?}", after, rows);
+        let mut per_key = BTreeMap::new();
+        for p in &rows {
+            *per_key.entry(p.key.clone()).or_insert(0) += 1;
+        }
+        prop_assert!(
+            per_key.values().all(|n| *n == 1),
+            "a key with two payouts after {:?}: {:?}",
+            after,
+            rows
+        );
+        let ledger = self.gateway.ledger.lock().unwrap().clone();
+        for p in &rows {
+            match (p.state, ledger.get(&p.downstream_key)) {
+                (PayoutState::Completed, Some(true)) | (PayoutState::Failed, Some(false)) => {}
+                (PayoutState::InProgress | PayoutState::Unknown, _) => {}
+                (state, at_gateway) => {
+                    return Err(TestCaseError::fail(format!(
+                        "idem says {state:?}, the gateway {at_gateway:?}, after {after:?}"
+                    )));
+                }
+            }
+        }
+        for key in ledger.keys() {
+            prop_assert!(
+                rows.iter().any(|p| &p.downstream_key == key),
+                "a gateway payout with no intent: {}",
+                key
+            );
+        }
+        Ok(())
+    }
+}
+
+fn run(store: &mut dyn Store, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let policy = Policy::embedded();
+    payout::prepare(store, policy).unwrap();
+    let mut day = Day {
+        store,
+        gateway: ModelGateway { ledger: Mutex::default(), fate: Mutex::new(Fate::Pay) },
+        start: Timestamp::parse("2026-12-01T00:00:00Z").unwrap(),
+        now: 0,
+        tokens: 0,
+        keys: BTreeMap::new(),
+    };
+    for op in &ops {
+        match op {
+            Op::Pay { client, key, amount, fate } => {
+                if let Some(row) = day.begin(*client, *key, *amount)? {
+                    *day.gateway.fate.lock().unwrap() = *fate;
+                    let call = day.gateway.send(&row);
+                    let now = day.now();
+                    let answer = payout::finish(&mut *day.store, &row, call, now, policy).unwrap();
+                    day.check(*client, *key, *amount, answer)?;
+                }
+            }
+            Op::Crash { client, key, amount, reached } => {
+                if let Some(row) = day.begin(*client, *key, *amount)?
+                    && *reached
+                {
+                    *day.gateway.fate.lock().unwrap() = Fate::Pay;
+                    day.gateway.send(&row);
+                }
+            }
+            Op::Reconcile { fate } => day.reconcile(*fate, 0),
+            Op::Wait(seconds) => day.now += seconds,
+        }
+        day.invariants(op)?;
+    }
+    // The end of the day: every lease over, every resend answered.
+    day.reconcile(Fate::Pay, LEASE.as_secs() as i64 + 1);
+    let end = Op::Reconcile { fate: Fate::Pay };
+    day.invariants(&end)?;
+    let rows = rows(&mut *day.store, policy);
+    prop_assert!(rows.iter().all(|p| p.state.settled()), "left unsettled: {:?}", rows);
+    let paid = day.gateway.ledger.lock().unwrap().values().filter(|paid| **paid).count();
+    prop_assert_eq!(paid, rows.iter().filter(|p| p.state == PayoutState::Completed).count());
+    // and a retry of every key now gets its settled answer, the same as before
+    let keys: Vec<((u8, u8), i64)> = day.keys.iter().map(|(k, (amount, _))| (*k, *amount)).collect();
+    for ((client, key), amount) in keys {
+        let row = day.begin(client, key, amount)?;
+        prop_assert!(row.is_none(), "a settled key made a second payout");
+    }
+    Ok(())
+}
+
+fn accounts() -> Vec<(AcctId, i64)> {
+    vec![(AcctId::Text("acct-0".into()), OPENING), (AcctId::Text("acct-1".into()), OPENING)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+    #[test]
+    fn payouts_agree_with_the_gateway_on_random_days(ops in prop::collection::vec(op(), 1..30)) {
+        let mut store = store_with(Backend::Sqlite, &accounts());
+        run(&mut *store, ops)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    #[test]
+    fn on_postgres_payouts_agree_with_the_gateway_on_random_days(ops in prop::collection::vec(op(), 1..30)) {
+        for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
+            let mut store = store_with(backend, &accounts());
+            run(&mut *store, ops.clone())?;
+        }
+    }
+}
