@@ -149,6 +149,9 @@ fn rows(store: &mut dyn Store, policy: &Policy) -> Vec<PayoutRow> {
     .unwrap()
 }
 
+/// A settled answer: its status and its reason and body as text.
+type Settled = (u16, String);
+
 struct Day<'a> {
     store: &'a mut dyn Store,
     gateway: ModelGateway,
@@ -156,7 +159,7 @@ struct Day<'a> {
     now: i64,
     tokens: u64,
     /// The amount each key was first sent with, and its settled answer.
-    keys: BTreeMap<(u8, u8), (i64, Option<(u16, String)>)>,
+    keys: BTreeMap<(u8, u8), (i64, Option<Settled>)>,
 }
 
 impl Day<'_> {
