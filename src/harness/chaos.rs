@@ -171,8 +171,11 @@ pub struct PayoutVerdict {
     pub disagreements: usize,
     /// Payouts not settled after the final reconciliation, each with why.
     pub left_for_a_person: Vec<String>,
-    /// Attempts answered 202 (under way or unknown) over the day.
-    pub gateway_requests: usize,
+    /// Rows of the gateway's ledger (one per downstream key it saw).
+    pub gateway_ledger_rows: usize,
+    /// Payouts settled by a reconciliation (the services' own, or the
+    /// final one) rather than by the request that made them.
+    pub settled_by_reconciliation: usize,
 }
 
 impl PayoutVerdict {
@@ -322,6 +325,7 @@ fn settle_payouts(
     db: &Db,
     gateway: GatewayProcess,
     intents: &[Intent],
+    log: &Path,
     policy: &Policy,
 ) -> Result<PayoutVerdict, ChaosError> {
     use crate::payout::{self, HttpGateway};
@@ -339,8 +343,18 @@ fn settle_payouts(
     // took can be treated as over.
     let ahead = || crate::clock::Timestamp::now().plus_seconds(60);
     let deadline = Instant::now() + Duration::from_secs(30);
+    let settles = |d: &payout::Decision| d.now.settled();
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    let settled_before = log
+        .lines()
+        .filter(|l| l.contains(r#""event":"reconcile""#))
+        .filter(|l| l.contains(r#""now":"completed""#) || l.contains(r#""now":"failed""#))
+        .count();
+    let mut settled_at_the_end = 0;
     loop {
-        payout::reconcile(&mut *store, &http, &token, &ahead, Duration::from_secs(2), policy)?;
+        let decisions =
+            payout::reconcile(&mut *store, &http, &token, &ahead, Duration::from_secs(2), policy)?;
+        settled_at_the_end += decisions.iter().filter(|d| settles(d)).count();
         let open = payout::open(&mut *store, ahead(), policy)?;
         let for_a_person =
             |p: &store::PayoutRow| p.note.as_deref().is_some_and(|n| n.starts_with("needs a person"));
@@ -393,7 +407,8 @@ fn settle_payouts(
     v.paid_twice_at_gateway = per_key.values().filter(|n| **n > 1).count();
     v.at_gateway_without_intent =
         paid.iter().filter(|g| !rows.iter().any(|r| r.downstream_key == g.key)).count();
-    v.gateway_requests = paid.len();
+    v.gateway_ledger_rows = paid.len();
+    v.settled_by_reconciliation = settled_before + settled_at_the_end;
     Ok(v)
 }
 
@@ -594,7 +609,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
 
     let intents = std::mem::take(&mut *intents.lock().unwrap_or_else(|e| e.into_inner()));
     let payout_verdict = match gateway {
-        Some(gw) => Some(settle_payouts(&db, gw, &intents, policy)?),
+        Some(gw) => Some(settle_payouts(&db, gw, &intents, &log, policy)?),
         None => None,
     };
     let failovers = failover_figures(&intents, &failed_over, day_started, day_ended);
@@ -821,7 +836,7 @@ fn report(s: &Summary) -> String {
             "\n**Payouts** ({}): {} intended, {} completed, {} failed (the gateway refused: the hold released). \
              Made twice: {}. Paid twice at the gateway: {}. Paid at the gateway with no idem intent: {}. \
              A client told paid, the gateway did not pay: {}. idem and the gateway disagree: {}. \
-             Requests the gateway recorded: {}.\n",
+             Rows in the gateway's ledger: {}. Settled by a reconciliation, not by their request: {}.\n",
             if p.exactly_once() { "exactly once" } else { "NOT exactly once" },
             p.intended,
             p.completed,
@@ -831,7 +846,8 @@ fn report(s: &Summary) -> String {
             p.at_gateway_without_intent,
             p.told_but_not_paid,
             p.disagreements,
-            p.gateway_requests
+            p.gateway_ledger_rows,
+            p.settled_by_reconciliation
         ));
         for why in &p.left_for_a_person {
             md.push_str(&format!("- left for a person: {why}\n"));

@@ -99,7 +99,8 @@ fn payouts_day(db: Option<String>) {
     assert_eq!(p.intended, 6 * 6, "every fourth of 25 intents, for 6 clients: {p:?}");
     assert!(p.left_for_a_person.is_empty(), "{p:?}");
     assert_eq!(p.completed, p.intended, "no payout is refused on this day: {p:?}");
-    assert!(p.gateway_requests >= p.intended && s.server_kills == 2, "{s:?}");
+    assert!(p.gateway_ledger_rows == p.intended && s.server_kills == 2, "{s:?}");
+    assert!(p.settled_by_reconciliation > 0, "no payout met a fault: {p:?}");
 }
 
 #[test]
