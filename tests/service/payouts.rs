@@ -345,3 +345,57 @@ fn a_slow_gateway_holds_no_database_connection_transfers_go_on() {
     assert!(!slow.is_finished(), "the payout was not slow");
     assert_eq!(slow.join().unwrap().status, 201);
 }
+
+#[test]
+fn a_service_killed_after_the_gateway_accepted_is_settled_by_the_lookup_not_a_second_call() {
+    killed_after_the_gateway_accepted(false);
+}
+
+#[test]
+fn on_postgres_a_service_killed_after_the_gateway_accepted_is_settled_by_the_lookup() {
+    killed_after_the_gateway_accepted(true);
+}
+
+/// The gateway has the payout (pending, paid 2 s later) when the service
+/// dies; the new service's reconciler finds it paid by the lookup.
+fn killed_after_the_gateway_accepted(pg: bool) {
+    let Some((_dir, db)) = bank_on(pg) else { return };
+    let gw = Gateway::start(&["--slow", "100", "--slow-for", "2s"]);
+    let s = serve(&db, &gw.url, &["--gateway-timeout", "60s"]);
+    let url = s.url.clone();
+    std::thread::spawn(move || {
+        let req = Serve::agent()
+            .post(format!("{url}/v1/payouts"))
+            .header("Authorization", "Bearer tok")
+            .header("Idempotency-Key", "\"p-accepted\"")
+            .header("Content-Type", "application/json");
+        let _ = req.send(payout("bob", 320).as_str());
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while gw.ledger().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(gw.ledger()[0].2, "pending", "the gateway has accepted the payout");
+    unsafe { libc::kill(s.pid(), libc::SIGKILL) };
+    drop(s);
+    std::thread::sleep(Duration::from_millis(2200)); // the gateway pays meanwhile
+    let s = serve(&db, &gw.url, &[]);
+    let retry = pay(&s, "p-accepted", &payout("bob", 320));
+    assert_eq!(retry.status, 202, "{}", retry.body);
+    let decisions = reconcile(&db, &gw.url, &[], Some(&later(Duration::from_secs(600))));
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    assert!(decisions[0]["decision"].as_str().unwrap().starts_with("paid at the gateway"), "{decisions:?}");
+    let paid = pay(&s, "p-accepted", &payout("bob", 320));
+    assert_eq!((paid.status, paid.json()["state"].as_str()), (201, Some("completed")));
+    assert_eq!(gw.ledger().len(), 1, "a second payout at the gateway");
+    assert_eq!(balance(&db, "A"), START - 320);
+    // and after the result: a service killed after it answered replays it
+    unsafe { libc::kill(s.pid(), libc::SIGKILL) };
+    drop(s);
+    let s = serve(&db, &gw.url, &[]);
+    let again = pay(&s, "p-accepted", &payout("bob", 320));
+    assert_eq!(
+        (again.status, &again.body, again.header("idempotent-replayed")),
+        (201, &paid.body, Some("true"))
+    );
+}
