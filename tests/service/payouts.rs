@@ -55,6 +55,19 @@ fn pay(serve: &Serve, key: &str, body: &str) -> Http {
     documented("post", "/v1/payouts", read(req.send(body)))
 }
 
+/// [`pay`] on a thread of its own, for a payout that will wait.
+fn pay_meanwhile(serve: &Serve, key: &str, body: String) -> std::thread::JoinHandle<Http> {
+    let (url, key) = (serve.url.clone(), key.to_owned());
+    std::thread::spawn(move || {
+        let req = Serve::agent()
+            .post(format!("{url}/v1/payouts"))
+            .header("Authorization", "Bearer tok")
+            .header("Idempotency-Key", format!("\"{key}\""))
+            .header("Content-Type", "application/json");
+        read(req.send(body.as_str()))
+    })
+}
+
 fn payout(beneficiary: &str, amount: i64) -> String {
     serde_json::json!({"src": "A", "beneficiary": beneficiary, "amount": amount, "currency": "KRW"})
         .to_string()
@@ -283,15 +296,7 @@ fn killed_during_the_call(pg: bool) {
     let hole_url = format!("http://{}", hole.local_addr().unwrap());
     let held = std::thread::spawn(move || hole.accept().map(|(stream, _)| stream));
     let s = serve(&db, &hole_url, &["--gateway-timeout", "60s"]);
-    let url = s.url.clone();
-    std::thread::spawn(move || {
-        let req = Serve::agent()
-            .post(format!("{url}/v1/payouts"))
-            .header("Authorization", "Bearer tok")
-            .header("Idempotency-Key", "\"p-kill\"")
-            .header("Content-Type", "application/json");
-        let _ = req.send(payout("bob", 450).as_str());
-    });
+    let _call = pay_meanwhile(&s, "p-kill", payout("bob", 450));
     let _in_flight = held.join().unwrap().unwrap();
     assert_eq!(payouts(&db).len(), 1, "the intent is committed before the call");
     let pid = s.pid();
@@ -318,15 +323,7 @@ fn a_slow_gateway_holds_no_database_connection_transfers_go_on() {
     let (_dir, db) = bank();
     let gw = Gateway::start(&["--slow", "100", "--slow-for", "3s"]);
     let s = serve(&db, &gw.url, &[]);
-    let url = s.url.clone();
-    let slow = std::thread::spawn(move || {
-        let req = Serve::agent()
-            .post(format!("{url}/v1/payouts"))
-            .header("Authorization", "Bearer tok")
-            .header("Idempotency-Key", "\"p-slow\"")
-            .header("Content-Type", "application/json");
-        read(req.send(payout("bob", 5).as_str()))
-    });
+    let slow = pay_meanwhile(&s, "p-slow", payout("bob", 5));
     let deadline = Instant::now() + Duration::from_secs(2);
     while payouts(&db).is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
@@ -362,15 +359,7 @@ fn killed_after_the_gateway_accepted(pg: bool) {
     let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&["--slow", "100", "--slow-for", "2s"]);
     let s = serve(&db, &gw.url, &["--gateway-timeout", "60s"]);
-    let url = s.url.clone();
-    std::thread::spawn(move || {
-        let req = Serve::agent()
-            .post(format!("{url}/v1/payouts"))
-            .header("Authorization", "Bearer tok")
-            .header("Idempotency-Key", "\"p-accepted\"")
-            .header("Content-Type", "application/json");
-        let _ = req.send(payout("bob", 320).as_str());
-    });
+    let _call = pay_meanwhile(&s, "p-accepted", payout("bob", 320));
     let deadline = Instant::now() + Duration::from_secs(5);
     while gw.ledger().is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));

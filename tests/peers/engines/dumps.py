@@ -53,7 +53,15 @@ if not os.path.isfile(a.db):
     print("no such database", file=sys.stderr)
     sys.exit(1)
 db = sqlite3.connect(a.db, timeout=0 if mistake == "no-busy-timeout" else 10, isolation_level=None)
-db.execute("PRAGMA journal_mode=WAL")
+# racing first calls: the switch to WAL may be refused at once, not waited for
+for attempt in range(200):
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        break
+    except sqlite3.OperationalError as e:
+        if "locked" not in str(e) or attempt == 199:
+            raise
+        time.sleep(0.05)
 try:
     db.execute("SELECT 1 FROM account LIMIT 1")
 except sqlite3.Error as e:

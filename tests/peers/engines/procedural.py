@@ -5,14 +5,22 @@ still decides), insufficient funds is a 400 that is stored (unlike a
 malformed request's 400, which is not), reasons in words of its own, and
 the answer pretty-printed over several lines. Correct: it must pass `idem
 check` with the profile `procedural.json`."""
-import argparse, datetime, hashlib, json, os, sqlite3, sys, uuid
+import time, argparse, datetime, hashlib, json, os, sqlite3, sys, uuid
 
 
 def open_db(path):
     if not os.path.isfile(path):
         raise sqlite3.OperationalError("no such file")
     db = sqlite3.connect(path, timeout=15, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
+    # racing first calls: the switch to WAL may be refused at once, not waited for
+    for attempt in range(200):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == 199:
+                raise
+            time.sleep(0.05)
     db.execute("PRAGMA busy_timeout=15000")
     db.execute("SELECT acct_id, balance FROM account LIMIT 1")
     db.execute("CREATE TABLE IF NOT EXISTS transfer (transfer_id INTEGER PRIMARY KEY, src, dst, amount, currency, created_at)")

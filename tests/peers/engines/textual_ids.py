@@ -17,7 +17,15 @@ if not db_path:
     sys.exit(2)
 try:
     db = sqlite3.connect(f"file:{db_path}?mode=rw", uri=True, timeout=10, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
+    # racing first calls: the switch to WAL may be refused at once, not waited for
+    for attempt in range(200):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == 199:
+                raise
+            time.sleep(0.05)
     db.execute("SELECT 1 FROM account LIMIT 1")
 except sqlite3.Error as e:
     sys.exit(f"textual_ids: {e}")

@@ -4,13 +4,21 @@ UUID transfer ids, claims and responses in two tables keyed by the scope
 as one JSON text, epoch milliseconds for times, insufficient funds as 422
 (`not_enough_funds`), the answer printed with sorted members. Correct: it
 must pass `idem check` with the profile `uuid_ids.json`."""
-import argparse, datetime, hashlib, json, sqlite3, sys, uuid
+import time, argparse, datetime, hashlib, json, sqlite3, sys, uuid
 
 
 class Engine:
     def __init__(self, path):
         self.db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        # racing first calls: the switch to WAL may be refused at once, not waited for
+        for attempt in range(200):
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or attempt == 199:
+                    raise
+                time.sleep(0.05)
         self.db.execute("SELECT 1 FROM account LIMIT 1")
         self.db.executescript("""
             CREATE TABLE IF NOT EXISTS transfer (transfer_id TEXT PRIMARY KEY, src, dst, amount INTEGER,
