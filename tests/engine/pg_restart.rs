@@ -2,8 +2,9 @@
 //! immediate`: no checkpoint, WAL replay on start). Clients keep sending and
 //! retry each key with the same body until they get a definitive answer.
 //! Afterwards no transfer a client was told about (201) is missing, no key
-//! paid twice, and the balances are exact. In its own test binary, because
-//! the restart cuts every connection to the server.
+//! paid twice, and the balances are exact. The restart cuts every
+//! connection to the server this binary's tests share: a test that cannot
+//! lose its connections holds `pg::no_restart()`, which the restart waits for.
 
 use crate::common::*;
 use std::collections::BTreeMap;

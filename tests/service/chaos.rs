@@ -111,6 +111,7 @@ fn a_lossy_day_with_payouts_through_a_lossy_gateway_pays_each_out_exactly_once()
 #[test]
 fn on_postgres_a_lossy_day_with_payouts_pays_each_out_exactly_once() {
     let Some(server) = crate::common::pg::server() else { return };
+    let _connections_live = crate::common::pg::no_restart();
     payouts_day(Some(server.fresh_schema(false)));
 }
 

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 /// A role that must give its password, for the tests of secrets.
@@ -230,14 +230,25 @@ impl Server {
     }
 
     /// Kills the server the hard way (`pg_ctl stop -m immediate`) and starts
-    /// it again; `false` when the server is not ours to restart.
+    /// it again; `false` when the server is not ours to restart. Waits for
+    /// the tests holding [`no_restart`] to finish.
     pub fn restart_immediate(&self) -> bool {
         let Some(ctl) = &self.ctl else { return false };
+        let _alone = RESTARTS.write().unwrap_or_else(|e| e.into_inner());
         let (done, wait) = channel();
         ctl.lock().unwrap().send(done).unwrap();
         wait.recv_timeout(Duration::from_secs(60)).expect("PostgreSQL did not restart");
         true
     }
+}
+
+/// The tests of one binary share one server, and a test that restarts it
+/// cuts every connection; one whose connections must live takes this.
+static RESTARTS: RwLock<()> = RwLock::new(());
+
+/// Holds off [`Server::restart_immediate`] while it is kept.
+pub fn no_restart() -> RwLockReadGuard<'static, ()> {
+    RESTARTS.read().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Runs `sql` in the schema `spec` names.
