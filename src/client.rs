@@ -70,11 +70,16 @@ pub enum Verdict {
 pub struct Report {
     pub key: String,
     pub verdict: Verdict,
-    pub attempts: u32,
     /// From the first attempt to the verdict.
     pub took: Duration,
     /// Each attempt that was sent or tried, in order.
     pub tries: Vec<Try>,
+}
+
+impl Report {
+    pub fn attempts(&self) -> u32 {
+        self.tries.len() as u32
+    }
 }
 
 /// One attempt: when it left, when it ended, and the status if an answer came.
@@ -302,13 +307,8 @@ pub fn send_to(
     // the transfer's own stored answer is final.
     let mut reached = false;
     let mut last = String::from("no attempt fitted in the budget");
-    let report = |verdict, tries: Vec<Try>| Report {
-        key: key.into(),
-        verdict,
-        attempts: tries.len() as u32,
-        took: started.elapsed(),
-        tries,
-    };
+    let report =
+        |verdict, tries: Vec<Try>| Report { key: key.into(), verdict, took: started.elapsed(), tries };
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() || endpoints.is_empty() {
@@ -400,6 +400,6 @@ mod tests {
         let endpoint = Endpoint { url, token: "t".into() };
         let report = send(&[endpoint], "k", "{}", &policy, &mut Rng::new(7));
         assert!(matches!(report.verdict, Verdict::Unknown { .. }), "{report:?}");
-        assert!(report.attempts > 1 && report.took < Duration::from_millis(600), "{report:?}");
+        assert!(report.attempts() > 1 && report.took < Duration::from_millis(600), "{report:?}");
     }
 }

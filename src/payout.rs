@@ -25,6 +25,7 @@
 //! its lease ran out), so a late result never overwrites a newer one.
 
 use crate::clock::Timestamp;
+use crate::ledger::Refusal;
 use crate::policy::Policy;
 use crate::protocol::{self, Claimed, Ctx, Response};
 use crate::reason::Reason;
@@ -214,17 +215,15 @@ fn intent(
         }
         return Ok(End::Rollback(Begun::Answer(answer))); // the key stays claimed until it settles
     }
-    let refuse = |tx: &mut dyn Tx, reason: Reason, status: u16| -> Result<End<Begun>, StoreError> {
-        let response = Response::refusal(status, reason);
-        tx.complete(&req.key, ctx.token, &stored(&response), ctx.now)?;
-        Ok(End::Commit(Begun::Answer(Answer::plain(response))))
+    let refuse = |tx: &mut dyn Tx, refusal: Refusal| -> Result<End<Begun>, StoreError> {
+        let stored = protocol::refused(refusal, ctx.policy);
+        tx.complete(&req.key, ctx.token, &stored, ctx.now)?;
+        Ok(End::Commit(Begun::Answer(Answer::plain(Response::from_stored(stored, false)))))
     };
     let p = &req.payout;
-    let Some(src) = tx.lock_account(&p.src)? else {
-        return refuse(tx, Reason::UnknownAccount, ctx.policy.on_unknown_account);
-    };
+    let Some(src) = tx.lock_account(&p.src)? else { return refuse(tx, Refusal::UnknownAccount) };
     if src.balance < p.amount {
-        return refuse(tx, Reason::InsufficientFunds, ctx.policy.on_insufficient_funds);
+        return refuse(tx, Refusal::InsufficientFunds);
     }
     tx.add_to_balance(&src.id, -p.amount)?;
     let mut row = PayoutRow {
@@ -249,14 +248,14 @@ fn intent(
 }
 
 /// Step 3: records what the call came to, if `row`'s holder still holds
-/// the payout; otherwise answers with where it stands now.
+/// the payout; returns the payout as it stands now ([`answer_of`] it).
 pub fn finish<S: Store + ?Sized>(
     store: &mut S,
     row: &PayoutRow,
     call: Call,
     now: Timestamp,
     policy: &Policy,
-) -> Result<Answer, StoreError> {
+) -> Result<PayoutRow, StoreError> {
     store::atomically(store, Durability::Durable, policy, |tx| {
         // the key before the payout, in the order the intent locks them
         tx.lock_key(&row.key)?;
@@ -264,7 +263,7 @@ pub fn finish<S: Store + ?Sized>(
             return Err(StoreError::Backend(format!("payout {} vanished", row.id).into()));
         };
         if current.holder != row.holder || current.state.settled() {
-            return Ok(End::Rollback(answer_of(&current)));
+            return Ok(End::Rollback(current));
         }
         settle(tx, current, call.clone(), now, policy).map(End::Commit)
     })
@@ -279,7 +278,7 @@ fn settle(
     call: Call,
     now: Timestamp,
     policy: &Policy,
-) -> Result<Answer, StoreError> {
+) -> Result<PayoutRow, StoreError> {
     let seen = p.holder.clone();
     match call {
         Call::Paid => {
@@ -299,7 +298,6 @@ fn settle(
     if !tx.update_payout(&p, &seen)? {
         return Err(StoreError::Conflict); // the caller holds the row locked: cannot happen
     }
-    let answer = answer_of(&p);
     // The key is this payout's while it is within retention of the payout
     // (whoever holds its claim now: a retry that took it over, or claimed
     // it again after a release); after that it may name a new request.
@@ -309,9 +307,9 @@ fn settle(
         && !rec.created_at.is_at_least(policy.retention_seconds(), p.created_at)
         && let KeyState::InProgress { .. } = rec.state
     {
-        tx.complete(&p.key, &rec.token, &stored(&answer.response), now)?;
+        tx.complete(&p.key, &rec.token, &stored(&answer_of(&p).response), now)?;
     }
-    Ok(answer)
+    Ok(p)
 }
 
 /// The payout `id` if `client_id` made it.
@@ -428,17 +426,12 @@ pub fn reconcile<S: Store + ?Sized>(
                 }
             },
         };
-        let was = seen.state;
-        let answer = finish(store, &p, call, now(), policy)?;
-        let settled = store::atomically(store, Durability::Lazy, policy, |tx| {
-            Ok(End::Rollback(tx.payout(p.id)?.map_or(was, |p| p.state)))
-        })?;
-        drop(answer);
+        let after = finish(store, &p, call, now(), policy)?;
         decisions.push(Decision {
             payout_id: p.id,
             downstream_key: p.downstream_key.clone(),
-            was,
-            now: settled,
+            was: seen.state,
+            now: after.state,
             decision,
         });
     }
@@ -465,6 +458,12 @@ impl std::fmt::Debug for HttpGateway {
 }
 
 impl HttpGateway {
+    /// How long a caller holds a payout (a request's call, or a
+    /// reconciler's): past it, it is presumed dead and the payout is taken.
+    pub fn lease(&self) -> Duration {
+        self.timeout * 2
+    }
+
     fn agent(&self) -> ureq::Agent {
         ureq::Agent::config_builder()
             .http_status_as_error(false)

@@ -467,7 +467,8 @@ fn created(transfer_id: i64, t: &Transfer, now: Timestamp) -> Stored {
     Stored { status: 201, reason: None, body, transfer_id: Some(transfer_id) }
 }
 
-fn refused(refusal: Refusal, policy: &Policy) -> Stored {
+/// A refusal of the ledger's, as stored and replayed.
+pub(crate) fn refused(refusal: Refusal, policy: &Policy) -> Stored {
     let status = match refusal {
         Refusal::UnknownAccount => policy.on_unknown_account,
         Refusal::InsufficientFunds | Refusal::BalanceOverflow => policy.on_insufficient_funds,

@@ -477,7 +477,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             let token = protocol::fresh_token().map_err(|e| Failure(format!("no randomness: {e}")))?;
             let fixed = fixed_now()?;
             let clock = move || fixed.unwrap_or_else(Timestamp::now);
-            let lease = gateway.timeout * 2;
+            let lease = gateway.lease();
             for d in idem::payout::reconcile(&mut *store, &gateway, &token, &clock, lease, policy)? {
                 println!("{}", d.to_json());
             }
@@ -826,7 +826,7 @@ fn transfer(
     let endpoints: Vec<client::Endpoint> =
         urls.into_iter().map(|url| client::Endpoint { url, token: token.clone() }).collect();
     let report = client::send(&endpoints, &key, &body, &policy, &mut idem::rng::Rng::new(seed));
-    let (attempts, took) = (report.attempts, report.took.as_secs_f64());
+    let (attempts, took) = (report.attempts(), report.took.as_secs_f64());
     Ok(match report.verdict {
         Verdict::Done { body, .. } => {
             println!("{body}");

@@ -352,8 +352,7 @@ fn settle_payouts(
         .count();
     let mut settled_at_the_end = 0;
     loop {
-        let decisions =
-            payout::reconcile(&mut *store, &http, &token, &ahead, Duration::from_secs(2), policy)?;
+        let decisions = payout::reconcile(&mut *store, &http, &token, &ahead, http.lease(), policy)?;
         settled_at_the_end += decisions.iter().filter(|d| settles(d)).count();
         let open = payout::open(&mut *store, ahead(), policy)?;
         let for_a_person =
@@ -533,7 +532,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                         dst,
                         amount,
                         verdict: verdict.into(),
-                        attempts: report.attempts,
+                        attempts: report.attempts(),
                         millis: report.took.as_millis() as u64,
                         told,
                         tries: report.tries,

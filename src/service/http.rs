@@ -391,7 +391,7 @@ async fn make_payout(app: &App, key: ScopedKey, body: &[u8], note: &mut Note) ->
     };
     let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
     let policy = app.policy;
-    let lease = gateway.timeout * 2;
+    let lease = gateway.lease();
     let now = clock.clone();
     let begun = on_writer(app, move |store| {
         let token = crate::protocol::fresh_token()
@@ -414,7 +414,7 @@ async fn make_payout(app: &App, key: ScopedKey, body: &[u8], note: &mut Note) ->
     };
     let finished = on_writer(app, move |store| payout::finish(store, &row, call, clock(), policy)).await;
     match finished {
-        Some(Ok(answer)) => respond_payout(answer, note),
+        Some(Ok(p)) => respond_payout(payout::answer_of(&p), note),
         // The result is not recorded: the payout stays in progress until
         // the reconciler asks the gateway; the client polls or retries.
         Some(Err(e)) => store_error(app, &e, note),

@@ -240,7 +240,7 @@ fn reconcile_in_background(
                 Ok(token) => token,
                 Err(_) => continue,
             };
-            let lease = gateway.timeout * 2;
+            let lease = gateway.lease();
             let line = |fields: serde_json::Value| {
                 let mut v = serde_json::json!({"ts": clock().to_string(), "event": "reconcile"});
                 if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {

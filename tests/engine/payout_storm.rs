@@ -281,8 +281,8 @@ fn run(store: &mut dyn Store, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     *day.gateway.fate.lock().unwrap() = *fate;
                     let call = day.gateway.send(&row);
                     let now = day.now();
-                    let answer = payout::finish(&mut *day.store, &row, call, now, policy).unwrap();
-                    day.check(*client, *key, *amount, answer)?;
+                    let after = payout::finish(&mut *day.store, &row, call, now, policy).unwrap();
+                    day.check(*client, *key, *amount, payout::answer_of(&after))?;
                 }
             }
             Op::Crash { client, key, amount, reached } => {
