@@ -137,7 +137,10 @@ fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_pro
         ("no-fingerprint", &["422"]),
         ("replay-200", &["replay", "reorder", "refusals", "race"]),
         ("crash-moves-money", &["crash"]),
-        ("no-busy-timeout", &["race", "hot"]),
+        // its racers die only when their transactions happen to overlap:
+        // eight at once on one account always do, five on one key not
+        // every run (so `race` may fail too, below)
+        ("no-busy-timeout", &["hot"]),
         ("loose-amount", &["400"]),
     ];
     let mut jobs: Vec<Job<'_, Run>> = Vec::new();
@@ -162,8 +165,8 @@ fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_pro
     for ((mistake, must), run) in broken.iter().zip(&runs[correct.len()..]) {
         println!("{}", row(&format!("dumps.py --mistake {mistake}"), run, &ENGINE_PROPERTIES));
         let must = names(must, &ENGINE_PROPERTIES);
-        let allowed: BTreeSet<String> =
-            must.iter().cloned().chain(names(&["days"], &ENGINE_PROPERTIES)).collect();
+        let may: &[&str] = if *mistake == "no-busy-timeout" { &["days", "race"] } else { &["days"] };
+        let allowed: BTreeSet<String> = must.iter().cloned().chain(names(may, &ENGINE_PROPERTIES)).collect();
         let got = failed(run);
         if run.code != Some(1) || !must.is_subset(&got) || !got.is_subset(&allowed) {
             wrong.push(format!("--mistake {mistake}: must fail {must:?}, failed {got:?}:\n{}", run.stdout));
