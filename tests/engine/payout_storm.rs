@@ -333,7 +333,6 @@ proptest! {
     #[test]
     fn on_postgres_payouts_agree_with_the_gateway_on_random_days(ops in prop::collection::vec(op(), 1..30)) {
         for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
-            let _connections_live = crate::common::pg::no_restart();
             let mut store = store_with(backend, &accounts());
             run(&mut *store, ops.clone())?;
         }

@@ -2,9 +2,8 @@
 //! immediate`: no checkpoint, WAL replay on start). Clients keep sending and
 //! retry each key with the same body until they get a definitive answer.
 //! Afterwards no transfer a client was told about (201) is missing, no key
-//! paid twice, and the balances are exact. The restart cuts every
-//! connection to the server this binary's tests share: a test that cannot
-//! lose its connections holds `pg::no_restart()`, which the restart waits for.
+//! paid twice, and the balances are exact. The server is one of the test's
+//! own: a restart of the shared one would cut the other tests' connections.
 
 use crate::common::*;
 use std::collections::BTreeMap;
@@ -18,9 +17,9 @@ const KEYS_PER_CLIENT: usize = 15;
 
 #[test]
 fn an_immediate_restart_mid_traffic_loses_no_acknowledged_transfer_and_pays_nothing_twice() {
-    let Some(server) = pg::server() else { return };
+    let Some(server) = pg::own_server() else { return };
     let mut rng = rng();
-    let bank = Bank::on(Backend::Postgres, &mut rng, 4, false);
+    let bank = Bank::on_server(server, &mut rng, 4);
     let before = bank.balances();
     let amounts: Vec<i64> = (0..CLIENTS * KEYS_PER_CLIENT).map(|_| 1 + rng.below(500) as i64).collect();
     let files = ring_requests(&bank, "restart", &amounts);

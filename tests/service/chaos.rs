@@ -51,7 +51,7 @@ fn a_lossy_day_with_server_kills_pays_every_transfer_exactly_once() {
 
 #[test]
 fn a_lossy_day_on_postgres_with_a_database_restart_pays_every_transfer_exactly_once() {
-    let Some(server) = crate::common::pg::server() else { return };
+    let Some(server) = crate::common::pg::own_server() else { return };
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), Some(server.fresh_schema(false)), idem_serve());
     cfg.restart_db = Some(Box::new(move || match server.restart_immediate() {
@@ -111,7 +111,6 @@ fn a_lossy_day_with_payouts_through_a_lossy_gateway_pays_each_out_exactly_once()
 #[test]
 fn on_postgres_a_lossy_day_with_payouts_pays_each_out_exactly_once() {
     let Some(server) = crate::common::pg::server() else { return };
-    let _connections_live = crate::common::pg::no_restart();
     payouts_day(Some(server.fresh_schema(false)));
 }
 

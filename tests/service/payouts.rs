@@ -10,7 +10,6 @@ use idem::store::bank::{self, Account};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
 const START: i64 = 100_000;
@@ -18,26 +17,22 @@ const START: i64 = 100_000;
 /// A bank of two accounts, A and B, each holding [`START`], in a new SQLite
 /// file or (`pg`) a new PostgreSQL schema, whose connection string stands
 /// where the file's path would; `None` when PostgreSQL is not here.
-fn bank_on(pg: bool) -> Option<(tempfile::TempDir, PathBuf, Option<RwLockReadGuard<'static, ()>>)> {
+fn bank_on(pg: bool) -> Option<(tempfile::TempDir, PathBuf)> {
     let dir = tempfile::tempdir().unwrap();
-    let (db, guard) = match pg {
-        true => (
-            PathBuf::from(crate::common::pg::server()?.fresh_schema(false)),
-            Some(crate::common::pg::no_restart()),
-        ),
-        false => (dir.path().join("bank.db"), None),
+    let db = match pg {
+        true => PathBuf::from(crate::common::pg::server()?.fresh_schema(false)),
+        false => dir.path().join("bank.db"),
     };
     let accounts: Vec<Account> = ["A", "B"]
         .iter()
         .map(|id| Account { id: (*id).into(), holder: "h".into(), balance: START })
         .collect();
     bank::create(&parse(&db), &accounts).unwrap();
-    Some((dir, db, guard))
+    Some((dir, db))
 }
 
 fn bank() -> (tempfile::TempDir, PathBuf) {
-    let (dir, db, _) = bank_on(false).unwrap();
-    (dir, db)
+    bank_on(false).unwrap()
 }
 
 fn parse(db: &Path) -> Db {
@@ -123,7 +118,7 @@ fn on_postgres_a_payout_is_paid_once_its_retries_replay_it_and_a_refusal_release
 }
 
 fn paid_once(pg: bool) {
-    let Some((_dir, db, _connections_live)) = bank_on(pg) else { return };
+    let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&["--limit", "50000"]);
     let s = serve(&db, &gw.url, &[]);
     let first = pay(&s, "p-1", &payout("bob", 700));
@@ -172,7 +167,7 @@ fn on_postgres_an_answer_lost_after_the_gateway_paid_is_202_until_the_reconciler
 }
 
 fn answer_lost(pg: bool) {
-    let Some((_dir, db, _connections_live)) = bank_on(pg) else { return };
+    let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&["--drop-answer", "100"]);
     let s = serve(&db, &gw.url, &[]);
     let first = pay(&s, "p-lost", &payout("bob", 900));
@@ -294,7 +289,7 @@ fn on_postgres_a_service_killed_during_the_call_leaves_a_held_intent_settled_onc
 }
 
 fn killed_during_the_call(pg: bool) {
-    let Some((_dir, db, _connections_live)) = bank_on(pg) else { return };
+    let Some((_dir, db)) = bank_on(pg) else { return };
     // a gateway that takes the request and never answers: the call is in
     // flight when the service dies
     let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -361,7 +356,7 @@ fn on_postgres_a_service_killed_after_the_gateway_accepted_is_settled_by_the_loo
 /// The gateway has the payout (pending, paid 2 s later) when the service
 /// dies; the new service's reconciler finds it paid by the lookup.
 fn killed_after_the_gateway_accepted(pg: bool) {
-    let Some((_dir, db, _connections_live)) = bank_on(pg) else { return };
+    let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&["--slow", "100", "--slow-for", "2s"]);
     let s = serve(&db, &gw.url, &["--gateway-timeout", "60s"]);
     let _call = pay_meanwhile(&s, "p-accepted", payout("bob", 320));

@@ -70,19 +70,7 @@ impl Bank {
 
     /// [`Bank::new`] on `backend`.
     pub fn on(backend: Backend, rng: &mut Rng, n: usize, int_ids: bool) -> Bank {
-        let base = rng.below(1_000_000) as i64;
-        let ids: Vec<Value> = (0..n as i64)
-            .map(|i| {
-                if int_ids {
-                    json!(base + i * 7)
-                } else {
-                    json!(format!("acct-{:x}-{i}", rng.next_u64() % 65536))
-                }
-            })
-            .collect();
-        let rows: Vec<(Value, i64)> =
-            ids.iter().map(|id| (id.clone(), 1_000 + rng.below(999_000) as i64)).collect();
-        Bank::with(backend, &rows)
+        Bank::with(backend, &random_rows(rng, n, int_ids))
     }
 
     /// A bank on `backend` holding exactly `rows` (ids all text or all integers).
@@ -92,6 +80,15 @@ impl Bank {
         let db = make_bank(backend, dir.path(), rows, int_ids);
         let accounts = rows.iter().map(|(id, _)| id.clone()).collect();
         Bank { dir, db, backend, accounts, requests: std::cell::Cell::new(0) }
+    }
+
+    /// [`Bank::on`] PostgreSQL, on `server` rather than the shared one.
+    pub fn on_server(server: &pg::Server, rng: &mut Rng, n: usize) -> Bank {
+        let rows = random_rows(rng, n, false);
+        let db = PathBuf::from(server.fresh_schema(false));
+        postgres_bank(&db.to_string_lossy(), &rows, false);
+        let (dir, accounts) = (tempfile::tempdir().unwrap(), rows.into_iter().map(|(id, _)| id).collect());
+        Bank { dir, db, backend: Backend::Postgres, accounts, requests: std::cell::Cell::new(0) }
     }
 
     pub fn spec(&self) -> String {
@@ -178,6 +175,19 @@ impl Bank {
     }
 }
 
+/// `n` accounts with random ids (text, or integer when `int_ids`) and
+/// random balances in 1_000..1_000_000.
+fn random_rows(rng: &mut Rng, n: usize, int_ids: bool) -> Vec<(Value, i64)> {
+    let base = rng.below(1_000_000) as i64;
+    let ids: Vec<Value> = (0..n as i64)
+        .map(|i| match int_ids {
+            true => json!(base + i * 7),
+            false => json!(format!("acct-{:x}-{i}", rng.next_u64() % 65536)),
+        })
+        .collect();
+    ids.into_iter().map(|id| (id, 1_000 + rng.below(999_000) as i64)).collect()
+}
+
 fn id_text(id: &Value) -> String {
     match id {
         Value::String(s) => s.clone(),
@@ -210,20 +220,24 @@ pub fn make_bank(backend: Backend, dir: &Path, rows: &[(Value, i64)], int_ids: b
         _ => {
             let server = pg::server().expect("a PostgreSQL backend without a server");
             let spec = server.fresh_schema(backend == Backend::PostgresSerializable);
-            let mut c = pg::client(&spec);
-            c.batch_execute(&create.replace("INTEGER", "BIGINT")).unwrap();
-            for (i, (id, balance)) in rows.iter().enumerate() {
-                c.execute(
-                    &format!(
-                        "INSERT INTO account VALUES ($1::text::{}, $2, $3)",
-                        if int_ids { "bigint" } else { "text" }
-                    ),
-                    &[&id_text(id), &format!("holder {i}"), balance],
-                )
-                .unwrap();
-            }
+            postgres_bank(&spec, rows, int_ids);
             PathBuf::from(spec)
         }
+    }
+}
+
+/// The account table with `rows` in the PostgreSQL schema `spec` names.
+fn postgres_bank(spec: &str, rows: &[(Value, i64)], int_ids: bool) {
+    let ty = if int_ids { "BIGINT" } else { "TEXT" };
+    let mut c = pg::client(spec);
+    c.batch_execute(&format!("CREATE TABLE account (acct_id {ty} PRIMARY KEY, holder TEXT, balance BIGINT)"))
+        .unwrap();
+    for (i, (id, balance)) in rows.iter().enumerate() {
+        c.execute(
+            &format!("INSERT INTO account VALUES ($1::text::{}, $2, $3)", ty.to_lowercase()),
+            &[&id_text(id), &format!("holder {i}"), balance],
+        )
+        .unwrap();
     }
 }
 

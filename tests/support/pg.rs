@@ -2,8 +2,10 @@
 //! binaries: `initdb` into a temporary directory, a server listening only on
 //! a unix socket there, run as the `postgres` user when the tests run as
 //! root. One server per test binary, started on first use; each test gets a
-//! schema of its own. `IDEM_PG_URL` points the tests at an existing server
-//! instead (then nothing is restarted).
+//! schema of its own. A test that restarts PostgreSQL does it to a server of
+//! its own ([`own_server`]), so the shared one never cuts the connections of
+//! the tests running beside it. `IDEM_PG_URL` points the tests at an
+//! existing server instead (then nothing is restarted).
 //!
 //! The server is a child of a thread that lives as long as the test process
 //! and asks the kernel to kill it when that thread goes (PR_SET_PDEATHSIG):
@@ -16,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// A role that must give its password, for the tests of secrets.
@@ -38,6 +40,12 @@ static SCHEMAS: AtomicU64 = AtomicU64::new(0);
 /// and the tools are not required.
 pub fn server() -> Option<&'static Server> {
     SERVER.get_or_init(start).as_ref()
+}
+
+/// A server nobody else uses, for a test that restarts it; it lives as long
+/// as the test process. `None` as for [`server`].
+pub fn own_server() -> Option<&'static Server> {
+    start().map(|s| &*Box::leak(Box::new(s)))
 }
 
 fn required() -> bool {
@@ -230,25 +238,14 @@ impl Server {
     }
 
     /// Kills the server the hard way (`pg_ctl stop -m immediate`) and starts
-    /// it again; `false` when the server is not ours to restart. Waits for
-    /// the tests holding [`no_restart`] to finish.
+    /// it again; `false` when the server is not ours to restart.
     pub fn restart_immediate(&self) -> bool {
         let Some(ctl) = &self.ctl else { return false };
-        let _alone = RESTARTS.write().unwrap_or_else(|e| e.into_inner());
         let (done, wait) = channel();
         ctl.lock().unwrap().send(done).unwrap();
         wait.recv_timeout(Duration::from_secs(60)).expect("PostgreSQL did not restart");
         true
     }
-}
-
-/// The tests of one binary share one server, and a test that restarts it
-/// cuts every connection; one whose connections must live takes this.
-static RESTARTS: RwLock<()> = RwLock::new(());
-
-/// Holds off [`Server::restart_immediate`] while it is kept.
-pub fn no_restart() -> RwLockReadGuard<'static, ()> {
-    RESTARTS.read().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Runs `sql` in the schema `spec` names.
