@@ -7,18 +7,24 @@
 //! request file cannot be read; 4 a simulated crash (`--crash-after-claim`);
 //! 5 the database cannot be used (missing, read-only, corrupt, no `account`
 //! table, another schema version).
+//!
+//! With `--gateway` the request is a payout (see [`crate::payout`]): the
+//! same three steps as `POST /v1/payouts`, and no database connection is
+//! kept across the gateway's call.
 
 use crate::clock::Timestamp;
+use crate::payout::{self, Begun, HttpGateway};
 use crate::policy::Policy;
-use crate::protocol::{self, Ctx, Flow, Outcome, Point, Response};
+use crate::protocol::{self, Claimed, Ctx, Flow, Outcome, Point, Response};
 use crate::reason::Reason;
 use crate::request;
-use crate::store::{self, Db, Usage};
+use crate::store::{self, Db, StoreError, Usage};
 use clap::{Parser, ValueEnum};
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 const EXIT_REQUEST_UNREADABLE: u8 = 3;
 const EXIT_CRASHED: u8 = 4;
@@ -30,6 +36,12 @@ const EXIT_DATABASE: u8 = 5;
 /// Exit 2: bad command line; 3: request file unreadable; 4: simulated crash;
 /// 5: database unusable (one line on stderr).
 /// IDEM_NOW=<RFC 3339> fixes the clock (for tests).
+///
+/// With --gateway URL the request's body is a payout,
+/// {"src","beneficiary","amount","currency"}: 201 paid, 402/422 refused by
+/// the gateway (the money goes back), 202 not known yet (the money stays
+/// held until `idem reconcile` asks the gateway; a retry answers 202 again
+/// and never calls twice).
 #[derive(Parser, Debug)]
 #[command(name = "idem_api", version)]
 struct Args {
@@ -37,7 +49,8 @@ struct Args {
     /// PostgreSQL connection string (postgres://…, postgresql://…, host=… dbname=…).
     #[arg(long, value_name = "DB")]
     db: String,
-    /// Request JSON: {"client_id","endpoint","idem_key","body":{"src","dst","amount","currency"}}.
+    /// Request JSON: {"client_id","endpoint","idem_key","body":{"src","dst","amount","currency"}};
+    /// with --gateway the body is {"src","beneficiary","amount","currency"}.
     #[arg(long, value_name = "FILE", required_unless_present = "purge_before")]
     request: Option<PathBuf>,
     /// Commit the claim, then exit 4 without moving money or answering.
@@ -46,29 +59,44 @@ struct Args {
     /// Delete keys created before this RFC 3339 instant; prints {"purged": N}.
     #[arg(long, value_name = "RFC3339", value_parser = Timestamp::parse, conflicts_with = "request")]
     purge_before: Option<Timestamp>,
+    /// Pay out through this gateway (POST /payouts, as `idem serve --gateway`):
+    /// the request's body is a payout.
+    #[arg(long, value_name = "URL", requires = "request")]
+    gateway: Option<String>,
+    /// Bearer token for the gateway (or IDEM_GATEWAY_TOKEN).
+    #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
+    gateway_token: Option<String>,
+    /// The gateway call's whole time; past it the payout's outcome is unknown (202).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::clock::parse_duration)]
+    gateway_timeout: Duration,
     /// Test hook: exit 4 at this point of the protocol.
     #[arg(long, hide = true, value_enum, requires = "request")]
     crash_at: Option<CrashAt>,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum CrashAt {
     AfterClaim,
     BeforeCommit,
     AfterCommit,
+    /// A payout's intent is committed; the gateway is not called.
+    AfterIntent,
+    /// The gateway was called; its result is not recorded.
+    AfterCall,
 }
 
 /// Runs the contract on a command line (`args[0]` is the program name).
 pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     let args = Args::parse_from(args);
     let policy = Policy::embedded();
-    let now = match std::env::var("IDEM_NOW") {
+    let fixed = match std::env::var("IDEM_NOW") {
         Ok(text) => match Timestamp::parse(&text) {
-            Ok(t) => t,
+            Ok(t) => Some(t),
             Err(e) => return fail(2, &format!("IDEM_NOW: {e}")),
         },
-        Err(_) => Timestamp::now(),
+        Err(_) => None,
     };
+    let now = fixed.unwrap_or_else(Timestamp::now);
     if let Some(before) = args.purge_before {
         if before > now.plus_seconds(-policy.retention_seconds()) {
             eprintln!(
@@ -93,6 +121,25 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             return fail(EXIT_REQUEST_UNREADABLE, &format!("cannot read {}: {e}", path.display()));
         }
     };
+    let token = match protocol::fresh_token() {
+        Ok(token) => token,
+        Err(e) => return fail(1, &format!("no randomness for a claim token: {e}")),
+    };
+    let ctx = Ctx { policy, now, token: &token };
+    if let Some(url) = args.gateway {
+        let gateway = HttpGateway {
+            url: url.trim_end_matches('/').to_owned(),
+            token: args.gateway_token,
+            timeout: args.gateway_timeout,
+            // a reconciler's concern, not a request's
+            lookup_delay: Duration::ZERO,
+            key_window: Duration::MAX,
+        };
+        return pay_out(&Db::parse(&args.db), &bytes, &gateway, ctx, fixed, args.crash_at);
+    }
+    if matches!(args.crash_at, Some(CrashAt::AfterIntent | CrashAt::AfterCall)) {
+        return fail(2, "--crash-at after-intent and after-call are points of a payout (--gateway)");
+    }
     let req = match request::parse(&bytes, policy) {
         Ok(req) => req,
         Err(e) => {
@@ -109,7 +156,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
         (Some(CrashAt::AfterClaim), _) | (None, true) => Some(Point::AfterClaim),
         (Some(CrashAt::BeforeCommit), _) => Some(Point::BeforeCommit),
         (Some(CrashAt::AfterCommit), _) => Some(Point::AfterCommit),
-        (None, false) => None,
+        (Some(CrashAt::AfterIntent | CrashAt::AfterCall), _) | (None, false) => None,
     };
     // A real crash: no destructors, no rollback, no goodbye. Whatever SQLite
     // has not committed is gone, exactly as if the power had been cut.
@@ -120,14 +167,73 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
         }
         Flow::Continue
     };
-    let token = match protocol::fresh_token() {
-        Ok(token) => token,
-        Err(e) => return fail(1, &format!("no randomness for a claim token: {e}")),
-    };
-    match protocol::handle(&mut store, &req, Ctx { policy, now, token: &token }, &mut faults) {
+    match protocol::handle(&mut store, &req, ctx, &mut faults) {
         Ok(Outcome::Respond(response)) => print(&response.to_json()),
         Ok(Outcome::Crashed(p)) => fail(EXIT_CRASHED, &format!("simulated crash at {p:?}")),
         Err(e) => fail(EXIT_DATABASE, &e.to_string()),
+    }
+}
+
+/// A payout: claim and intent, the gateway's call with no connection open,
+/// the result. A crash, or a result that cannot be recorded, leaves the
+/// payout in progress with its money held: a retry answers 202 from its
+/// row, and `idem reconcile` settles it by asking the gateway.
+fn pay_out(
+    db: &Db,
+    bytes: &[u8],
+    gateway: &HttpGateway,
+    ctx: Ctx,
+    fixed: Option<Timestamp>,
+    crash_at: Option<CrashAt>,
+) -> ExitCode {
+    let req = match request::parse_payout_file(bytes, ctx.policy) {
+        Ok(req) => req,
+        Err(e) => {
+            let refusal = Response::refusal(ctx.policy.on_invalid_request, Reason::Invalid(e.to_string()));
+            return print(&refusal.to_json());
+        }
+    };
+    let crash = |at: CrashAt| {
+        if crash_at == Some(at) {
+            eprintln!("idem_api: simulated crash at {at:?}");
+            std::process::exit(EXIT_CRASHED.into());
+        }
+    };
+    let open = || {
+        let mut store = store::open(db, ctx.policy, Usage::OneRequest)?;
+        payout::prepare(&mut store, ctx.policy)?;
+        Ok::<_, StoreError>(store)
+    };
+    let begun = open().and_then(|mut store| {
+        if crash_at == Some(CrashAt::AfterClaim)
+            && protocol::claim_key(&mut store, &req.key, &req.fingerprint, ctx)? == Claimed::Mine
+        {
+            crash(CrashAt::AfterClaim);
+        }
+        payout::begin(&mut store, &req, ctx, gateway.lease())
+    });
+    let row = match begun {
+        Ok(Begun::Answer(answer)) => return print(&answer.response.to_json()),
+        Ok(Begun::Call(row)) => row,
+        Err(e) => return fail(EXIT_DATABASE, &e.to_string()),
+    };
+    crash(CrashAt::AfterIntent);
+    let call = payout::Gateway::send(gateway, &row);
+    crash(CrashAt::AfterCall);
+    crash(CrashAt::BeforeCommit);
+    let now = fixed.unwrap_or_else(Timestamp::now);
+    match open().and_then(|mut store| payout::finish(&mut store, &row, call, now, ctx.policy)) {
+        Ok(p) => {
+            crash(CrashAt::AfterCommit);
+            print(&payout::answer_of(&p).response.to_json())
+        }
+        Err(e) => fail(
+            EXIT_DATABASE,
+            &format!(
+                "payout {}: its result could not be recorded ({e}); `idem reconcile` settles it",
+                row.id
+            ),
+        ),
     }
 }
 

@@ -131,6 +131,23 @@ impl fmt::Display for Timestamp {
     }
 }
 
+/// `30s`, `500ms`, `2m`, `1h`, `15d`, or a number of seconds.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 30s, 500ms or 2m"))?;
+    let millis = match unit {
+        "ms" => n,
+        "" | "s" => n.saturating_mul(1000),
+        "m" => n.saturating_mul(60_000),
+        "h" => n.saturating_mul(3_600_000),
+        "d" => n.saturating_mul(86_400_000),
+        _ => return Err(format!("{text:?} is not a duration like 30s, 500ms or 2m")),
+    };
+    Ok(std::time::Duration::from_millis(millis))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -136,14 +136,19 @@ const BODY: [&str; 4] = ["src", "dst", "amount", "currency"];
 pub fn parse(bytes: &[u8], policy: &Policy) -> Result<Request, RequestError> {
     let json = json(bytes, policy)?;
     only_fields(&json, "request", &TOP, "")?;
-    let limit = policy.max_field_chars;
-    let key = ScopedKey {
-        client_id: text_field(&json, "client_id", limit)?,
-        endpoint: text_field(&json, "endpoint", limit)?,
-        idem_key: text_field(&json, "idem_key", limit)?,
-    };
+    let key = envelope_key(&json, policy)?;
     let body = json.get("body").ok_or(RequestError::Missing("body"))?;
     transfer_request(key, body, &IN_REQUEST, policy)
+}
+
+/// The key a request file names: (client_id, endpoint, idem_key).
+fn envelope_key(json: &Json, policy: &Policy) -> Result<ScopedKey, RequestError> {
+    let limit = policy.max_field_chars;
+    Ok(ScopedKey {
+        client_id: text_field(json, "client_id", limit)?,
+        endpoint: text_field(json, "endpoint", limit)?,
+        idem_key: text_field(json, "idem_key", limit)?,
+    })
 }
 
 /// Parses and validates a transfer sent over HTTP: `bytes` is the body, the
@@ -160,23 +165,52 @@ const PAYOUT_BODY: [&str; 4] = ["src", "beneficiary", "amount", "currency"];
 /// same rules as a transfer: strict members, exact integer amounts, the
 /// policy's currencies, and a fingerprint of the RFC 8785 form.
 pub fn parse_payout(key: ScopedKey, bytes: &[u8], policy: &Policy) -> Result<PayoutRequest, RequestError> {
-    let body = json(bytes, policy)?;
-    only_fields(&body, "body", &PAYOUT_BODY, "")?;
+    payout_request(key, &json(bytes, policy)?, &ON_ITS_OWN, policy)
+}
+
+/// Parses and validates a payout request file (`idem_api --gateway`): the
+/// lab's envelope around a payout body. The same fingerprint as over HTTP,
+/// so either front replays the other.
+pub fn parse_payout_file(bytes: &[u8], policy: &Policy) -> Result<PayoutRequest, RequestError> {
+    let json = json(bytes, policy)?;
+    only_fields(&json, "request", &TOP, "")?;
+    let body = json.get("body").ok_or(RequestError::Missing("body"))?;
+    payout_request(envelope_key(&json, policy)?, body, &IN_REQUEST, policy)
+}
+
+fn payout_request(
+    key: ScopedKey,
+    body: &Json,
+    names: &Names,
+    policy: &Policy,
+) -> Result<PayoutRequest, RequestError> {
+    only_fields(body, names.object, &PAYOUT_BODY, names.prefix)?;
     let limit = policy.max_field_chars;
     let payout = Payout {
-        src: acct_field(&body, "src", "src", limit)?,
-        beneficiary: text_field(&body, "beneficiary", limit)?,
+        src: acct_field(body, names.src, "src", limit)?,
+        beneficiary: text_field(body, "beneficiary", limit).map_err(|e| renamed(e, names.beneficiary))?,
         amount: match body.get("amount") {
-            None => return Err(RequestError::Missing("amount")),
+            None => return Err(RequestError::Missing(names.amount)),
             Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => *a,
             Some(_) => return Err(RequestError::Amount { max: policy.max_amount }),
         },
-        currency: text_field(&body, "currency", limit)?,
+        currency: text_field(body, "currency", limit).map_err(|e| renamed(e, names.currency))?,
     };
     if !policy.currencies.contains(&payout.currency) {
         return Err(RequestError::Currency(clip(&payout.currency)));
     }
-    Ok(PayoutRequest { key, payout, fingerprint: fingerprint(&body) })
+    Ok(PayoutRequest { key, payout, fingerprint: fingerprint(body) })
+}
+
+/// `e`, a text field's error, naming the field as `name`.
+fn renamed(e: RequestError, name: &'static str) -> RequestError {
+    match e {
+        RequestError::Missing(_) => RequestError::Missing(name),
+        RequestError::WrongType { .. } => RequestError::WrongType { field: name, expected: "a string" },
+        RequestError::Empty(_) => RequestError::Empty(name),
+        RequestError::TooLong { limit, .. } => RequestError::TooLong { field: name, limit },
+        other => other,
+    }
 }
 
 fn json(bytes: &[u8], policy: &Policy) -> Result<Json, RequestError> {
@@ -195,6 +229,7 @@ struct Names {
     dst: &'static str,
     amount: &'static str,
     currency: &'static str,
+    beneficiary: &'static str,
 }
 
 const IN_REQUEST: Names = Names {
@@ -204,10 +239,18 @@ const IN_REQUEST: Names = Names {
     dst: "body.dst",
     amount: "body.amount",
     currency: "body.currency",
+    beneficiary: "body.beneficiary",
 };
 
-const ON_ITS_OWN: Names =
-    Names { object: "body", prefix: "", src: "src", dst: "dst", amount: "amount", currency: "currency" };
+const ON_ITS_OWN: Names = Names {
+    object: "body",
+    prefix: "",
+    src: "src",
+    dst: "dst",
+    amount: "amount",
+    currency: "currency",
+    beneficiary: "beneficiary",
+};
 
 fn transfer_request(
     key: ScopedKey,

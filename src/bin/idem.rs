@@ -2,7 +2,7 @@
 //! into the library; exit 0 on success, 1 with one line on stderr otherwise.
 
 use clap::{Parser, Subcommand};
-use idem::clock::Timestamp;
+use idem::clock::{self, Timestamp};
 use idem::harness::HarnessError;
 use idem::harness::day::{self, io_at};
 use idem::policy::Policy;
@@ -33,13 +33,13 @@ struct GatewayArgs {
     #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
     gateway_token: Option<String>,
     /// Each call's whole time; past it the payout's outcome is unknown.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = clock::parse_duration)]
     gateway_timeout: std::time::Duration,
     /// The gateway's lookups may miss a payout younger than this.
-    #[arg(long, default_value = "0ms", value_parser = parse_duration)]
+    #[arg(long, default_value = "0ms", value_parser = clock::parse_duration)]
     gateway_lookup_delay: std::time::Duration,
     /// The gateway forgets a key after this (Stripe: 24h; Toss Payments: 15d).
-    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    #[arg(long, default_value = "24h", value_parser = clock::parse_duration)]
     gateway_key_window: std::time::Duration,
 }
 
@@ -169,7 +169,7 @@ enum Command {
         #[command(flatten)]
         gateway: GatewayArgs,
         /// How often payouts left unknown or stranded are reconciled (with --gateway).
-        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        #[arg(long, default_value = "30s", value_parser = clock::parse_duration)]
         reconcile_every: std::time::Duration,
     },
     /// Settle payouts left unknown (or stranded in progress past their lease) by asking the gateway.
@@ -223,13 +223,13 @@ enum Command {
         /// Percent recorded pending and settled only after --slow-for.
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
         slow: u64,
-        #[arg(long, default_value = "5s", value_parser = parse_duration)]
+        #[arg(long, default_value = "5s", value_parser = clock::parse_duration)]
         slow_for: std::time::Duration,
         /// Lookups answer 404 for a payout younger than this.
-        #[arg(long, default_value = "0ms", value_parser = parse_duration)]
+        #[arg(long, default_value = "0ms", value_parser = clock::parse_duration)]
         lookup_delay: std::time::Duration,
         /// How long a key is remembered (Stripe: 24 h; Toss Payments: 15 days).
-        #[arg(long, default_value = "1d", value_parser = parse_duration)]
+        #[arg(long, default_value = "1d", value_parser = clock::parse_duration)]
         key_window: std::time::Duration,
         /// Payouts above this amount are refused, 422 amount_over_limit.
         #[arg(long, default_value_t = 1_000_000_000, value_parser = clap::value_parser!(i64).range(1..))]
@@ -280,7 +280,7 @@ enum Command {
         #[arg(long)]
         key_file: Option<PathBuf>,
         /// The whole time allowed, attempts and pauses: e.g. 30s, 500ms, 2m.
-        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        #[arg(long, default_value = "30s", value_parser = clock::parse_duration)]
         budget: std::time::Duration,
     },
     /// A day of concurrent clients through a lossy network to a real idem serve, killed mid-day.
@@ -331,10 +331,10 @@ enum Command {
         #[arg(long, value_name = "CMD")]
         restart_db: Option<String>,
         /// Each client's time budget per transfer.
-        #[arg(long, default_value = "20s", value_parser = parse_duration)]
+        #[arg(long, default_value = "20s", value_parser = clock::parse_duration)]
         budget: std::time::Duration,
         /// Each client's pause between two transfers, to stretch the day.
-        #[arg(long, default_value = "0ms", value_parser = parse_duration)]
+        #[arg(long, default_value = "0ms", value_parser = clock::parse_duration)]
         think: std::time::Duration,
         /// Every fourth intent is a payout through an `idem gateway` that
         /// loses 5% of requests, drops 10% of answers, answers 5% with 500
@@ -862,23 +862,6 @@ fn secret(inline: Option<String>, file: Option<&std::path::Path>, what: &str) ->
         }
         (None, None) => Err(Failure(format!("give {what}"))),
     }
-}
-
-/// `30s`, `500ms`, `2m`, `1h`, `15d`, or a number of seconds.
-fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 30s, 500ms or 2m"))?;
-    let millis = match unit {
-        "ms" => n,
-        "" | "s" => n.saturating_mul(1000),
-        "m" => n.saturating_mul(60_000),
-        "h" => n.saturating_mul(3_600_000),
-        "d" => n.saturating_mul(86_400_000),
-        _ => return Err(format!("{text:?} is not a duration like 30s, 500ms or 2m")),
-    };
-    Ok(std::time::Duration::from_millis(millis))
 }
 
 /// `IDEM_NOW`, the instant tests fix the clock at; `None` for the wall

@@ -388,3 +388,144 @@ fn killed_after_the_gateway_accepted(pg: bool) {
         (201, &paid.body, Some("true"))
     );
 }
+
+/// `idem_api --gateway`: one payout request file through the lab's CLI;
+/// its exit code and, on 0, the JSON it printed.
+fn api_pay(db: &Path, gateway: &str, key: &str, body: &str, crash_at: Option<&str>) -> (i32, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("request.json");
+    let request =
+        format!(r#"{{"client_id":"shop","endpoint":"/v1/payouts","idem_key":"{key}","body":{body}}}"#);
+    std::fs::write(&file, request).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem_api"));
+    cmd.arg("--db").arg(db).arg("--request").arg(&file).args(["--gateway", gateway]);
+    if let Some(point) = crash_at {
+        cmd.args(["--crash-at", point]);
+    }
+    let out = cmd.output().unwrap();
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out.status.code().unwrap_or(-1), json)
+}
+
+#[test]
+fn idem_api_pays_out_once_replays_it_and_holds_the_money_while_the_outcome_is_unknown() {
+    api_paid_once(false);
+}
+
+#[test]
+fn on_postgres_idem_api_pays_out_once_and_holds_the_money_while_unknown() {
+    api_paid_once(true);
+}
+
+fn api_paid_once(pg: bool) {
+    let Some((_dir, db)) = bank_on(pg) else { return };
+    let gw = Gateway::start(&[]);
+    let (code, first) = api_pay(&db, &gw.url, "p-1", &payout("bob", 700), None);
+    assert_eq!((code, first["status"].as_i64()), (0, Some(201)), "{first}");
+    assert_eq!(
+        (first["replay"].as_bool(), first["body"]["state"].as_str()),
+        (Some(false), Some("completed"))
+    );
+    let spelled_otherwise = r#"{"currency":"KRW","amount":700,"beneficiary":"bob","src":"A"}"#;
+    let (_, again) = api_pay(&db, &gw.url, "p-1", spelled_otherwise, None);
+    assert_eq!((again["status"].as_i64(), again["replay"].as_bool()), (Some(201), Some(true)));
+    assert_eq!(again["body"], first["body"], "a replay is the first answer");
+    assert_eq!(api_pay(&db, &gw.url, "p-1", &payout("bob", 701), None).1["status"], 422);
+    // a transfer's body is not a payout: 400, nothing consumed
+    let transfer = r#"{"src":"A","dst":"B","amount":5,"currency":"KRW"}"#;
+    assert_eq!(api_pay(&db, &gw.url, "p-2", transfer, None).1["status"], 400);
+    // the gateway's refusal: the hold goes back, the refusal is replayed
+    let (_, closed) = api_pay(&db, &gw.url, "p-2", &payout("closed-carol", 300), None);
+    assert_eq!((closed["status"].as_i64(), closed["reason"].as_str()), (Some(402), Some("account_closed")));
+    assert_eq!(api_pay(&db, &gw.url, "p-2", &payout("closed-carol", 300), None).1["replay"], true);
+    assert_eq!((gw.ledger().len(), balance(&db, "A")), (2, START - 700));
+    // the same key over HTTP is the same key: the service replays the CLI's answer
+    let s = serve(&db, &gw.url, &[]);
+    let http = pay(&s, "p-1", &payout("bob", 700));
+    assert_eq!((http.status, http.json()), (201, first["body"].clone()));
+    assert_eq!(http.header("idempotent-replayed"), Some("true"));
+    drop(s);
+
+    // the gateway pays and its answer is lost: not a failure, the money stays held
+    let lossy = Gateway::start(&["--drop-answer", "100"]);
+    let (_, unknown) = api_pay(&db, &lossy.url, "p-3", &payout("dave", 900), None);
+    assert_eq!((unknown["status"].as_i64(), unknown["body"]["state"].as_str()), (Some(202), Some("unknown")));
+    let (_, retry) = api_pay(&db, &lossy.url, "p-3", &payout("dave", 900), None);
+    assert_eq!(retry["status"], 202, "{retry}");
+    assert_eq!(lossy.ledger().len(), 1, "a retry called the gateway again");
+    assert_eq!(balance(&db, "A"), START - 700 - 900, "the money is held while unknown");
+    let decisions = reconcile(&db, &lossy.url, &[], None);
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    let (_, settled) = api_pay(&db, &lossy.url, "p-3", &payout("dave", 900), None);
+    assert_eq!(
+        (settled["status"].as_i64(), settled["body"]["state"].as_str()),
+        (Some(201), Some("completed"))
+    );
+    assert_eq!((lossy.ledger().len(), balance(&db, "A")), (1, START - 700 - 900));
+}
+
+#[test]
+fn idem_api_killed_at_each_boundary_of_a_payout_pays_it_out_once() {
+    api_killed(false);
+}
+
+#[test]
+fn on_postgres_idem_api_killed_at_each_boundary_of_a_payout_pays_it_out_once() {
+    api_killed(true);
+}
+
+fn api_killed(pg: bool) {
+    let Some((_dir, db)) = bank_on(pg) else { return };
+    let gw = Gateway::start(&[]);
+    let key_of = |point: &str| format!("p-{point}");
+    let mut paid = 0;
+    for (point, amount) in
+        [("after-claim", 100), ("after-intent", 200), ("after-call", 300), ("after-commit", 400)]
+    {
+        let (code, _) = api_pay(&db, &gw.url, &key_of(point), &payout("bob", amount), Some(point));
+        assert_eq!(code, 4, "{point}: not crashed");
+        let (_, retry) = api_pay(&db, &gw.url, &key_of(point), &payout("bob", amount), None);
+        match point {
+            // claimed, nothing held: the retry waits for the claim's lease
+            "after-claim" => assert_eq!(
+                (retry["status"].as_i64(), retry["reason"].as_str()),
+                (Some(409), Some("in_progress"))
+            ),
+            // held, the gateway not (or not knowingly) called: where it stands, no call
+            "after-intent" | "after-call" => {
+                assert_eq!(
+                    (retry["status"].as_i64(), retry["body"]["state"].as_str()),
+                    (Some(202), Some("in_progress")),
+                    "{point}: {retry}"
+                );
+                paid += amount;
+            }
+            _ => {
+                assert_eq!(
+                    (retry["status"].as_i64(), retry["replay"].as_bool()),
+                    (Some(201), Some(true)),
+                    "{point}: {retry}"
+                );
+                paid += amount;
+            }
+        }
+    }
+    assert_eq!(balance(&db, "A"), START - paid, "held or paid, each once");
+    assert_eq!(gw.ledger().len(), 2, "the gateway was called after the call and after the commit only");
+    // past the lease of the dead processes' calls, the reconciler asks the gateway
+    let decisions = reconcile(&db, &gw.url, &[], Some(&later(Duration::from_secs(600))));
+    assert_eq!(decisions.len(), 2, "{decisions:?}");
+    for point in ["after-intent", "after-call"] {
+        let amount = if point == "after-intent" { 200 } else { 300 };
+        let (_, settled) = api_pay(&db, &gw.url, &key_of(point), &payout("bob", amount), None);
+        assert_eq!(
+            (settled["status"].as_i64(), settled["body"]["state"].as_str()),
+            (Some(201), Some("completed")),
+            "{point}: {settled}"
+        );
+    }
+    let mut ledger: Vec<i64> = gw.ledger().iter().map(|(_, amount, _)| *amount).collect();
+    ledger.sort();
+    assert_eq!(ledger, [200, 300, 400], "each payout out once, none for the claim alone");
+    assert_eq!(balance(&db, "A"), START - paid);
+}
