@@ -135,7 +135,8 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             lookup_delay: Duration::ZERO,
             key_window: Duration::MAX,
         };
-        return pay_out(&Db::parse(&args.db), &bytes, &gateway, ctx, fixed, args.crash_at);
+        let crash_at = args.crash_at.or(args.crash_after_claim.then_some(CrashAt::AfterClaim));
+        return pay_out(&Db::parse(&args.db), &bytes, &gateway, ctx, fixed, crash_at);
     }
     if matches!(args.crash_at, Some(CrashAt::AfterIntent | CrashAt::AfterCall)) {
         return fail(2, "--crash-at after-intent and after-call are points of a payout (--gateway)");

@@ -223,6 +223,7 @@ enum Command {
         /// Percent recorded pending and settled only after --slow-for.
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
         slow: u64,
+        /// How long a slow payout stays pending (answered when settled).
         #[arg(long, default_value = "5s", value_parser = clock::parse_duration)]
         slow_for: std::time::Duration,
         /// Lookups answer 404 for a payout younger than this.

@@ -399,8 +399,11 @@ fn api_pay(db: &Path, gateway: &str, key: &str, body: &str, crash_at: Option<&st
     std::fs::write(&file, request).unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem_api"));
     cmd.arg("--db").arg(db).arg("--request").arg(&file).args(["--gateway", gateway]);
-    if let Some(point) = crash_at {
-        cmd.args(["--crash-at", point]);
+    match crash_at {
+        // the lab's own flag, for the boundary it names
+        Some("after-claim") => _ = cmd.arg("--crash-after-claim"),
+        Some(point) => _ = cmd.args(["--crash-at", point]),
+        None => {}
     }
     let out = cmd.output().unwrap();
     let json = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
