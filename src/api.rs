@@ -61,7 +61,7 @@ struct Args {
     purge_before: Option<Timestamp>,
     /// Pay out through this gateway (POST /payouts, as `idem serve --gateway`):
     /// the request's body is a payout.
-    #[arg(long, value_name = "URL", requires = "request")]
+    #[arg(long, value_name = "URL", requires = "request", value_parser = payout::gateway_url)]
     gateway: Option<String>,
     /// Bearer token for the gateway (or IDEM_GATEWAY_TOKEN).
     #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
@@ -128,7 +128,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     let ctx = Ctx { policy, now, token: &token };
     if let Some(url) = args.gateway {
         let gateway = HttpGateway {
-            url: url.trim_end_matches('/').to_owned(),
+            url,
             token: args.gateway_token,
             timeout: args.gateway_timeout,
             // a reconciler's concern, not a request's

@@ -438,6 +438,19 @@ pub fn reconcile<S: Store + ?Sized>(
     Ok(decisions)
 }
 
+/// A gateway's base URL, checked before any money is held: `http://` or
+/// `https://` and a host (a typo would otherwise hold each payout's money
+/// as `unknown` until a reconciler with the right URL came). Without a
+/// trailing `/`.
+pub fn gateway_url(text: &str) -> Result<String, String> {
+    let url = text.trim_end_matches('/');
+    let uri: ureq::http::Uri = url.parse().map_err(|e| format!("{text:?} is not a URL: {e}"))?;
+    match (uri.scheme_str(), uri.host()) {
+        (Some("http" | "https"), Some(host)) if !host.is_empty() => Ok(url.to_owned()),
+        _ => Err(format!("{text:?} is not an http:// or https:// URL with a host")),
+    }
+}
+
 /// The gateway over HTTP: `POST {url}/payouts` with the downstream key as
 /// `Idempotency-Key`, `GET {url}/payouts/{key}`.
 #[derive(Clone)]

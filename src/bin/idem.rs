@@ -27,7 +27,7 @@ struct Cli {
 #[derive(clap::Args, Debug)]
 struct GatewayArgs {
     /// The gateway's base URL (POST /payouts, GET /payouts/{key}), e.g. one `idem gateway`.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", value_parser = idem::payout::gateway_url)]
     gateway: Option<String>,
     /// Bearer token for the gateway (or IDEM_GATEWAY_TOKEN).
     #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
@@ -46,7 +46,7 @@ struct GatewayArgs {
 impl GatewayArgs {
     fn http(self) -> Option<idem::payout::HttpGateway> {
         Some(idem::payout::HttpGateway {
-            url: self.gateway?.trim_end_matches('/').to_owned(),
+            url: self.gateway?,
             token: self.gateway_token,
             timeout: self.gateway_timeout,
             lookup_delay: self.gateway_lookup_delay,

@@ -532,3 +532,23 @@ fn api_killed(pg: bool) {
     assert_eq!(ledger, [200, 300, 400], "each payout out once, none for the claim alone");
     assert_eq!(balance(&db, "A"), START - paid);
 }
+
+#[test]
+fn a_gateway_url_that_cannot_be_called_is_refused_before_any_money_is_held() {
+    let (_dir, db) = bank();
+    for url in ["gw.example.com", "ftp://gw.example.com", "http://", "not a url"] {
+        let (code, _) = api_pay(&db, url, "p-1", &payout("bob", 700), None);
+        assert_eq!(code, 2, "{url:?} was taken");
+        let out = Command::new(IDEM).args(["reconcile", "--gateway", url, "--db"]).arg(&db).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "idem reconcile took {url:?}");
+    }
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let a: i64 = conn.query_row("SELECT balance FROM account WHERE acct_id = 'A'", [], |r| r.get(0)).unwrap();
+    assert_eq!(a, START, "money held for a gateway that cannot be called");
+    let tables: i64 = conn
+        .query_row("SELECT COUNT(*) FROM sqlite_master WHERE name IN ('idem_key', 'payout')", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(tables, 0, "the database was touched");
+}
