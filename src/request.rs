@@ -189,16 +189,9 @@ fn payout_request(
     let payout = Payout {
         src: acct_field(body, names.src, "src", limit)?,
         beneficiary: text_field(body, "beneficiary", limit).map_err(|e| renamed(e, names.beneficiary))?,
-        amount: match body.get("amount") {
-            None => return Err(RequestError::Missing(names.amount)),
-            Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => *a,
-            Some(_) => return Err(RequestError::Amount { max: policy.max_amount }),
-        },
-        currency: text_field(body, "currency", limit).map_err(|e| renamed(e, names.currency))?,
+        amount: amount_field(body, names, policy)?,
+        currency: currency_field(body, names, policy)?,
     };
-    if !policy.currencies.contains(&payout.currency) {
-        return Err(RequestError::Currency(clip(&payout.currency)));
-    }
     Ok(PayoutRequest { key, payout, fingerprint: fingerprint(body) })
 }
 
@@ -210,6 +203,27 @@ fn renamed(e: RequestError, name: &'static str) -> RequestError {
         RequestError::Empty(_) => RequestError::Empty(name),
         RequestError::TooLong { limit, .. } => RequestError::TooLong { field: name, limit },
         other => other,
+    }
+}
+
+/// `amount`: an exact integer in 1..=the policy's maximum.
+fn amount_field(body: &Json, names: &Names, policy: &Policy) -> Result<i64, RequestError> {
+    match body.get("amount") {
+        None => Err(RequestError::Missing(names.amount)),
+        Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => Ok(*a),
+        Some(_) => Err(RequestError::Amount { max: policy.max_amount }),
+    }
+}
+
+/// `currency`: one of the policy's.
+fn currency_field(body: &Json, names: &Names, policy: &Policy) -> Result<String, RequestError> {
+    let currency = text_field(body, "currency", policy.max_field_chars).map_err(|e| match e {
+        RequestError::Missing(_) => RequestError::Missing(names.currency),
+        _ => RequestError::WrongType { field: names.currency, expected: "a string" },
+    })?;
+    match policy.currencies.contains(&currency) {
+        true => Ok(currency),
+        false => Err(RequestError::Currency(clip(&currency))),
     }
 }
 
@@ -263,21 +277,9 @@ fn transfer_request(
     let transfer = Transfer {
         src: acct_field(body, names.src, "src", limit)?,
         dst: acct_field(body, names.dst, "dst", limit)?,
-        amount: match body.get("amount") {
-            None => return Err(RequestError::Missing(names.amount)),
-            Some(Json::Int(a)) if (1..=policy.max_amount).contains(a) => *a,
-            Some(_) => {
-                return Err(RequestError::Amount { max: policy.max_amount });
-            }
-        },
-        currency: text_field(body, "currency", limit).map_err(|e| match e {
-            RequestError::Missing(_) => RequestError::Missing(names.currency),
-            _ => RequestError::WrongType { field: names.currency, expected: "a string" },
-        })?,
+        amount: amount_field(body, names, policy)?,
+        currency: currency_field(body, names, policy)?,
     };
-    if !policy.currencies.contains(&transfer.currency) {
-        return Err(RequestError::Currency(clip(&transfer.currency)));
-    }
     if transfer.src == transfer.dst {
         return Err(RequestError::SameAccount);
     }
