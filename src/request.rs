@@ -389,6 +389,30 @@ mod tests {
     }
 
     #[test]
+    fn a_payout_file_and_a_payout_body_have_one_fingerprint_and_the_file_names_its_fields() {
+        const PAYOUT: &str = r#"{"src":"A","beneficiary":"bob","amount":5,"currency":"KRW"}"#;
+        let file = format!(r#"{{"client_id":"c","endpoint":"/v1/payouts","idem_key":"k","body":{PAYOUT}}}"#);
+        let from_file = parse_payout_file(file.as_bytes(), Policy::embedded()).unwrap();
+        let key = from_file.key.clone();
+        let from_http = parse_payout(key, PAYOUT.as_bytes(), Policy::embedded()).unwrap();
+        assert_eq!(from_file, from_http);
+        let reason =
+            |text: String| parse_payout_file(text.as_bytes(), Policy::embedded()).unwrap_err().to_string();
+        let cases = [
+            (file.replace("\"bob\"", "\"\""), "body.beneficiary must not be empty"),
+            (file.replace("\"bob\"", "7"), "body.beneficiary must be a string"),
+            (file.replace("\"beneficiary\":\"bob\",", ""), "missing field body.beneficiary"),
+            (file.replace("\"beneficiary\"", "\"dst\""), "unknown field body.\"dst\""),
+            (file.replace("5,", "0,"), "amount must be a positive integer"),
+            (file.replace("KRW", "USD"), "unsupported currency \"USD\""),
+        ];
+        for (text, want) in cases {
+            let got = reason(text.clone());
+            assert!(got.starts_with("invalid_request: ") && got.contains(want), "{text}\n => {got}");
+        }
+    }
+
+    #[test]
     fn a_request_of_exactly_the_size_limit_is_accepted() {
         let limit = Policy::embedded().max_request_bytes;
         let exact = format!("{OK}{}", " ".repeat(limit - OK.len()));
