@@ -220,6 +220,7 @@ fn pay_out(
     };
     crash(CrashAt::AfterIntent);
     let call = payout::Gateway::send(gateway, &row);
+    // for a payout, the last moment before the result's commit is after the call
     crash(CrashAt::AfterCall);
     crash(CrashAt::BeforeCommit);
     let now = fixed.unwrap_or_else(Timestamp::now);

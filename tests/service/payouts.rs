@@ -46,26 +46,24 @@ fn serve(db: &Path, gateway: &str, extra: &[&str]) -> Serve {
     Serve::start(db, &[("tok", "shop")], &args, &[])
 }
 
-fn pay(serve: &Serve, key: &str, body: &str) -> Http {
+/// `POST /v1/payouts` as client `shop`.
+fn post(url: &str, key: &str, body: &str) -> Http {
     let req = Serve::agent()
-        .post(format!("{}/v1/payouts", serve.url))
+        .post(format!("{url}/v1/payouts"))
         .header("Authorization", "Bearer tok")
         .header("Idempotency-Key", format!("\"{key}\""))
         .header("Content-Type", "application/json");
-    documented("post", "/v1/payouts", read(req.send(body)))
+    read(req.send(body))
+}
+
+fn pay(serve: &Serve, key: &str, body: &str) -> Http {
+    documented("post", "/v1/payouts", post(&serve.url, key, body))
 }
 
 /// [`pay`] on a thread of its own, for a payout that will wait.
 fn pay_meanwhile(serve: &Serve, key: &str, body: String) -> std::thread::JoinHandle<Http> {
     let (url, key) = (serve.url.clone(), key.to_owned());
-    std::thread::spawn(move || {
-        let req = Serve::agent()
-            .post(format!("{url}/v1/payouts"))
-            .header("Authorization", "Bearer tok")
-            .header("Idempotency-Key", format!("\"{key}\""))
-            .header("Content-Type", "application/json");
-        read(req.send(body.as_str()))
-    })
+    std::thread::spawn(move || post(&url, &key, &body))
 }
 
 fn payout(beneficiary: &str, amount: i64) -> String {
@@ -85,8 +83,7 @@ fn payouts(db: &Path) -> Vec<(i64, String, String)> {
         return client.query(SQL, &[]).unwrap().iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
     }
     let conn = rusqlite::Connection::open(db).unwrap();
-    let mut stmt =
-        conn.prepare("SELECT payout_id, state, downstream_key FROM payout ORDER BY payout_id").unwrap();
+    let mut stmt = conn.prepare(SQL).unwrap();
     stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect()
 }
 
