@@ -67,7 +67,7 @@ struct Args {
     #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
     gateway_token: Option<String>,
     /// The gateway call's whole time; past it the payout's outcome is unknown (202).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::clock::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::clock::parse_positive_duration)]
     gateway_timeout: Duration,
     /// Test hook: exit 4 at this point of the protocol.
     #[arg(long, hide = true, value_enum, requires = "request")]

@@ -148,9 +148,31 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_millis(millis))
 }
 
+/// [`parse_duration`], more than zero: for a timeout or an interval, where
+/// zero would fail every call or spin.
+pub fn parse_positive_duration(text: &str) -> Result<std::time::Duration, String> {
+    match parse_duration(text)? {
+        d if d.is_zero() => Err(format!("{text:?} must be more than zero")),
+        d => Ok(d),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_read_as_documented_and_a_timeout_is_more_than_zero() {
+        let ms = |t: &str| parse_duration(t).map(|d| d.as_millis());
+        assert_eq!(
+            (ms("30s"), ms("500ms"), ms("2m"), ms("1h"), ms("15d")),
+            (Ok(30_000), Ok(500), Ok(120_000), Ok(3_600_000), Ok(1_296_000_000))
+        );
+        assert_eq!((ms("7"), ms("0ms")), (Ok(7_000), Ok(0)));
+        assert!(ms("1.5s").is_err() && ms("s").is_err() && ms("10 s").is_err() && ms("-1s").is_err());
+        assert!(parse_positive_duration("0s").is_err() && parse_positive_duration("0ms").is_err());
+        assert_eq!(parse_positive_duration("1ms"), Ok(std::time::Duration::from_millis(1)));
+    }
 
     #[test]
     fn formats_fixed_width_utc() {

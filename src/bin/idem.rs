@@ -33,7 +33,7 @@ struct GatewayArgs {
     #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
     gateway_token: Option<String>,
     /// Each call's whole time; past it the payout's outcome is unknown.
-    #[arg(long, default_value = "10s", value_parser = clock::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = clock::parse_positive_duration)]
     gateway_timeout: std::time::Duration,
     /// The gateway's lookups may miss a payout younger than this.
     #[arg(long, default_value = "0ms", value_parser = clock::parse_duration)]
@@ -169,7 +169,7 @@ enum Command {
         #[command(flatten)]
         gateway: GatewayArgs,
         /// How often payouts left unknown or stranded are reconciled (with --gateway).
-        #[arg(long, default_value = "30s", value_parser = clock::parse_duration)]
+        #[arg(long, default_value = "30s", value_parser = clock::parse_positive_duration)]
         reconcile_every: std::time::Duration,
     },
     /// Settle payouts left unknown (or stranded in progress past their lease) by asking the gateway.

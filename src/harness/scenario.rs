@@ -220,7 +220,7 @@ fn parse_duration(text: &str) -> Option<i64> {
     let text = text.trim();
     let (number, unit) = text.split_at(text.len().checked_sub(1)?);
     let n: i64 = number.parse().ok()?;
-    Some(n * [("s", 1), ("m", 60), ("h", 3600)].iter().find(|(u, _)| *u == unit)?.1)
+    n.checked_mul([("s", 1), ("m", 60), ("h", 3600)].iter().find(|(u, _)| *u == unit)?.1)
 }
 
 /// Runs a scenario on a fresh in-memory SQLite database; returns the transcript.
