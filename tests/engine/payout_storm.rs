@@ -215,6 +215,12 @@ impl Day<'_> {
         }
     }
 
+    /// Step 3 now: records `call` for `row`; the payout as it stands.
+    fn finish(&mut self, row: &PayoutRow, call: Call) -> PayoutRow {
+        let now = self.now();
+        payout::finish(&mut *self.store, row, call, now, Policy::embedded()).unwrap()
+    }
+
     fn reconcile(&mut self, fate: Fate, ahead: i64) {
         *self.gateway.fate.lock().unwrap() = fate;
         let token = self.ctx_token();
@@ -265,23 +271,14 @@ impl Day<'_> {
 
 fn run(store: &mut dyn Store, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let policy = Policy::embedded();
-    payout::prepare(store, policy).unwrap();
-    let mut day = Day {
-        store,
-        gateway: ModelGateway { ledger: Mutex::default(), fate: Mutex::new(Fate::Pay) },
-        start: Timestamp::parse("2026-12-01T00:00:00Z").unwrap(),
-        now: 0,
-        tokens: 0,
-        keys: BTreeMap::new(),
-    };
+    let mut day = day_on(store);
     for op in &ops {
         match op {
             Op::Pay { client, key, amount, fate } => {
                 if let Some(row) = day.begin(*client, *key, *amount)? {
                     *day.gateway.fate.lock().unwrap() = *fate;
                     let call = day.gateway.send(&row);
-                    let now = day.now();
-                    let after = payout::finish(&mut *day.store, &row, call, now, policy).unwrap();
+                    let after = day.finish(&row, call);
                     day.check(*client, *key, *amount, payout::answer_of(&after))?;
                 }
             }
@@ -336,5 +333,66 @@ proptest! {
             let mut store = store_with(backend, &accounts());
             run(&mut *store, ops.clone())?;
         }
+    }
+}
+
+/// A day on `store`, its payout table made, the model gateway paying.
+fn day_on(store: &mut dyn Store) -> Day<'_> {
+    payout::prepare(store, Policy::embedded()).unwrap();
+    Day {
+        store,
+        gateway: ModelGateway { ledger: Mutex::default(), fate: Mutex::new(Fate::Pay) },
+        start: Timestamp::parse("2026-12-01T00:00:00Z").unwrap(),
+        now: 0,
+        tokens: 0,
+        keys: BTreeMap::new(),
+    }
+}
+
+#[test]
+fn a_settled_payout_is_final_even_to_a_second_result_from_its_own_holder() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let row = day.begin(0, 0, 250).unwrap().expect("a new key calls the gateway");
+        let paid = day.finish(&row, Call::Paid);
+        assert_eq!(paid.state, PayoutState::Completed);
+        // the same holder, a late and contrary result: nothing may change
+        let refused = Call::Refused { status: 402, reason: "account_closed".into() };
+        let again = day.finish(&row, refused);
+        assert_eq!(again, paid, "{backend:?}: a settled payout changed");
+        let money = day.store.audit().unwrap().money();
+        assert_eq!(money + 250, OPENING * 2, "{backend:?}: the hold was released after the payout was paid");
+    }
+}
+
+#[test]
+fn a_payout_settled_after_its_key_was_reused_past_retention_leaves_the_new_answer_alone() {
+    let retention = Policy::embedded().retention_seconds();
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let policy = Policy::embedded();
+        // the first payout's outcome is unknown, and stays so past retention
+        let old = day.begin(0, 0, 100).unwrap().unwrap();
+        day.gateway.ledger.lock().unwrap().insert(old.downstream_key.clone(), true);
+        let lost = Call::Unknown("answer lost".into());
+        day.finish(&old, lost);
+        // the key expires; the same body under it is a new payout
+        day.now += retention + 3600;
+        let new = day.begin(0, 0, 100).unwrap().expect("an expired key names a new payout");
+        assert_ne!(new.id, old.id);
+        // the old payout is settled while the new one is in flight
+        day.reconcile(Fate::Pay, 0);
+        let settled = day.finish(&new, Call::Paid);
+        assert_eq!(settled.state, PayoutState::Completed);
+        // a retry of the key is answered with the new payout, not the old
+        let token = day.ctx_token();
+        let ctx = Ctx { policy, now: day.now(), token: &token };
+        let Begun::Answer(retry) = payout::begin(&mut *day.store, &request(0, 0, 100), ctx, LEASE).unwrap()
+        else {
+            panic!("{backend:?}: a settled key called the gateway again")
+        };
+        assert_eq!((retry.response.status, retry.payout_id), (201, Some(new.id)), "{backend:?}: {retry:?}");
     }
 }
