@@ -720,6 +720,23 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                     f.acks_lost_found_by_retry
                 );
             }
+            if let Some(p) = &s.payouts {
+                println!(
+                    "payouts: {} intended, {} completed, {} failed, {} left for a person; made twice {}, \
+                     paid twice at the gateway {}, at the gateway without an intent {}, told paid but not paid {}, \
+                     disagreements {}; {} settled by a reconciliation",
+                    p.intended,
+                    p.completed,
+                    p.failed,
+                    p.left_for_a_person.len(),
+                    p.made_twice,
+                    p.paid_twice_at_gateway,
+                    p.at_gateway_without_intent,
+                    p.told_but_not_paid,
+                    p.disagreements,
+                    p.settled_by_reconciliation
+                );
+            }
             println!("wrote {}", out.join("chaos.json").display());
             println!("wrote {}", out.join("chaos_report.md").display());
             if !s.exactly_once() {
