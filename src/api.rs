@@ -18,7 +18,7 @@ use crate::policy::Policy;
 use crate::protocol::{self, Claimed, Ctx, Flow, Outcome, Point, Response};
 use crate::reason::Reason;
 use crate::request;
-use crate::store::{self, Db, StoreError, Usage};
+use crate::store::{self, Db, Usage};
 use clap::{Parser, ValueEnum};
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -200,12 +200,9 @@ fn pay_out(
             std::process::exit(EXIT_CRASHED.into());
         }
     };
-    let open = || {
-        let mut store = store::open(db, ctx.policy, Usage::OneRequest)?;
-        payout::prepare(&mut store, ctx.policy)?;
-        Ok::<_, StoreError>(store)
-    };
+    let open = || store::open(db, ctx.policy, Usage::OneRequest);
     let begun = open().and_then(|mut store| {
+        payout::prepare(&mut store, ctx.policy)?;
         if crash_at == Some(CrashAt::AfterClaim)
             && protocol::claim_key(&mut store, &req.key, &req.fingerprint, ctx)? == Claimed::Mine
         {
