@@ -1,6 +1,7 @@
-//! Payouts through an outside gateway (`POST /v1/payouts`, `idem
-//! reconcile`): a real `idem serve` and a real `idem gateway`, each a
-//! process on loopback, their databases read directly. Each test asserts
+//! Payouts through an outside gateway (`POST /v1/payouts`, `idem_api
+//! --gateway`, `idem reconcile`): a real `idem serve` or `idem_api` and a
+//! real `idem gateway`, each a process on loopback, their databases read
+//! directly. Each test asserts
 //! what an implementation that paid twice, lost the money it held, called
 //! the gateway under a second key, or guessed an outcome would get wrong.
 
