@@ -34,12 +34,16 @@ bench-serve-pg:
     psql "$base" -qc "DROP DATABASE IF EXISTS idem_bench" -c "CREATE DATABASE idem_bench"
     IDEM_BENCH_PG="${base/dbname=postgres/dbname=idem_bench}" cargo bench --bench serve
 
+# cargo-mutants, installed on first use (a fresh machine has none).
+_cargo-mutants:
+    @command -v cargo-mutants >/dev/null 2>&1 || cargo install --locked cargo-mutants
+
 # Mutation testing (slow: about an hour each). Settings in .cargo/mutants.toml.
-mutants:
+mutants: _cargo-mutants
     IDEM_BACKENDS=sqlite cargo mutants
 
 # The PostgreSQL store's mutants, against the suites on PostgreSQL.
-mutants-pg:
+mutants-pg: _cargo-mutants
     IDEM_BACKENDS=postgres,serializable cargo mutants --no-config --profile mutants --timeout-multiplier 3 \
         --file src/store/pg.rs --cargo-test-arg=--test=engine
 
