@@ -550,3 +550,22 @@ impl Gateway for HttpGateway {
         self.key_window
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_callers_lease_outlasts_its_call_so_no_reconciler_takes_a_payout_mid_call() {
+        for timeout in [Duration::from_millis(1), Duration::from_secs(10), Duration::from_secs(86_400)] {
+            let gateway = HttpGateway {
+                url: "http://gw".into(),
+                token: None,
+                timeout,
+                lookup_delay: Duration::ZERO,
+                key_window: Duration::ZERO,
+            };
+            assert!(gateway.lease() > timeout, "{timeout:?}");
+        }
+    }
+}

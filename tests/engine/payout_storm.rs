@@ -396,3 +396,51 @@ fn a_payout_settled_after_its_key_was_reused_past_retention_leaves_the_new_answe
         assert_eq!((retry.response.status, retry.payout_id), (201, Some(new.id)), "{backend:?}: {retry:?}");
     }
 }
+
+#[test]
+fn a_payout_of_the_whole_balance_goes_out_and_one_unit_more_is_refused() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let ctx = Ctx { policy: Policy::embedded(), now: day.now(), token: "t-over" };
+        let Begun::Answer(over) =
+            payout::begin(&mut *day.store, &request(0, 1, OPENING + 1), ctx, LEASE).unwrap()
+        else {
+            panic!("{backend:?}: a payout over the balance called the gateway")
+        };
+        assert_eq!(over.response.reason.map(|r| r.to_string()), Some("insufficient_funds".into()));
+        let row = day.begin(0, 0, OPENING).unwrap().expect("the whole balance may go out");
+        assert_eq!(day.finish(&row, Call::Paid).state, PayoutState::Completed, "{backend:?}");
+        assert_eq!(
+            day.store.audit().unwrap().money(),
+            OPENING,
+            "{backend:?}: acct-0 emptied, acct-1 untouched"
+        );
+    }
+}
+
+#[test]
+fn a_retry_of_a_new_body_in_flight_under_a_key_past_retention_is_409_not_the_old_payout() {
+    let retention = Policy::embedded().retention_seconds();
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let old = day.begin(0, 0, 100).unwrap().unwrap();
+        day.finish(&old, Call::Paid);
+        // past retention, another body claims the key and its process dies
+        // before the intent
+        day.now += retention + 3600;
+        let (key, new_body) = (request(0, 0, 250).key, request(0, 0, 250));
+        let ctx = Ctx { policy: Policy::embedded(), now: day.now(), token: "t-died" };
+        assert_eq!(
+            idem::protocol::claim_key(&mut *day.store, &key, &new_body.fingerprint, ctx).unwrap(),
+            idem::protocol::Claimed::Mine
+        );
+        // its retry: in flight, and nothing of the old payout's
+        let ctx = Ctx { policy: Policy::embedded(), now: day.now(), token: "t-retry" };
+        let Begun::Answer(retry) = payout::begin(&mut *day.store, &new_body, ctx, LEASE).unwrap() else {
+            panic!("{backend:?}: a key held by another request called the gateway")
+        };
+        assert_eq!((retry.response.status, retry.payout_id), (409, None), "{backend:?}: {retry:?}");
+    }
+}

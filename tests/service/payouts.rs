@@ -142,6 +142,14 @@ fn paid_once(pg: bool) {
     assert_eq!(balance(&db, "A"), START - 700, "a refused payout's hold was not released");
     let closed_again = pay(&s, "p-2", &payout("closed-carol", 300));
     assert_eq!((closed_again.status, closed_again.header("idempotent-replayed")), (402, Some("true")));
+    // the refused payout, read back: failed, with the gateway's reason
+    let (failed_id, ..) = payouts(&db).into_iter().find(|(_, state, _)| state == "failed").unwrap();
+    let refused = s.get(&format!("/v1/payouts/{failed_id}"), Some("tok")).json();
+    assert_eq!(
+        (refused["state"].as_str(), refused["reason"].as_str()),
+        (Some("failed"), Some("account_closed"))
+    );
+    assert_eq!(first.json().get("reason"), None, "a paid payout has no reason");
     assert_eq!(gw.ledger().len(), 3, "a refusal was sent twice");
     // refusals of idem's own: no call at all
     assert_eq!(pay(&s, "p-4", &payout("erin", START)).reason().as_deref(), Some("insufficient_funds"));
@@ -534,7 +542,7 @@ fn api_killed(pg: bool) {
 #[test]
 fn a_gateway_url_that_cannot_be_called_is_refused_before_any_money_is_held() {
     let (_dir, db) = bank();
-    for url in ["gw.example.com", "ftp://gw.example.com", "http://", "not a url"] {
+    for url in ["gw.example.com", "ftp://gw.example.com", "http://", "http://:80", "not a url"] {
         let (code, _) = api_pay(&db, url, "p-1", &payout("bob", 700), None);
         assert_eq!(code, 2, "{url:?} was taken");
         let out = Command::new(IDEM).args(["reconcile", "--gateway", url, "--db"]).arg(&db).output().unwrap();
