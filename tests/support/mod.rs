@@ -78,8 +78,7 @@ impl Bank {
         let dir = tempfile::tempdir().unwrap();
         let int_ids = rows.first().is_some_and(|(id, _)| id.is_i64());
         let db = make_bank(backend, dir.path(), rows, int_ids);
-        let accounts = rows.iter().map(|(id, _)| id.clone()).collect();
-        Bank { dir, db, backend, accounts, requests: std::cell::Cell::new(0) }
+        Bank::holding(dir, db, backend, rows)
     }
 
     /// [`Bank::on`] PostgreSQL, on `server` rather than the shared one.
@@ -87,8 +86,13 @@ impl Bank {
         let rows = random_rows(rng, n, false);
         let db = PathBuf::from(server.fresh_schema(false));
         postgres_bank(&db.to_string_lossy(), &rows, false);
-        let (dir, accounts) = (tempfile::tempdir().unwrap(), rows.into_iter().map(|(id, _)| id).collect());
-        Bank { dir, db, backend: Backend::Postgres, accounts, requests: std::cell::Cell::new(0) }
+        Bank::holding(tempfile::tempdir().unwrap(), db, Backend::Postgres, &rows)
+    }
+
+    /// The bank whose database `db` was made holding `rows`.
+    fn holding(dir: tempfile::TempDir, db: PathBuf, backend: Backend, rows: &[(Value, i64)]) -> Bank {
+        let accounts = rows.iter().map(|(id, _)| id.clone()).collect();
+        Bank { dir, db, backend, accounts, requests: std::cell::Cell::new(0) }
     }
 
     pub fn spec(&self) -> String {
