@@ -28,7 +28,8 @@ use crate::policy::Policy;
 use crate::reason::Reason;
 use crate::request::{self, AcctId, Request, RequestError, ScopedKey, Transfer};
 use crate::store::{
-    self, Audit, Claim, Durability, End, KeyRecord, KeyState, Reads, Store, StoreError, Stored,
+    self, Audit, Claim, Durability, End, Executed, Execution, KeyRecord, KeyState, Payment, Plan, Reads,
+    Seen, Store, StoreError, Stored,
 };
 
 /// One response, as printed: `{"status","replay","reason","body"}`.
@@ -267,7 +268,8 @@ pub fn settled<S: Reads + ?Sized>(
 
 /// Step 1: claim the key for `ctx.token`, or say why not.
 pub fn claim<S: Store + ?Sized>(store: &mut S, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
-    claim_key(store, &req.key, &req.fingerprint, ctx)
+    let accounts = [&req.transfer.src, &req.transfer.dst];
+    claim_for(store, &req.key, &req.fingerprint, Some(accounts), ctx)
 }
 
 /// [`claim`] for any request under `key` whose body has `fingerprint`.
@@ -277,23 +279,38 @@ pub fn claim_key<S: Store + ?Sized>(
     fingerprint: &str,
     ctx: Ctx,
 ) -> Result<Claimed, StoreError> {
+    claim_for(store, key, fingerprint, None, ctx)
+}
+
+/// [`claim_key`], telling the store which accounts the execution will
+/// decide on (a store across a network reads them on the way).
+fn claim_for<S: Store + ?Sized>(
+    store: &mut S,
+    key: &ScopedKey,
+    fingerprint: &str,
+    accounts: Option<[&AcctId; 2]>,
+    ctx: Ctx,
+) -> Result<Claimed, StoreError> {
     let claim = Claim {
         fingerprint: fingerprint.to_owned(),
         token: ctx.token.to_owned(),
         created_at: ctx.now,
         lease_until: ctx.now.plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
     };
+    let Some(existing) = store.claim(key, &claim, accounts, ctx.policy)? else {
+        return Ok(Claimed::Mine);
+    };
+    let created_at = match decide(&existing, fingerprint, ctx.now, ctx.policy) {
+        // A taken-over key keeps its age: retention counts from the first claim.
+        Decision::TakeOver => existing.created_at,
+        Decision::Expired => ctx.now,
+        other => return Ok(Claimed::Answer(answer(other, ctx.policy))),
+    };
+    // A compare-and-set on the version decided on, so it needs no lock
+    // held since the read: if the key changed meanwhile, it is in flight.
+    let claim = Claim { created_at, ..claim };
     store::atomically(store, Durability::Lazy, ctx.policy, |tx| {
-        let Some(existing) = tx.insert_claim(key, &claim)? else {
-            return Ok(End::Commit(Claimed::Mine));
-        };
-        let created_at = match decide(&existing, fingerprint, ctx.now, ctx.policy) {
-            // A taken-over key keeps its age: retention counts from the first claim.
-            Decision::TakeOver => existing.created_at,
-            Decision::Expired => ctx.now,
-            other => return Ok(End::Rollback(Claimed::Answer(answer(other, ctx.policy)))),
-        };
-        Ok(match tx.replace_claim(key, &existing, &Claim { created_at, ..claim.clone() })? {
+        Ok(match tx.replace_claim(key, &existing, &claim)? {
             true => End::Commit(Claimed::Mine),
             // Another attempt got there first, or the old holder is still
             // executing: either way the key is in flight.
@@ -310,32 +327,35 @@ pub fn execute<S: Store + ?Sized>(
     ctx: Ctx,
     faults: &mut dyn FnMut(Point) -> Flow,
 ) -> Result<Outcome, StoreError> {
-    let (outcome, executed) = store::atomically(store, Durability::Durable, ctx.policy, |tx| {
-        let held = tx.lock_key(&req.key)?;
-        if !held.as_ref().is_some_and(|rec| rec.held_by(ctx.token)) {
+    let t = &req.transfer;
+    let x = Execution { key: &req.key, token: ctx.token, accounts: [&t.src, &t.dst], at: ctx.now };
+    let mut lost = None;
+    let mut plan = |seen: &Seen| {
+        let held = seen.key.as_ref().is_some_and(|rec| rec.held_by(ctx.token));
+        if !held {
             // We lost the claim while we were away (lease taken over, key
             // purged): whoever holds the key now decides the answer; money is
             // never moved under a claim that is not ours.
-            return Ok(End::Rollback((Outcome::Respond(lost_claim(held, req, ctx)), false)));
+            lost = Some(lost_claim(seen.key.clone(), req, ctx));
+            return Plan::Nothing;
         }
-        let stored = match ledger::transfer(tx, &req.transfer, ctx.now)? {
-            Ok(id) => created(id, &req.transfer, ctx.now),
-            Err(refusal) => refused(refusal, ctx.policy),
-        };
-        if !tx.complete(&req.key, ctx.token, &stored, ctx.now)? {
-            // Cannot happen while we hold the key's lock; if a store lets it,
-            // roll back and read the key again.
-            return Err(StoreError::Conflict);
+        let [src, dst] = &seen.accounts;
+        let verdict = ledger::decide(src.as_ref(), dst.as_ref(), t.amount);
+        match verdict.outcome {
+            Ok(()) => Plan::Pay { payment: payment(t, ctx.now), premises: verdict.premises },
+            Err(refusal) => Plan::Refuse { answer: refused(refusal, ctx.policy), premises: verdict.premises },
         }
-        if faults(Point::BeforeCommit) == Flow::Crash {
-            return Ok(End::Rollback((Outcome::Crashed(Point::BeforeCommit), false)));
-        }
-        Ok(End::Commit((Outcome::Respond(Response::from_stored(stored, false)), true)))
-    })?;
-    if executed && faults(Point::AfterCommit) == Flow::Crash {
+    };
+    let mut crash = || faults(Point::BeforeCommit) == Flow::Crash;
+    let answer = match store.execute(x, &mut plan, &mut crash, ctx.policy)? {
+        Executed::Completed(answer) => answer,
+        Executed::Crashed => return Ok(Outcome::Crashed(Point::BeforeCommit)),
+        Executed::Nothing => return Ok(Outcome::Respond(lost.unwrap_or_else(|| in_progress(ctx.policy)))),
+    };
+    if faults(Point::AfterCommit) == Flow::Crash {
         return Ok(Outcome::Crashed(Point::AfterCommit));
     }
-    Ok(outcome)
+    Ok(Outcome::Respond(Response::from_stored(answer, false)))
 }
 
 /// The answer of an attempt that found its claim gone at execution.
@@ -452,19 +472,20 @@ pub(crate) fn in_progress(policy: &Policy) -> Response {
     Response::refusal(policy.on_in_flight, Reason::InProgress)
 }
 
-fn created(transfer_id: i64, t: &Transfer, now: Timestamp) -> Stored {
+/// The transfer `t` makes at `now`, and its 201's body after the id.
+fn payment(t: &Transfer, now: Timestamp) -> Payment {
     let id = |a: &AcctId| match a {
         AcctId::Int(i) => i.to_string(),
         AcctId::Text(s) => serde_json::Value::from(s.as_str()).to_string(),
     };
-    let body = format!(
-        r#"{{"transfer_id":{transfer_id},"src":{},"dst":{},"amount":{},"currency":{},"created_at":"{now}"}}"#,
+    let body_tail = format!(
+        r#","src":{},"dst":{},"amount":{},"currency":{},"created_at":"{now}"}}"#,
         id(&t.src),
         id(&t.dst),
         t.amount,
         serde_json::Value::from(t.currency.as_str()),
     );
-    Stored { status: 201, reason: None, body, transfer_id: Some(transfer_id) }
+    Payment { amount: t.amount, currency: t.currency.clone(), body_tail }
 }
 
 /// A refusal of the ledger's, as stored and replayed.

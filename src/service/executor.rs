@@ -6,9 +6,9 @@
 //! fsync for the group), answering each only after that commit returned. On
 //! PostgreSQL, a bounded pool of workers, each a connection, runs one
 //! transfer at a time. On both, readers with connections of their own answer
-//! settled keys (replays, 422s), lookups and health probes from plain reads,
-//! on a queue of their own: a read never waits behind an execution's lock
-//! wait or a group commit.
+//! lookups and health probes from plain reads, on a queue of their own, and
+//! on SQLite settled keys (replays, 422s) too: a read never waits behind an
+//! execution's lock wait or a group commit.
 //!
 //! A job, once queued, runs to completion whatever happens to the HTTP
 //! connection that asked for it: a client that hangs up mid-request never
@@ -98,6 +98,12 @@ pub enum GroupPoint {
 pub type GroupHook = Arc<dyn Fn(GroupPoint) + Send + Sync>;
 
 pub struct Executor {
+    /// Whether a transfer's key is first looked up by a reader
+    /// ([`Job::Settled`]): on SQLite, so that a replay never queues behind
+    /// the writer's group commit. On PostgreSQL the claim is one statement
+    /// that answers a settled key in the same one round trip, so a
+    /// look-up first would only add one to every new transfer.
+    pub settles_first: bool,
     writes: Mutex<Option<SyncSender<Job>>>,
     reads: Mutex<Option<SyncSender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -132,6 +138,7 @@ impl Executor {
     ) -> std::io::Result<Self> {
         let (writes, write_jobs) = queue(capacity);
         let (reads, read_jobs) = queue(capacity);
+        let settles_first = matches!(stores, Stores::Sqlite { .. });
         let mut workers = Vec::new();
         let readers = match stores {
             Stores::Sqlite { writer, readers } => {
@@ -158,6 +165,7 @@ impl Executor {
             })?);
         }
         Ok(Executor {
+            settles_first,
             writes: Mutex::new(Some(writes)),
             reads: Mutex::new(Some(reads)),
             workers: Mutex::new(workers),

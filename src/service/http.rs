@@ -286,16 +286,18 @@ async fn refuse_or_transfer(
     };
     let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
     // A settled key (a replay, another body) is answered by a reader,
-    // without queueing behind the writers' executions and group commits.
-    let (reply, answer) = oneshot::channel();
-    if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
-        return busy(app, note);
-    }
-    match answer.await {
-        Ok(Ok(Some(settled))) => return respond(settled, note),
-        Ok(Ok(None)) => {}
-        Ok(Err(e)) => return store_error(app, &e, note),
-        Err(_) => return failed(note),
+    // without queueing behind the writer's group commits.
+    if app.executor.settles_first {
+        let (reply, answer) = oneshot::channel();
+        if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
+            return busy(app, note);
+        }
+        match answer.await {
+            Ok(Ok(Some(settled))) => return respond(settled, note),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => return store_error(app, &e, note),
+            Err(_) => return failed(note),
+        }
     }
     let (reply, answer) = oneshot::channel();
     if !app.executor.submit(Job::Transfer { req: parsed, reply }) {

@@ -272,6 +272,89 @@ pub struct Account {
     pub balance: i64,
 }
 
+/// What a decision about an account's row rests on: the row absent, or its
+/// balance within `lo..=hi`. A store that reads before it locks (PostgreSQL)
+/// writes only if every premise still holds under the lock; one that locks
+/// as it reads has them hold by construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Premise {
+    Absent,
+    Between { lo: i64, hi: i64 },
+}
+
+impl Premise {
+    /// Any balance, as long as the row exists.
+    pub const PRESENT: Premise = Premise::Between { lo: i64::MIN, hi: i64::MAX };
+
+    pub fn holds(self, account: Option<&Account>) -> bool {
+        match (self, account) {
+            (Premise::Absent, None) => true,
+            (Premise::Between { lo, hi }, Some(a)) => (lo..=hi).contains(&a.balance),
+            _ => false,
+        }
+    }
+}
+
+/// One execution: the claim it runs under and the accounts it decides on.
+#[derive(Debug, Clone, Copy)]
+pub struct Execution<'a> {
+    pub key: &'a ScopedKey,
+    /// The claim's token: only its holder may complete the key.
+    pub token: &'a str,
+    /// `[src, dst]`, as the request names them.
+    pub accounts: [&'a AcctId; 2],
+    pub at: Timestamp,
+}
+
+/// What an execution decides on: the key, and the accounts `[src, dst]`
+/// (`None`: no such row), as they stand.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub key: Option<KeyRecord>,
+    pub accounts: [Option<Account>; 2],
+}
+
+/// The head of a 201's body, before the id of the transfer it names.
+pub const CREATED_HEAD: &str = r#"{"transfer_id":"#;
+
+/// A transfer an execution makes, and the 201 that will name it: the body
+/// is [`CREATED_HEAD`], the new `transfer_id`, then `body_tail`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payment {
+    pub amount: i64,
+    pub currency: String,
+    pub body_tail: String,
+}
+
+impl Payment {
+    /// The answer stored once the transfer exists as `transfer_id`.
+    pub fn answer(&self, transfer_id: i64) -> Stored {
+        let body = format!("{CREATED_HEAD}{transfer_id}{}", self.body_tail);
+        Stored { status: 201, reason: None, body, transfer_id: Some(transfer_id) }
+    }
+}
+
+/// What an execution writes, as the protocol planned it from a [`Seen`]:
+/// nothing, or the key's completion with a refusal, or with a transfer.
+/// `premises` (for `[src, dst]`) are what the plan rests on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    Nothing,
+    Refuse { answer: Stored, premises: [Premise; 2] },
+    Pay { payment: Payment, premises: [Premise; 2] },
+}
+
+/// How an execution ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Executed {
+    /// The plan was [`Plan::Nothing`]: nothing written.
+    Nothing,
+    /// The hook asked for a crash before the commit: nothing written.
+    Crashed,
+    /// Committed: the key completed with this answer.
+    Completed(Stored),
+}
+
 /// A transfer row to insert; `src`/`dst` are the stored account ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewTransfer<'a> {
@@ -421,11 +504,107 @@ impl Audit {
 
 /// What the protocol runs on (transactions) and the harness judges by (the
 /// audit of what they left).
+///
+/// The two steps of a request have their own methods, so that a store
+/// across a network can run each in one round trip; their defaults run
+/// them as transactions of [`Tx`] calls, which is right for a store in
+/// the process (SQLite, the models under `tests/`).
 pub trait Store {
     /// Starts a transaction; dropping it without [`Tx::commit`] rolls back.
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError>;
     /// Reads back the ledger and the keys (outside any request).
     fn audit(&mut self) -> Result<Audit, StoreError>;
+
+    /// Inserts `claim` on `key` and commits it ([`Durability::Lazy`]),
+    /// unless the key exists: then nothing is written and its committed
+    /// record is returned. `accounts`, when given, are the ones an
+    /// [`Store::execute`] under this claim will decide on: a store may read
+    /// them on the way, to decide on without another round trip.
+    fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: Option<[&AcctId; 2]>,
+        policy: &Policy,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let _ = accounts;
+        atomically(self, Durability::Lazy, policy, |tx| tx.insert_claim(key, claim).map(End::Commit))
+    }
+
+    /// Runs one execution, all or nothing, durably: reads the key and the
+    /// accounts, asks `plan` what to write, writes it (checking, if the
+    /// reads were not under lock, that the key is still held by the token
+    /// and the plan's premises still hold, else it reads and plans again),
+    /// asks `crash` whether to stop before the commit, and commits. A
+    /// conflict runs it again within the busy budget, as [`atomically`].
+    fn execute(
+        &mut self,
+        x: Execution,
+        plan: &mut dyn FnMut(&Seen) -> Plan,
+        crash: &mut dyn FnMut() -> bool,
+        policy: &Policy,
+    ) -> Result<Executed, StoreError> {
+        atomically(self, Durability::Durable, policy, |tx| execute_locked(tx, x, plan, crash))
+    }
+}
+
+/// [`Store::execute`] on a transaction that locks what it reads: the key,
+/// then the accounts in ascending order, so A→B racing B→A waits for the
+/// other instead of deadlocking.
+fn execute_locked(
+    tx: &mut dyn Tx,
+    x: Execution,
+    plan: &mut dyn FnMut(&Seen) -> Plan,
+    crash: &mut dyn FnMut() -> bool,
+) -> Result<End<Executed>, StoreError> {
+    let key = tx.lock_key(x.key)?;
+    let [src, dst] = x.accounts;
+    let src_first = src <= dst;
+    let first = tx.lock_account(if src_first { src } else { dst })?;
+    let second = tx.lock_account(if src_first { dst } else { src })?;
+    let accounts = if src_first { [first, second] } else { [second, first] };
+    let seen = Seen { key, accounts };
+    let answer = match plan(&seen) {
+        Plan::Nothing => return Ok(End::Rollback(Executed::Nothing)),
+        Plan::Refuse { answer, .. } => answer,
+        Plan::Pay { payment, .. } => {
+            let [Some(src), Some(dst)] = &seen.accounts else {
+                return Err(StoreError::Backend("a transfer was planned without both accounts".into()));
+            };
+            let id = tx.insert_transfer(&NewTransfer {
+                src: &src.id,
+                dst: &dst.id,
+                amount: payment.amount,
+                currency: &payment.currency,
+                created_at: x.at,
+            })?;
+            for (account, delta) in [(src, -payment.amount), (dst, payment.amount)] {
+                let got = tx.add_to_balance(&account.id, delta)?;
+                if Some(got) != account.balance.checked_add(delta) {
+                    return Err(inexact(&account.id));
+                }
+            }
+            payment.answer(id)
+        }
+    };
+    if !tx.complete(x.key, x.token, &answer, x.at)? {
+        // Cannot happen while the key is locked; if a store lets it, roll
+        // back and read the key again.
+        return Err(StoreError::Conflict);
+    }
+    if crash() {
+        return Ok(End::Rollback(Executed::Crashed));
+    }
+    Ok(End::Commit(Executed::Completed(answer)))
+}
+
+/// A balance the column would not store as computed (a REAL beyond 2^53):
+/// the whole execution rolls back rather than lose a unit.
+pub(crate) fn inexact(id: &AcctId) -> StoreError {
+    StoreError::Schema(format!(
+        "account {:?}: the balance after this transfer is not what was computed; the balance column cannot hold it exactly",
+        id.to_string()
+    ))
 }
 
 /// The plain reads the service makes outside any request, on the stores
@@ -460,6 +639,24 @@ impl<S: Store + ?Sized> Store for Box<S> {
     }
     fn audit(&mut self) -> Result<Audit, StoreError> {
         (**self).audit()
+    }
+    fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: Option<[&AcctId; 2]>,
+        policy: &Policy,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        (**self).claim(key, claim, accounts, policy)
+    }
+    fn execute(
+        &mut self,
+        x: Execution,
+        plan: &mut dyn FnMut(&Seen) -> Plan,
+        crash: &mut dyn FnMut() -> bool,
+        policy: &Policy,
+    ) -> Result<Executed, StoreError> {
+        (**self).execute(x, plan, crash, policy)
     }
 }
 

@@ -30,8 +30,8 @@
 //! No error produced here carries the connection string or its password.
 
 use super::{
-    Account, Audit, Claim, Durability, KeyRecord, KeyRow, NewTransfer, PayoutRow, PayoutText, Reads, Store,
-    StoreError, Stored, Tx, audit_sql,
+    Account, Audit, CREATED_HEAD, Claim, Durability, Executed, Execution, KeyRecord, KeyRow, KeyState,
+    NewTransfer, PayoutRow, PayoutText, Plan, Premise, Reads, Seen, Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -54,6 +54,16 @@ pub struct PgStore {
     /// To reconnect after the server went away (restarted, failed over).
     spec: String,
     policy: Policy,
+    /// What the last claim read on its way, for the execution under it.
+    ahead: Option<Ahead>,
+}
+
+/// A claim just inserted, and the accounts read in the same statement: the
+/// execution under it decides on these, without a round trip of its own.
+struct Ahead {
+    key: ScopedKey,
+    ids: [AcctId; 2],
+    seen: Seen,
 }
 
 /// How `account.acct_id` is typed: ids are bound as text and cast to it.
@@ -67,6 +77,9 @@ struct Shape {
 
 /// Every statement a request runs, prepared once per connection.
 struct Statements {
+    claim: Statement,
+    seen: Statement,
+    execute: Statement,
     insert_claim: Statement,
     read_key: Statement,
     lock_key: Statement,
@@ -86,7 +99,7 @@ impl PgStore {
         let mut client = session(spec, policy)?;
         let shape = prepare_schema(&mut client)?;
         let sql = Statements::prepare(&mut client, &shape).map_err(pg)?;
-        Ok(PgStore { client, shape, sql, spec: spec.to_owned(), policy: policy.clone() })
+        Ok(PgStore { client, shape, sql, spec: spec.to_owned(), policy: policy.clone(), ahead: None })
     }
 
     /// A new connection if the old one is gone (the server restarted): the
@@ -401,7 +414,33 @@ impl Statements {
     fn prepare(client: &mut Client, shape: &Shape) -> Result<Self, postgres::Error> {
         let t = &shape.acct_type;
         let mut p = |sql: &str| client.prepare(sql);
+        let record = KEY_COLUMNS.split(", ").map(|c| format!("k.{c}")).collect::<Vec<_>>().join(", ");
+        let accounts = format!(
+            "s.acct_id::text, s.balance::text, d.acct_id::text, d.balance::text
+             FROM {{from}}
+             LEFT JOIN idem_key k ON k.client_id = $1 AND k.endpoint = $2 AND k.idem_key = $3
+             LEFT JOIN account s ON s.acct_id = ${{s}}::text::{t}
+             LEFT JOIN account d ON d.acct_id = ${{d}}::text::{t}"
+        );
+        let from = |from: &str, s: u8, d: u8| {
+            accounts.replace("{from}", from).replace("{s}", &s.to_string()).replace("{d}", &d.to_string())
+        };
         Ok(Statements {
+            // The claim commits lazily (set_config is SET LOCAL for the
+            // statement's own transaction); the join reads the key only if
+            // it existed before the statement began.
+            claim: p(&format!(
+                "WITH lazy AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
+                      mine AS (
+                        INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
+                        VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
+                        ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING
+                        RETURNING 1)
+                 SELECT EXISTS (SELECT FROM mine), {record}, {}",
+                from("lazy", 8, 9)
+            ))?,
+            seen: p(&format!("SELECT true, {record}, {}", from("(SELECT 1) one", 4, 5)))?,
+            execute: p(&execute_sql(shape))?,
             insert_claim: p(
                 "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
                  VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
@@ -435,6 +474,55 @@ impl Statements {
             ))?,
         })
     }
+}
+
+/// The execution as one statement, its own transaction: lock the key if
+/// `$4` still holds it, lock the accounts in ascending order, check the
+/// plan's premises on them (`$7..$12`: present, lo, hi for src and dst),
+/// and only if all holds move `$13` (0 for a refusal), insert the transfer
+/// and complete the key, its 201 body `$19`, the new id, then `$18`. The
+/// row says what held, for the caller to read again if anything did not.
+fn execute_sql(shape: &Shape) -> String {
+    let t = &shape.acct_type;
+    format!(
+        "WITH held AS MATERIALIZED (
+           SELECT 1 FROM idem_key
+           WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $4::text
+           FOR UPDATE),
+         locked AS MATERIALIZED (
+           SELECT acct_id, balance FROM account
+           WHERE acct_id = ANY (ARRAY[$5::text::{t}, $6::text::{t}])
+           ORDER BY acct_id FOR UPDATE),
+         want (id, present, lo, hi, delta) AS (
+           VALUES ($5::text::{t}, $7::bool, $8::bigint, $9::bigint, -$13::bigint),
+                  ($6::text::{t}, $10::bool, $11::bigint, $12::bigint, $13::bigint)),
+         checked AS MATERIALIZED (
+           SELECT EXISTS (SELECT FROM held) AS held,
+                  bool_and(CASE WHEN l.acct_id IS NULL THEN NOT w.present
+                                ELSE w.present AND COALESCE(l.balance BETWEEN w.lo AND w.hi, false) END) AS premises,
+                  string_agg(CASE WHEN l.acct_id IS NULL OR w.delta = 0
+                                       OR NOT COALESCE(l.balance BETWEEN w.lo AND w.hi, false) THEN NULL
+                                  WHEN (l.balance + w.delta)::text::numeric <> l.balance::text::numeric + w.delta
+                                       THEN l.acct_id::text END, ',') AS inexact
+           FROM want w LEFT JOIN locked l ON l.acct_id = w.id),
+         go AS MATERIALIZED (SELECT held AND premises AND inexact IS NULL AS go FROM checked),
+         moved AS (
+           UPDATE account a SET balance = a.balance + w.delta FROM want w
+           WHERE a.acct_id = w.id AND w.delta <> 0 AND (SELECT go FROM go)),
+         made AS (
+           INSERT INTO transfer (src, dst, amount, currency, created_at)
+           SELECT $5::text::{t}, $6::text::{t}, $13, $14::text, $15::text FROM go WHERE go AND $13 > 0
+           RETURNING transfer_id),
+         done AS (
+           UPDATE idem_key SET state = 'completed', status = $16::int, reason = $17::text,
+                  body = CASE WHEN $13 > 0 THEN $19::text || (SELECT transfer_id FROM made) || $18::text
+                              ELSE $18::text END,
+                  transfer_id = (SELECT transfer_id FROM made), completed_at = $15
+           WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $4 AND (SELECT go FROM go)
+           RETURNING 1)
+         SELECT held, premises, inexact, (SELECT transfer_id FROM made), (SELECT count(*) FROM done)
+         FROM checked"
+    )
 }
 
 impl Shape {
@@ -476,22 +564,238 @@ fn balance(id: &AcctId, text: &str) -> Result<i64, StoreError> {
 }
 
 fn record(row: &Row) -> Result<KeyRecord, StoreError> {
-    let status: Option<i32> = row.get(5);
+    record_at(row, 0)
+}
+
+/// The key's record from the columns of [`KEY_COLUMNS`] starting at `at`.
+fn record_at(row: &Row, at: usize) -> Result<KeyRecord, StoreError> {
+    let status: Option<i32> = row.get(at + 5);
     KeyRow {
-        fingerprint: row.get(0),
-        created_at: row.get(1),
-        token: row.get(2),
-        state: row.get(3),
-        lease_until: row.get(4),
+        fingerprint: row.get(at),
+        created_at: row.get(at + 1),
+        token: row.get(at + 2),
+        state: row.get(at + 3),
+        lease_until: row.get(at + 4),
         status: status.map(i64::from),
-        reason: row.get(6),
-        body: row.get(7),
-        transfer_id: row.get(8),
+        reason: row.get(at + 6),
+        body: row.get(at + 7),
+        transfer_id: row.get(at + 8),
     }
     .decode()
 }
 
+/// The key (columns 1..=9, if there is one) and the accounts `[src, dst]`
+/// (columns 10..=13, id and balance as text) of a claim or seen row.
+fn seen_of(row: &Row, shape: &Shape) -> Result<Seen, StoreError> {
+    let key = match row.get::<_, Option<String>>(4) {
+        Some(_) => Some(record_at(row, 1)?),
+        None => None,
+    };
+    let account = |at: usize| -> Result<Option<Account>, StoreError> {
+        let Some(id) = row.get::<_, Option<String>>(at) else { return Ok(None) };
+        let id = shape.id(id)?;
+        let Some(text) = row.get::<_, Option<String>>(at + 1) else {
+            return Err(StoreError::Schema(format!("balance of account {:?} is NULL", id.to_string())));
+        };
+        let balance = balance(&id, &text)?;
+        Ok(Some(Account { id, balance }))
+    };
+    Ok(Seen { key, accounts: [account(10)?, account(12)?] })
+}
+
+impl PgStore {
+    /// The key and the accounts as they stand, by a plain read (no lock):
+    /// what an execution decides on when the claim's read is stale.
+    fn read_seen(&mut self, x: &Execution) -> Result<Seen, StoreError> {
+        let [src, dst] = x.accounts.map(|id| self.shape.bind(id));
+        let k = x.key;
+        let row =
+            self.client.query_one(&self.sql.seen, &[&k.client_id, &k.endpoint, &k.idem_key, &src, &dst]);
+        seen_of(&row.map_err(pg)?, &self.shape)
+    }
+
+    /// Writes `plan` in one statement, its own transaction: if the key is
+    /// still held by the token and the premises hold under the locks it
+    /// takes, all of it; else nothing, and a [`StoreError::Conflict`] to
+    /// read and plan again.
+    fn write_plan(&mut self, x: &Execution, plan: &Plan) -> Result<Stored, StoreError> {
+        let (premises, amount, currency, answer, body) = match plan {
+            Plan::Nothing => return Err(StoreError::Backend("nothing to write".into())),
+            Plan::Refuse { answer, premises } => (premises, 0, "", answer.clone(), answer.body.as_str()),
+            Plan::Pay { payment, premises } => (
+                premises,
+                payment.amount,
+                payment.currency.as_str(),
+                payment.answer(0),
+                payment.body_tail.as_str(),
+            ),
+        };
+        let [src, dst] = x.accounts.map(|id| self.shape.bind(id));
+        let bounds = |p: &Premise| match *p {
+            Premise::Absent => (false, 0, 0),
+            Premise::Between { lo, hi } => (true, lo, hi),
+        };
+        let ((s_on, s_lo, s_hi), (d_on, d_lo, d_hi)) = (bounds(&premises[0]), bounds(&premises[1]));
+        let (k, at) = (x.key, x.at.to_string());
+        let status = i32::from(answer.status);
+        let reason = answer.reason.as_ref().map(Reason::as_str);
+        let row = self
+            .client
+            .query_one(
+                &self.sql.execute,
+                &[
+                    &k.client_id,
+                    &k.endpoint,
+                    &k.idem_key,
+                    &x.token,
+                    &src,
+                    &dst,
+                    &s_on,
+                    &s_lo,
+                    &s_hi,
+                    &d_on,
+                    &d_lo,
+                    &d_hi,
+                    &amount,
+                    &currency,
+                    &at,
+                    &status,
+                    &reason,
+                    &body,
+                    &CREATED_HEAD,
+                ],
+            )
+            .map_err(pg)?;
+        let (held, premises_hold, inexact): (bool, bool, Option<String>) =
+            (row.get(0), row.get(1), row.get(2));
+        if let Some(id) = inexact {
+            return Err(super::inexact(&self.shape.id(id)?));
+        }
+        if !(held && premises_hold) {
+            return Err(StoreError::Conflict);
+        }
+        Ok(match (plan, row.get::<_, Option<i64>>(3)) {
+            (Plan::Pay { payment, .. }, Some(id)) => payment.answer(id),
+            (Plan::Pay { .. }, None) => {
+                return Err(StoreError::Backend("a transfer was written without its id".into()));
+            }
+            _ => answer,
+        })
+    }
+}
+
 impl Store for PgStore {
+    /// One statement, one round trip: the insert, the existing record if
+    /// there was one, and the execution's accounts, committed lazily.
+    fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: Option<[&AcctId; 2]>,
+        policy: &Policy,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        self.ahead = None;
+        let ids = accounts.map(|ids| ids.map(|id| self.shape.bind(id)));
+        let [src, dst] = ids.clone().unwrap_or_default();
+        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
+        let params: [&(dyn postgres::types::ToSql + Sync); 9] = [
+            &key.client_id,
+            &key.endpoint,
+            &key.idem_key,
+            &claim.fingerprint,
+            &claim.token,
+            &created_at,
+            &lease_until,
+            &src,
+            &dst,
+        ];
+        let row = super::retrying(
+            policy,
+            |e| *e == StoreError::Conflict,
+            || {
+                // A connection found dead is replaced and the claim sent again;
+                // if the first one did commit, the key is found under this
+                // attempt's own token, and is ours.
+                let row = self.reading(|s| s.client.query_one(&s.sql.claim, &params))?;
+                let seen = seen_of(&row, &self.shape)?;
+                match (row.get::<_, bool>(0), seen.key) {
+                    (true, _) => Ok((None, seen.accounts)),
+                    (false, Some(rec)) if rec.token == claim.token => Ok((None, seen.accounts)),
+                    (false, Some(rec)) => Ok((Some(rec), seen.accounts)),
+                    // Inserted by a racer after this statement's snapshot: read
+                    // it with a fresh one (if it is gone already, claim again).
+                    (false, None) => {
+                        let read = self
+                            .client
+                            .query_opt(&self.sql.read_key, &[&key.client_id, &key.endpoint, &key.idem_key]);
+                        let rec = read.map_err(pg)?.as_ref().map(record).transpose()?;
+                        rec.map(|rec| (Some(rec), seen.accounts)).ok_or(StoreError::Conflict)
+                    }
+                }
+            },
+        );
+        let (existing, read) = match row {
+            Err(StoreError::Conflict) => return Err(StoreError::Busy),
+            other => other?,
+        };
+        if let (None, Some(ids)) = (&existing, accounts) {
+            let record = KeyRecord {
+                fingerprint: claim.fingerprint.clone(),
+                created_at: claim.created_at,
+                token: claim.token.clone(),
+                state: KeyState::InProgress { lease_until: claim.lease_until },
+            };
+            let seen = Seen { key: Some(record), accounts: read };
+            self.ahead = Some(Ahead { key: key.clone(), ids: ids.map(AcctId::clone), seen });
+        }
+        Ok(existing)
+    }
+
+    /// Decides on what the claim read (or, after a conflict, on a fresh
+    /// plain read) and writes the plan in one statement that checks it
+    /// under the locks it takes: no lock is held across a round trip.
+    fn execute(
+        &mut self,
+        x: Execution,
+        plan: &mut dyn FnMut(&Seen) -> Plan,
+        crash: &mut dyn FnMut() -> bool,
+        policy: &Policy,
+    ) -> Result<Executed, StoreError> {
+        let mut ahead = self
+            .ahead
+            .take()
+            .filter(|a| a.key == *x.key && a.ids.iter().eq(x.accounts))
+            .filter(|a| a.seen.key.as_ref().is_some_and(|k| k.token == x.token))
+            .map(|a| a.seen);
+        let done = super::retrying(
+            policy,
+            |e| *e == StoreError::Conflict,
+            || {
+                let seen = match ahead.take() {
+                    Some(seen) => seen,
+                    None => {
+                        self.revive()?;
+                        self.read_seen(&x)?
+                    }
+                };
+                let planned = plan(&seen);
+                if planned == Plan::Nothing {
+                    return Ok(Executed::Nothing);
+                }
+                // Nothing is written yet: a crash here leaves what a crash
+                // before the commit leaves.
+                if crash() {
+                    return Ok(Executed::Crashed);
+                }
+                self.write_plan(&x, &planned).map(Executed::Completed)
+            },
+        );
+        match done {
+            Err(StoreError::Conflict) => Err(StoreError::Busy),
+            other => other,
+        }
+    }
+
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
         // BEGIN is where a dead connection is found: nothing has run on it
         // yet, so it is replaced and the transaction starts on a new one.
