@@ -27,5 +27,6 @@ mod races;
 mod scenarios;
 mod secrets;
 mod settled;
+mod stale;
 mod storm;
 mod teeth;
