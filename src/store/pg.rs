@@ -40,6 +40,7 @@ use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
 use postgres::error::SqlState;
 use postgres::{Client, Config, NoTls, Row, Statement};
 use std::str::FromStr;
+use std::time::Duration;
 
 /// The comment that marks `idem_key` as this schema version.
 const SCHEMA_MARK: &str = "idem schema 1";
@@ -144,17 +145,49 @@ impl PgStore {
 fn session(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
     let mut client = client(spec, policy)?;
     client
-        .batch_execute(&format!("SET lock_timeout = {}; SET synchronous_commit = on", policy.busy_timeout_ms))
+        .batch_execute(&format!(
+            "SET lock_timeout = {}; SET statement_timeout = {STATEMENT_TIMEOUT_MS}; SET synchronous_commit = on",
+            policy.busy_timeout_ms
+        ))
         .map_err(|e| redacted("cannot configure the session", &e, spec))?;
     Ok(client)
 }
 
+/// How long a network that stopped answering may keep a connection: TCP
+/// keepalives probe an idle one after `KEEPALIVE_IDLE`, then every
+/// `KEEPALIVE_INTERVAL`, `KEEPALIVE_RETRIES` times; data sent and not
+/// acknowledged for `TCP_USER_TIMEOUT` drops it. The operating system's
+/// defaults (two hours idle; retransmissions for about fifteen minutes)
+/// would hold a worker on a dead peer far past any client's deadline.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+const KEEPALIVE_RETRIES: u32 = 3;
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest any one statement may run on the server: every statement of
+/// a request takes milliseconds, and its lock waits end at the busy budget.
+const STATEMENT_TIMEOUT_MS: u32 = 15_000;
+
 /// A plain connection to the database `spec` names, with a connect timeout
-/// of the busy budget unless `spec` sets one. The error never quotes `spec`.
+/// of the busy budget and the network timeouts above, each unless `spec`
+/// sets its own. The error never quotes `spec`.
 pub(super) fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
     let mut config = Config::from_str(spec).map_err(|e| redacted("--db", &e, spec))?;
     if config.get_connect_timeout().is_none() {
-        config.connect_timeout(std::time::Duration::from_millis(u64::from(policy.busy_timeout_ms)));
+        config.connect_timeout(Duration::from_millis(u64::from(policy.busy_timeout_ms)));
+    }
+    let defaults = Config::new();
+    if config.get_keepalives_idle() == defaults.get_keepalives_idle() {
+        config.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
     config.application_name("idem");
     config.connect(NoTls).map_err(|e| redacted("cannot connect to PostgreSQL", &e, spec))
