@@ -23,6 +23,7 @@ use crate::request::{Request, ScopedKey};
 use crate::store::pg::PgStore;
 use crate::store::sqlite::SqliteStore;
 use crate::store::{Db, Reads, Store, StoreError};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -98,12 +99,8 @@ pub enum GroupPoint {
 pub type GroupHook = Arc<dyn Fn(GroupPoint) + Send + Sync>;
 
 pub struct Executor {
-    /// Whether a transfer's key is first looked up by a reader
-    /// ([`Job::Settled`]): on SQLite, so that a replay never queues behind
-    /// the writer's group commit. On PostgreSQL the claim is one statement
-    /// that answers a settled key in the same one round trip, so a
-    /// look-up first would only add one to every new transfer.
-    pub settles_first: bool,
+    /// PostgreSQL writers waiting for a job; `None` on SQLite.
+    idle_writers: Option<Arc<AtomicUsize>>,
     writes: Mutex<Option<SyncSender<Job>>>,
     reads: Mutex<Option<SyncSender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -138,7 +135,7 @@ impl Executor {
     ) -> std::io::Result<Self> {
         let (writes, write_jobs) = queue(capacity);
         let (reads, read_jobs) = queue(capacity);
-        let settles_first = matches!(stores, Stores::Sqlite { .. });
+        let mut idle_writers = None;
         let mut workers = Vec::new();
         let readers = match stores {
             Stores::Sqlite { writer, readers } => {
@@ -149,27 +146,42 @@ impl Executor {
                 readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect::<Vec<_>>()
             }
             Stores::Postgres { writers, readers } => {
+                let idle = Arc::new(AtomicUsize::new(0));
                 for (i, store) in writers.into_iter().enumerate() {
                     let (jobs, clock, health) = (write_jobs.clone(), clock.clone(), health.clone());
+                    let idle = Some(idle.clone());
                     workers.push(spawn(format!("idem-store-{i}"), move || {
-                        one_at_a_time(Box::new(store), &jobs, policy, &clock, &health)
+                        one_at_a_time(Box::new(store), &jobs, policy, &clock, &health, idle)
                     })?);
                 }
+                idle_writers = Some(idle);
                 readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect()
             }
         };
         for (i, reader) in readers.into_iter().enumerate() {
             let (jobs, clock, health) = (read_jobs.clone(), clock.clone(), health.clone());
             workers.push(spawn(format!("idem-reader-{i}"), move || {
-                one_at_a_time(reader, &jobs, policy, &clock, &health)
+                one_at_a_time(reader, &jobs, policy, &clock, &health, None)
             })?);
         }
         Ok(Executor {
-            settles_first,
+            idle_writers,
             writes: Mutex::new(Some(writes)),
             reads: Mutex::new(Some(reads)),
             workers: Mutex::new(workers),
         })
+    }
+
+    /// Whether a transfer's key should first be looked up by a reader
+    /// ([`Job::Settled`]), so that a replay does not queue behind the
+    /// writers: always on SQLite (its one writer runs group commits). On
+    /// PostgreSQL the claim is one statement that answers a settled key in
+    /// the same one round trip, so a look-up first would only add one to
+    /// every new transfer, unless no writer is free (all in executions,
+    /// perhaps in lock waits on a hot account): then the reader answers a
+    /// replay at once.
+    pub fn settles_first(&self) -> bool {
+        self.idle_writers.as_ref().is_none_or(|idle| idle.load(Ordering::Relaxed) == 0)
     }
 
     /// Queues a transfer for the writer (or the pool); `false` when full or shut.
@@ -316,22 +328,34 @@ fn read_or_transfer<S: Reads>(
     None
 }
 
-/// A worker that runs each job on its own (PostgreSQL writers, and readers).
+/// A worker that runs each job on its own (PostgreSQL writers, and
+/// readers), counted in `idle` while it waits for one.
 fn one_at_a_time<S: Reads + ?Sized>(
     mut store: Box<S>,
     jobs: &Mutex<Receiver<Job>>,
     policy: &Policy,
     clock: &Clock,
     health: &Health,
+    idle: Option<Arc<AtomicUsize>>,
 ) {
     let mut orphans = Orphans::default();
+    let waiting = |now: bool| {
+        if let Some(idle) = &idle {
+            match now {
+                true => idle.fetch_add(1, Ordering::Relaxed),
+                false => idle.fetch_sub(1, Ordering::Relaxed),
+            };
+        }
+    };
     loop {
+        waiting(true);
         let job = match orphans.0.is_empty() {
             true => next(jobs),
             false => {
                 match jobs.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(Orphans::RETRY_EVERY) {
                     Ok(job) => Some(job),
                     Err(RecvTimeoutError::Timeout) => {
+                        waiting(false);
                         orphans.release(&mut *store, policy, clock);
                         continue;
                     }
@@ -339,6 +363,7 @@ fn one_at_a_time<S: Reads + ?Sized>(
                 }
             }
         };
+        waiting(false);
         let Some(job) = job else { break };
         if let Some((req, reply)) = read_or_transfer(&mut store, job, policy, clock) {
             orphans.release(&mut *store, policy, clock);

@@ -287,7 +287,7 @@ async fn refuse_or_transfer(
     let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
     // A settled key (a replay, another body) is answered by a reader,
     // without queueing behind the writer's group commits.
-    if app.executor.settles_first {
+    if app.executor.settles_first() {
         let (reply, answer) = oneshot::channel();
         if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
             return busy(app, note);

@@ -384,14 +384,15 @@ fn a_commit_still_waiting_for_its_standby_when_the_primary_died_is_paid_once_by_
     let url = serve.url.clone();
     let first =
         std::thread::spawn(move || post(&Serve::agent(), &url, "waiting", body).map(|r| r.status().as_u16()));
-    // the execution's commit is written to the old primary's WAL and waits
+    // the execution's commit (the only commit of idem's that waits for a
+    // standby: a claim's does not) is written to the old primary's WAL and waits
     // there for a standby (PostgreSQL shows it to nobody until the wait
     // ends; a restart of that node alone would replay it as committed)
     let waiting = Instant::now();
     loop {
         let syncrep: i64 = old_db
             .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND query = 'COMMIT'",
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND application_name = 'idem'",
                 &[],
             )
             .unwrap()
