@@ -2,9 +2,9 @@
 //! a PostgreSQL that is a network hop away, against what PostgreSQL itself
 //! allows for the same work in one round trip, measured in the same run.
 //!
-//! The hop is a TCP proxy in this file that holds every chunk, in each
-//! direction, for half the round trip before passing it on (the machine has
-//! no `tc netem`). At 0, 0.5, 1 and 2 ms round trip, for a hot account pair
+//! The hop is `idem::harness::hop`: a TCP proxy that holds every chunk, in
+//! each direction, for half the round trip before passing it on (the
+//! machine has no `tc netem`). At 0, 0.5, 1 and 2 ms round trip, for a hot account pair
 //! (every transfer between the same two accounts) and for 100 accounts:
 //! - **idem**: `idem serve --pool 64` through the proxy, 64 keep-alive HTTP
 //!   connections posting new transfers; new transfers per second, p50/p99,
@@ -24,13 +24,8 @@
 
 mod support;
 
-use postgres::config::Host;
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use idem::harness::hop::Hop;
 use std::process::Command;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -43,105 +38,6 @@ const ACCOUNTS: usize = 100;
 const OPENING: i64 = 1_000_000_000_000;
 /// Round trips to test, in milliseconds.
 const ROUND_TRIPS_MS: [f64; 4] = [0.0, 0.5, 1.0, 2.0];
-
-/// Where the proxy forwards to.
-#[derive(Clone)]
-enum Upstream {
-    Unix(PathBuf),
-    Tcp(String),
-}
-
-impl Upstream {
-    fn connect(&self) -> std::io::Result<Box<dyn Stream>> {
-        Ok(match self {
-            Upstream::Unix(path) => Box::new(UnixStream::connect(path)?),
-            Upstream::Tcp(address) => {
-                let s = TcpStream::connect(address)?;
-                s.set_nodelay(true)?;
-                Box::new(s)
-            }
-        })
-    }
-}
-
-trait Stream: Read + Write + Send {
-    fn split(&self) -> std::io::Result<Box<dyn Stream>>;
-    fn close(&self);
-}
-
-impl Stream for TcpStream {
-    fn split(&self) -> std::io::Result<Box<dyn Stream>> {
-        Ok(Box::new(self.try_clone()?))
-    }
-    fn close(&self) {
-        let _ = self.shutdown(Shutdown::Both);
-    }
-}
-
-impl Stream for UnixStream {
-    fn split(&self) -> std::io::Result<Box<dyn Stream>> {
-        Ok(Box::new(self.try_clone()?))
-    }
-    fn close(&self) {
-        let _ = self.shutdown(Shutdown::Both);
-    }
-}
-
-/// The network hop: a proxy on loopback that delays each direction by
-/// half the round trip, and counts the chunks it carries to the server.
-struct Hop {
-    port: u16,
-    to_server: Arc<AtomicU64>,
-}
-
-impl Hop {
-    fn start(upstream: Upstream, round_trip: Duration) -> Hop {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let to_server = Arc::new(AtomicU64::new(0));
-        let counter = to_server.clone();
-        let one_way = round_trip / 2;
-        std::thread::spawn(move || {
-            for client in listener.incoming().flatten() {
-                let _ = client.set_nodelay(true);
-                let Ok(server) = upstream.connect() else { continue };
-                let (Ok(client_back), Ok(server_back)) = (client.try_clone(), server.split()) else {
-                    continue;
-                };
-                let counter = counter.clone();
-                std::thread::spawn(move || pump(Box::new(client), server, one_way, Some(counter)));
-                std::thread::spawn(move || pump(server_back, Box::new(client_back), one_way, None));
-            }
-        });
-        Hop { port, to_server }
-    }
-}
-
-/// Passes what `from` sends on to `to`, each chunk `delay` after it was
-/// read. A request/response protocol has one chunk in flight per
-/// direction, so holding the next read until this one is written adds
-/// nothing.
-fn pump(mut from: Box<dyn Stream>, mut to: Box<dyn Stream>, delay: Duration, count: Option<Arc<AtomicU64>>) {
-    // A sleep of a quarter millisecond must not become a third of one.
-    // SAFETY: PR_SET_TIMERSLACK takes a plain integer and changes only this thread.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1u64) };
-    let mut buf = vec![0; 64 * 1024];
-    while let Ok(n @ 1..) = from.read(&mut buf) {
-        let due = Instant::now() + delay;
-        if let Some(count) = &count {
-            count.fetch_add(1, Ordering::Relaxed);
-        }
-        let wait = due.saturating_duration_since(Instant::now());
-        if !wait.is_zero() {
-            std::thread::sleep(wait);
-        }
-        if to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-    from.close();
-    to.close();
-}
 
 #[derive(Clone, Copy, PartialEq)]
 enum Spread {
@@ -347,14 +243,6 @@ fn main() {
         return;
     };
     let bin = std::env::var("IDEM_BENCH_BIN").unwrap_or_else(|_| IDEM.to_owned());
-    let config = postgres::Config::from_str(&direct).expect("IDEM_BENCH_PG");
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let upstream = match config.get_hosts().first() {
-        Some(Host::Unix(dir)) => Upstream::Unix(dir.join(format!(".s.PGSQL.{port}"))),
-        Some(Host::Tcp(host)) => Upstream::Tcp(format!("{host}:{port}")),
-        None => Upstream::Unix(PathBuf::from(format!("/var/run/postgresql/.s.PGSQL.{port}"))),
-    };
-    let (user, dbname) = (config.get_user().unwrap_or("postgres"), config.get_dbname().unwrap_or("postgres"));
     let db = idem::store::Db::parse(&direct);
     let accounts: Vec<_> = (0..ACCOUNTS)
         .map(|i| idem::store::bank::Account { id: format!("a{i}"), holder: "h".into(), balance: OPENING })
@@ -369,8 +257,7 @@ fn main() {
          |---|---|---:|---|---:|---|---:|---:|---:|"
     );
     for rtt_ms in ROUND_TRIPS_MS {
-        let hop = Hop::start(upstream.clone(), Duration::from_secs_f64(rtt_ms / 1000.0));
-        let conninfo = format!("host=127.0.0.1 port={} user={user} dbname={dbname}", hop.port);
+        let (hop, conninfo) = Hop::to_postgres(&direct, Duration::from_secs_f64(rtt_ms / 1000.0)).unwrap();
         let measured = measured_round_trip(&conninfo);
         for spread in [Spread::HotPair, Spread::Accounts100] {
             let ours = idem(&bin, &conninfo, &hop, spread, dir.path());

@@ -235,6 +235,80 @@ pub fn handle<E: Engine + ?Sized>(
     unless_busy(outcome, ctx.policy)
 }
 
+/// The steps of a request on a store that is awaited rather than called
+/// (the service's PostgreSQL pool): the operations [`Store::claim`],
+/// [`store::Tx::replace_claim`], [`Store::execute`] and
+/// [`store::Tx::release`] with the same guarantees, each one round trip.
+pub trait Steps: Send {
+    fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: [&AcctId; 2],
+    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    fn execute(
+        &mut self,
+        x: Execution<'_>,
+        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
+    ) -> impl Future<Output = Result<Executed, StoreError>> + Send;
+    fn release(
+        &mut self,
+        key: &ScopedKey,
+        token: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+/// [`handle`] on [`Steps`]: the same steps, each decided by the same
+/// functions, without fault hooks.
+pub async fn handle_steps<S: Steps>(
+    store: &mut S,
+    req: &Request,
+    ctx: Ctx<'_>,
+) -> Result<Outcome, StoreError> {
+    let outcome = match claim_steps(store, req, ctx).await {
+        Ok(Claimed::Answer(response)) => Ok(Outcome::Respond(response)),
+        Ok(Claimed::Mine) => {
+            let mut lost = None;
+            let mut plan = |seen: &Seen| plan(seen, req, ctx, &mut lost);
+            match store.execute(execution(req, ctx), &mut plan).await {
+                Ok(executed) => {
+                    Ok(committed(executed, lost, ctx).map_or_else(|outcome| outcome, Outcome::Respond))
+                }
+                Err(e) => {
+                    // as in `handle`: free the key now, best effort
+                    let _ = store.release(&req.key, ctx.token).await;
+                    Err(e)
+                }
+            }
+        }
+        Err(e) => Err(e),
+    };
+    unless_busy(outcome, ctx.policy)
+}
+
+/// [`claim`] on [`Steps`].
+async fn claim_steps<S: Steps>(store: &mut S, req: &Request, ctx: Ctx<'_>) -> Result<Claimed, StoreError> {
+    let claim = fresh_claim(&req.fingerprint, ctx);
+    let accounts = [&req.transfer.src, &req.transfer.dst];
+    let Some(existing) = store.claim(&req.key, &claim, accounts).await? else {
+        return Ok(Claimed::Mine);
+    };
+    let claim = match after_claim(&existing, claim, ctx) {
+        Ok(claim) => claim,
+        Err(answer) => return Ok(Claimed::Answer(answer)),
+    };
+    Ok(match store.replace_claim(&req.key, &existing, &claim).await? {
+        true => Claimed::Mine,
+        false => Claimed::Answer(in_progress(ctx.policy)),
+    })
+}
+
 /// Turns a lock wait that ran out of budget, or a database that cannot be
 /// reached or written, into an unstored 503: the client retries with the
 /// same key and finds whatever did commit.
@@ -291,32 +365,45 @@ fn claim_for<S: Store + ?Sized>(
     accounts: Option<[&AcctId; 2]>,
     ctx: Ctx,
 ) -> Result<Claimed, StoreError> {
-    let claim = Claim {
+    let claim = fresh_claim(fingerprint, ctx);
+    let Some(existing) = store.claim(key, &claim, accounts, ctx.policy)? else {
+        return Ok(Claimed::Mine);
+    };
+    let claim = match after_claim(&existing, claim, ctx) {
+        Ok(claim) => claim,
+        Err(answer) => return Ok(Claimed::Answer(answer)),
+    };
+    store::atomically(store, Durability::Lazy, ctx.policy, |tx| {
+        Ok(match tx.replace_claim(key, &existing, &claim)? {
+            true => End::Commit(Claimed::Mine),
+            false => End::Rollback(Claimed::Answer(in_progress(ctx.policy))),
+        })
+    })
+}
+
+/// A fresh claim for `ctx.token` on a body with `fingerprint`.
+fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
+    Claim {
         fingerprint: fingerprint.to_owned(),
         token: ctx.token.to_owned(),
         created_at: ctx.now,
         lease_until: ctx.now.plus_seconds(i64::from(ctx.policy.in_progress_lease_seconds)),
-    };
-    let Some(existing) = store.claim(key, &claim, accounts, ctx.policy)? else {
-        return Ok(Claimed::Mine);
-    };
-    let created_at = match decide(&existing, fingerprint, ctx.now, ctx.policy) {
+    }
+}
+
+/// What a claim that found `existing` does: take it over with the claim
+/// returned (a compare-and-set on the version decided on, so it needs no
+/// lock held since the read: `false` from the store means another attempt
+/// got there first, or the old holder is still executing, and the key is in
+/// flight, [`in_progress`]), or answer without executing.
+fn after_claim(existing: &KeyRecord, claim: Claim, ctx: Ctx) -> Result<Claim, Response> {
+    let created_at = match decide(existing, &claim.fingerprint, ctx.now, ctx.policy) {
         // A taken-over key keeps its age: retention counts from the first claim.
         Decision::TakeOver => existing.created_at,
         Decision::Expired => ctx.now,
-        other => return Ok(Claimed::Answer(answer(other, ctx.policy))),
+        other => return Err(answer(other, ctx.policy)),
     };
-    // A compare-and-set on the version decided on, so it needs no lock
-    // held since the read: if the key changed meanwhile, it is in flight.
-    let claim = Claim { created_at, ..claim };
-    store::atomically(store, Durability::Lazy, ctx.policy, |tx| {
-        Ok(match tx.replace_claim(key, &existing, &claim)? {
-            true => End::Commit(Claimed::Mine),
-            // Another attempt got there first, or the old holder is still
-            // executing: either way the key is in flight.
-            false => End::Rollback(Claimed::Answer(in_progress(ctx.policy))),
-        })
-    })
+    Ok(Claim { created_at, ..claim })
 }
 
 /// Step 2: under the claim held by `ctx.token`, move the money and complete
@@ -327,35 +414,54 @@ pub fn execute<S: Store + ?Sized>(
     ctx: Ctx,
     faults: &mut dyn FnMut(Point) -> Flow,
 ) -> Result<Outcome, StoreError> {
-    let t = &req.transfer;
-    let x = Execution { key: &req.key, token: ctx.token, accounts: [&t.src, &t.dst], at: ctx.now };
     let mut lost = None;
-    let mut plan = |seen: &Seen| {
-        let held = seen.key.as_ref().is_some_and(|rec| rec.held_by(ctx.token));
-        if !held {
-            // We lost the claim while we were away (lease taken over, key
-            // purged): whoever holds the key now decides the answer; money is
-            // never moved under a claim that is not ours.
-            lost = Some(lost_claim(seen.key.clone(), req, ctx));
-            return Plan::Nothing;
-        }
-        let [src, dst] = &seen.accounts;
-        let verdict = ledger::decide(src.as_ref(), dst.as_ref(), t.amount);
-        match verdict.outcome {
-            Ok(()) => Plan::Pay { payment: payment(t, ctx.now), premises: verdict.premises },
-            Err(refusal) => Plan::Refuse { answer: refused(refusal, ctx.policy), premises: verdict.premises },
-        }
-    };
+    let mut plan = |seen: &Seen| plan(seen, req, ctx, &mut lost);
     let mut crash = || faults(Point::BeforeCommit) == Flow::Crash;
-    let answer = match store.execute(x, &mut plan, &mut crash, ctx.policy)? {
-        Executed::Completed(answer) => answer,
-        Executed::Crashed => return Ok(Outcome::Crashed(Point::BeforeCommit)),
-        Executed::Nothing => return Ok(Outcome::Respond(lost.unwrap_or_else(|| in_progress(ctx.policy)))),
+    let executed = store.execute(execution(req, ctx), &mut plan, &mut crash, ctx.policy)?;
+    let answer = match committed(executed, lost, ctx) {
+        Ok(answer) => answer,
+        Err(outcome) => return Ok(outcome),
     };
     if faults(Point::AfterCommit) == Flow::Crash {
         return Ok(Outcome::Crashed(Point::AfterCommit));
     }
-    Ok(Outcome::Respond(Response::from_stored(answer, false)))
+    Ok(Outcome::Respond(answer))
+}
+
+/// The answer of an execution that committed, or the outcome of one that
+/// wrote nothing (its claim was lost: `lost` says the answer) or crashed.
+fn committed(executed: Executed, lost: Option<Response>, ctx: Ctx) -> Result<Response, Outcome> {
+    match executed {
+        Executed::Completed(answer) => Ok(Response::from_stored(answer, false)),
+        Executed::Crashed => Err(Outcome::Crashed(Point::BeforeCommit)),
+        Executed::Nothing => Err(Outcome::Respond(lost.unwrap_or_else(|| in_progress(ctx.policy)))),
+    }
+}
+
+fn execution<'a>(req: &'a Request, ctx: Ctx<'a>) -> Execution<'a> {
+    let t = &req.transfer;
+    Execution { key: &req.key, token: ctx.token, accounts: [&t.src, &t.dst], at: ctx.now }
+}
+
+/// What the execution writes, decided on what it `seen`: nothing if the
+/// claim is no longer ours (the answer for that goes into `lost`), else
+/// the key's completion with the ledger's verdict.
+fn plan(seen: &Seen, req: &Request, ctx: Ctx, lost: &mut Option<Response>) -> Plan {
+    let held = seen.key.as_ref().is_some_and(|rec| rec.held_by(ctx.token));
+    if !held {
+        // We lost the claim while we were away (lease taken over, key
+        // purged): whoever holds the key now decides the answer; money is
+        // never moved under a claim that is not ours.
+        *lost = Some(lost_claim(seen.key.clone(), req, ctx));
+        return Plan::Nothing;
+    }
+    let t = &req.transfer;
+    let [src, dst] = &seen.accounts;
+    let verdict = ledger::decide(src.as_ref(), dst.as_ref(), t.amount);
+    match verdict.outcome {
+        Ok(()) => Plan::Pay { payment: payment(t, ctx.now), premises: verdict.premises },
+        Err(refusal) => Plan::Refuse { answer: refused(refusal, ctx.policy), premises: verdict.premises },
+    }
 }
 
 /// The answer of an attempt that found its claim gone at execution.

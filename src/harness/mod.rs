@@ -8,6 +8,7 @@ pub mod chaos;
 pub mod check;
 pub mod day;
 pub mod gateway;
+pub mod hop;
 pub mod proxy;
 pub mod race;
 pub mod scenario;

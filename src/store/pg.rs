@@ -38,6 +38,7 @@ use crate::policy::Policy;
 use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
 use postgres::error::SqlState;
+use postgres::types::ToSql;
 use postgres::{Client, Config, NoTls, Row, Statement};
 use std::str::FromStr;
 use std::time::Duration;
@@ -61,7 +62,7 @@ pub struct PgStore {
 
 /// A claim just inserted, and the accounts read in the same statement: the
 /// execution under it decides on these, without a round trip of its own.
-struct Ahead {
+pub(super) struct Ahead {
     key: ScopedKey,
     ids: [AcctId; 2],
     seen: Seen,
@@ -69,7 +70,7 @@ struct Ahead {
 
 /// How `account.acct_id` is typed: ids are bound as text and cast to it.
 #[derive(Debug, Clone)]
-struct Shape {
+pub(super) struct Shape {
     /// The column's type as SQL spells it (`text`, `bigint`, …).
     acct_type: String,
     /// Whether that type is an integer type (else a string type).
@@ -78,16 +79,10 @@ struct Shape {
 
 /// Every statement a request runs, prepared once per connection.
 struct Statements {
-    claim: Statement,
-    seen: Statement,
-    execute: Statement,
+    hot: Hot,
     insert_claim: Statement,
-    read_key: Statement,
     lock_key: Statement,
-    lock_key_nowait: Statement,
-    replace_claim: Statement,
     complete: Statement,
-    release: Statement,
     lock_account: Statement,
     add_to_balance: Statement,
     insert_transfer: Statement,
@@ -443,26 +438,37 @@ impl PgTx<'_> {
 }
 const KEY_WHERE: &str = "client_id = $1 AND endpoint = $2 AND idem_key = $3";
 
-impl Statements {
-    fn prepare(client: &mut Client, shape: &Shape) -> Result<Self, postgres::Error> {
+/// The statements of a request's steps, as the synchronous store and the
+/// service's asynchronous connections (`pg_pool.rs`) both prepare them.
+pub(super) struct Hot {
+    pub claim: Statement,
+    pub seen: Statement,
+    pub execute: Statement,
+    pub read_key: Statement,
+    pub lock_key_nowait: Statement,
+    pub replace_claim: Statement,
+    pub release: Statement,
+}
+
+impl Hot {
+    /// The texts, in the order [`Hot::of`] takes them prepared.
+    pub(super) fn texts(shape: &Shape) -> [String; 7] {
         let t = &shape.acct_type;
-        let mut p = |sql: &str| client.prepare(sql);
         let record = KEY_COLUMNS.split(", ").map(|c| format!("k.{c}")).collect::<Vec<_>>().join(", ");
-        let accounts = format!(
-            "s.acct_id::text, s.balance::text, d.acct_id::text, d.balance::text
-             FROM {{from}}
-             LEFT JOIN idem_key k ON k.client_id = $1 AND k.endpoint = $2 AND k.idem_key = $3
-             LEFT JOIN account s ON s.acct_id = ${{s}}::text::{t}
-             LEFT JOIN account d ON d.acct_id = ${{d}}::text::{t}"
-        );
         let from = |from: &str, s: u8, d: u8| {
-            accounts.replace("{from}", from).replace("{s}", &s.to_string()).replace("{d}", &d.to_string())
+            format!(
+                "s.acct_id::text, s.balance::text, d.acct_id::text, d.balance::text
+                 FROM {from}
+                 LEFT JOIN idem_key k ON k.client_id = $1 AND k.endpoint = $2 AND k.idem_key = $3
+                 LEFT JOIN account s ON s.acct_id = ${s}::text::{t}
+                 LEFT JOIN account d ON d.acct_id = ${d}::text::{t}"
+            )
         };
-        Ok(Statements {
+        [
             // The claim commits lazily (set_config is SET LOCAL for the
             // statement's own transaction); the join reads the key only if
             // it existed before the statement began.
-            claim: p(&format!(
+            format!(
                 "WITH lazy AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
                       mine AS (
                         INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
@@ -471,29 +477,47 @@ impl Statements {
                         RETURNING 1)
                  SELECT EXISTS (SELECT FROM mine), {record}, {}",
                 from("lazy", 8, 9)
-            ))?,
-            seen: p(&format!("SELECT true, {record}, {}", from("(SELECT 1) one", 4, 5)))?,
-            execute: p(&execute_sql(shape))?,
+            ),
+            format!("SELECT true, {record}, {}", from("(SELECT 1) one", 4, 5)),
+            execute_sql(shape),
+            format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE}"),
+            format!("SELECT 1 FROM idem_key WHERE {KEY_WHERE} FOR UPDATE NOWAIT"),
+            format!(
+                "UPDATE idem_key SET fingerprint = $4, state = 'in_progress', token = $5,
+                        created_at = $6, lease_until = $7, status = NULL, reason = NULL,
+                        body = NULL, transfer_id = NULL, completed_at = NULL
+                 WHERE {KEY_WHERE} AND token = $8 AND state = $9"
+            ),
+            format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $4"),
+        ]
+    }
+
+    pub(super) fn of(prepared: [Statement; 7]) -> Hot {
+        let [claim, seen, execute, read_key, lock_key_nowait, replace_claim, release] = prepared;
+        Hot { claim, seen, execute, read_key, lock_key_nowait, replace_claim, release }
+    }
+}
+
+impl Statements {
+    fn prepare(client: &mut Client, shape: &Shape) -> Result<Self, postgres::Error> {
+        let t = &shape.acct_type;
+        let hot: Vec<Statement> =
+            Hot::texts(shape).iter().map(|sql| client.prepare(sql)).collect::<Result<_, _>>()?;
+        let hot = Hot::of(hot.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
+        let mut p = |sql: &str| client.prepare(sql);
+        Ok(Statements {
+            hot,
             insert_claim: p(
                 "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
                  VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
                  ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING",
             )?,
-            read_key: p(&format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE}"))?,
             lock_key: p(&format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE} FOR UPDATE"))?,
-            lock_key_nowait: p(&format!("SELECT 1 FROM idem_key WHERE {KEY_WHERE} FOR UPDATE NOWAIT"))?,
-            replace_claim: p(&format!(
-                "UPDATE idem_key SET fingerprint = $4, state = 'in_progress', token = $5,
-                        created_at = $6, lease_until = $7, status = NULL, reason = NULL,
-                        body = NULL, transfer_id = NULL, completed_at = NULL
-                 WHERE {KEY_WHERE} AND token = $8 AND state = $9"
-            ))?,
             complete: p(&format!(
                 "UPDATE idem_key SET state = 'completed', status = $4, reason = $5, body = $6,
                         transfer_id = $7, completed_at = $8
                  WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $9"
             ))?,
-            release: p(&format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $4"))?,
             lock_account: p(&format!(
                 "SELECT acct_id::text, balance::text FROM account WHERE acct_id = $1::text::{t} FOR UPDATE"
             ))?,
@@ -636,84 +660,193 @@ fn seen_of(row: &Row, shape: &Shape) -> Result<Seen, StoreError> {
     Ok(Seen { key, accounts: [account(10)?, account(12)?] })
 }
 
-impl PgStore {
-    /// The key and the accounts as they stand, by a plain read (no lock):
-    /// what an execution decides on when the claim's read is stale.
-    fn read_seen(&mut self, x: &Execution) -> Result<Seen, StoreError> {
-        let [src, dst] = x.accounts.map(|id| self.shape.bind(id));
-        let k = x.key;
-        let row =
-            self.client.query_one(&self.sql.seen, &[&k.client_id, &k.endpoint, &k.idem_key, &src, &dst]);
-        seen_of(&row.map_err(pg)?, &self.shape)
+/// The arguments of the claim statement, as it binds them.
+pub(super) struct ClaimArgs<'a> {
+    key: &'a ScopedKey,
+    claim: &'a Claim,
+    created_at: String,
+    lease_until: String,
+    accounts: [Option<String>; 2],
+}
+
+impl<'a> ClaimArgs<'a> {
+    pub(super) fn new(
+        shape: &Shape,
+        key: &'a ScopedKey,
+        claim: &'a Claim,
+        accounts: Option<[&AcctId; 2]>,
+    ) -> Self {
+        let accounts = accounts.map(|ids| ids.map(|id| shape.bind(id))).unwrap_or_default();
+        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
+        ClaimArgs { key, claim, created_at, lease_until, accounts }
     }
 
+    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 9] {
+        let (k, c) = (self.key, self.claim);
+        [
+            &k.client_id,
+            &k.endpoint,
+            &k.idem_key,
+            &c.fingerprint,
+            &c.token,
+            &self.created_at,
+            &self.lease_until,
+            &self.accounts[0],
+            &self.accounts[1],
+        ]
+    }
+}
+
+/// What the claim statement found.
+pub(super) enum ClaimRow {
+    /// Inserted (or, sent again after a lost connection, found under this
+    /// attempt's own token): ours, with the accounts as read.
+    Mine([Option<Account>; 2]),
+    /// The key existed before the statement began.
+    Existing(KeyRecord),
+    /// Inserted by a racer after the statement's snapshot: read it again.
+    Raced,
+}
+
+pub(super) fn claim_row(row: &Row, shape: &Shape, claim: &Claim) -> Result<ClaimRow, StoreError> {
+    let seen = seen_of(row, shape)?;
+    Ok(match (row.get::<_, bool>(0), seen.key) {
+        (true, _) => ClaimRow::Mine(seen.accounts),
+        (false, Some(rec)) if rec.token == claim.token => ClaimRow::Mine(seen.accounts),
+        (false, Some(rec)) => ClaimRow::Existing(rec),
+        (false, None) => ClaimRow::Raced,
+    })
+}
+
+impl Ahead {
+    /// What the execution under `claim`, just inserted, decides on.
+    pub(super) fn new(
+        key: &ScopedKey,
+        claim: &Claim,
+        ids: [&AcctId; 2],
+        accounts: [Option<Account>; 2],
+    ) -> Self {
+        let record = KeyRecord {
+            fingerprint: claim.fingerprint.clone(),
+            created_at: claim.created_at,
+            token: claim.token.clone(),
+            state: KeyState::InProgress { lease_until: claim.lease_until },
+        };
+        Ahead { key: key.clone(), ids: ids.map(AcctId::clone), seen: Seen { key: Some(record), accounts } }
+    }
+
+    /// The seen of the claim before `x`, if `x` runs under it.
+    pub(super) fn for_execution(ahead: Option<Ahead>, x: &Execution) -> Option<Seen> {
+        ahead
+            .filter(|a| a.key == *x.key && a.ids.iter().eq(x.accounts))
+            .filter(|a| a.seen.key.as_ref().is_some_and(|k| k.token == x.token))
+            .map(|a| a.seen)
+    }
+}
+
+/// The arguments of the seen statement.
+pub(super) fn seen_args(shape: &Shape, x: &Execution) -> [Option<String>; 2] {
+    x.accounts.map(|id| shape.bind(id))
+}
+
+/// The arguments of the execution statement, as it binds them (see
+/// [`execute_sql`]), or `None` for a plan that writes nothing.
+pub(super) struct PlanArgs<'a> {
+    x: &'a Execution<'a>,
+    accounts: [Option<String>; 2],
+    bounds: [(bool, i64, i64); 2],
+    amount: i64,
+    currency: &'a str,
+    at: String,
+    status: i32,
+    reason: Option<&'a str>,
+    body: &'a str,
+}
+
+impl<'a> PlanArgs<'a> {
+    pub(super) fn new(shape: &Shape, x: &'a Execution<'a>, plan: &'a Plan) -> Option<Self> {
+        // a payment's completion stores a 201 and no reason
+        let (premises, amount, currency, (status, reason), body) = match plan {
+            Plan::Nothing => return None,
+            Plan::Refuse { answer, premises } => {
+                (premises, 0, "", (answer.status, answer.reason.as_ref()), answer.body.as_str())
+            }
+            Plan::Pay { payment, premises } => {
+                (premises, payment.amount, payment.currency.as_str(), (201, None), payment.body_tail.as_str())
+            }
+        };
+        let bounds = premises.map(|p| match p {
+            Premise::Absent => (false, 0, 0),
+            Premise::Between { lo, hi } => (true, lo, hi),
+        });
+        Some(PlanArgs {
+            x,
+            accounts: x.accounts.map(|id| shape.bind(id)),
+            bounds,
+            amount,
+            currency,
+            at: x.at.to_string(),
+            status: i32::from(status),
+            reason: reason.map(Reason::as_str),
+            body,
+        })
+    }
+
+    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 19] {
+        let (k, [(s_on, s_lo, s_hi), (d_on, d_lo, d_hi)]) = (self.x.key, &self.bounds);
+        [
+            &k.client_id,
+            &k.endpoint,
+            &k.idem_key,
+            &self.x.token,
+            &self.accounts[0],
+            &self.accounts[1],
+            s_on,
+            s_lo,
+            s_hi,
+            d_on,
+            d_lo,
+            d_hi,
+            &self.amount,
+            &self.currency,
+            &self.at,
+            &self.status,
+            &self.reason,
+            &self.body,
+            &CREATED_HEAD,
+        ]
+    }
+}
+
+/// The answer the execution statement's `row` stored for `plan`, or why it
+/// wrote nothing: [`StoreError::Conflict`] if the key or a premise changed
+/// (read again and plan again).
+pub(super) fn plan_row(row: &Row, shape: &Shape, plan: &Plan) -> Result<Stored, StoreError> {
+    let (held, premises_hold, inexact): (bool, bool, Option<String>) = (row.get(0), row.get(1), row.get(2));
+    if let Some(id) = inexact {
+        return Err(super::inexact(&shape.id(id)?));
+    }
+    if !(held && premises_hold) {
+        return Err(StoreError::Conflict);
+    }
+    match (plan, row.get::<_, Option<i64>>(3)) {
+        (Plan::Pay { payment, .. }, Some(id)) => Ok(payment.answer(id)),
+        (Plan::Refuse { answer, .. }, None) => Ok(answer.clone()),
+        _ => Err(StoreError::Backend("the execution wrote a transfer other than planned".into())),
+    }
+}
+
+impl PgStore {
     /// Writes `plan` in one statement, its own transaction: if the key is
     /// still held by the token and the premises hold under the locks it
     /// takes, all of it; else nothing, and a [`StoreError::Conflict`] to
     /// read and plan again.
     fn write_plan(&mut self, x: &Execution, plan: &Plan) -> Result<Stored, StoreError> {
-        let (premises, amount, currency, answer, body) = match plan {
-            Plan::Nothing => return Err(StoreError::Backend("nothing to write".into())),
-            Plan::Refuse { answer, premises } => (premises, 0, "", answer.clone(), answer.body.as_str()),
-            Plan::Pay { payment, premises } => (
-                premises,
-                payment.amount,
-                payment.currency.as_str(),
-                payment.answer(0),
-                payment.body_tail.as_str(),
-            ),
+        let Some(args) = PlanArgs::new(&self.shape, x, plan) else {
+            return Err(StoreError::Backend("nothing to write".into()));
         };
-        let [src, dst] = x.accounts.map(|id| self.shape.bind(id));
-        let bounds = |p: &Premise| match *p {
-            Premise::Absent => (false, 0, 0),
-            Premise::Between { lo, hi } => (true, lo, hi),
-        };
-        let ((s_on, s_lo, s_hi), (d_on, d_lo, d_hi)) = (bounds(&premises[0]), bounds(&premises[1]));
-        let (k, at) = (x.key, x.at.to_string());
-        let status = i32::from(answer.status);
-        let reason = answer.reason.as_ref().map(Reason::as_str);
-        let row = self
-            .client
-            .query_one(
-                &self.sql.execute,
-                &[
-                    &k.client_id,
-                    &k.endpoint,
-                    &k.idem_key,
-                    &x.token,
-                    &src,
-                    &dst,
-                    &s_on,
-                    &s_lo,
-                    &s_hi,
-                    &d_on,
-                    &d_lo,
-                    &d_hi,
-                    &amount,
-                    &currency,
-                    &at,
-                    &status,
-                    &reason,
-                    &body,
-                    &CREATED_HEAD,
-                ],
-            )
-            .map_err(pg)?;
-        let (held, premises_hold, inexact): (bool, bool, Option<String>) =
-            (row.get(0), row.get(1), row.get(2));
-        if let Some(id) = inexact {
-            return Err(super::inexact(&self.shape.id(id)?));
-        }
-        if !(held && premises_hold) {
-            return Err(StoreError::Conflict);
-        }
-        Ok(match (plan, row.get::<_, Option<i64>>(3)) {
-            (Plan::Pay { payment, .. }, Some(id)) => payment.answer(id),
-            (Plan::Pay { .. }, None) => {
-                return Err(StoreError::Backend("a transfer was written without its id".into()));
-            }
-            _ => answer,
-        })
+        let row = self.client.query_one(&self.sql.hot.execute, &args.params()).map_err(pg)?;
+        plan_row(&row, &self.shape, plan)
     }
 }
 
@@ -728,60 +861,36 @@ impl Store for PgStore {
         policy: &Policy,
     ) -> Result<Option<KeyRecord>, StoreError> {
         self.ahead = None;
-        let ids = accounts.map(|ids| ids.map(|id| self.shape.bind(id)));
-        let [src, dst] = ids.clone().unwrap_or_default();
-        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
-        let params: [&(dyn postgres::types::ToSql + Sync); 9] = [
-            &key.client_id,
-            &key.endpoint,
-            &key.idem_key,
-            &claim.fingerprint,
-            &claim.token,
-            &created_at,
-            &lease_until,
-            &src,
-            &dst,
-        ];
-        let row = super::retrying(
+        let args = ClaimArgs::new(&self.shape, key, claim, accounts);
+        let found = super::retrying(
             policy,
             |e| *e == StoreError::Conflict,
             || {
                 // A connection found dead is replaced and the claim sent again;
                 // if the first one did commit, the key is found under this
                 // attempt's own token, and is ours.
-                let row = self.reading(|s| s.client.query_one(&s.sql.claim, &params))?;
-                let seen = seen_of(&row, &self.shape)?;
-                match (row.get::<_, bool>(0), seen.key) {
-                    (true, _) => Ok((None, seen.accounts)),
-                    (false, Some(rec)) if rec.token == claim.token => Ok((None, seen.accounts)),
-                    (false, Some(rec)) => Ok((Some(rec), seen.accounts)),
-                    // Inserted by a racer after this statement's snapshot: read
-                    // it with a fresh one (if it is gone already, claim again).
-                    (false, None) => {
-                        let read = self
-                            .client
-                            .query_opt(&self.sql.read_key, &[&key.client_id, &key.endpoint, &key.idem_key]);
-                        let rec = read.map_err(pg)?.as_ref().map(record).transpose()?;
-                        rec.map(|rec| (Some(rec), seen.accounts)).ok_or(StoreError::Conflict)
+                let row = self.reading(|s| s.client.query_one(&s.sql.hot.claim, &args.params()))?;
+                match claim_row(&row, &self.shape, claim)? {
+                    ClaimRow::Mine(read) => Ok(Err(read)),
+                    ClaimRow::Existing(rec) => Ok(Ok(rec)),
+                    ClaimRow::Raced => {
+                        let k = [&key.client_id, &key.endpoint, &key.idem_key];
+                        let row =
+                            self.client.query_opt(&self.sql.hot.read_key, &[k[0], k[1], k[2]]).map_err(pg)?;
+                        row.as_ref().map(record).transpose()?.map(Ok).ok_or(StoreError::Conflict)
                     }
                 }
             },
         );
-        let (existing, read) = match row {
-            Err(StoreError::Conflict) => return Err(StoreError::Busy),
-            other => other?,
-        };
-        if let (None, Some(ids)) = (&existing, accounts) {
-            let record = KeyRecord {
-                fingerprint: claim.fingerprint.clone(),
-                created_at: claim.created_at,
-                token: claim.token.clone(),
-                state: KeyState::InProgress { lease_until: claim.lease_until },
-            };
-            let seen = Seen { key: Some(record), accounts: read };
-            self.ahead = Some(Ahead { key: key.clone(), ids: ids.map(AcctId::clone), seen });
+        match found {
+            Err(StoreError::Conflict) => Err(StoreError::Busy),
+            Err(e) => Err(e),
+            Ok(Ok(existing)) => Ok(Some(existing)),
+            Ok(Err(read)) => {
+                self.ahead = accounts.map(|ids| Ahead::new(key, claim, ids, read));
+                Ok(None)
+            }
         }
-        Ok(existing)
     }
 
     /// Decides on what the claim read (or, after a conflict, on a fresh
@@ -794,12 +903,7 @@ impl Store for PgStore {
         crash: &mut dyn FnMut() -> bool,
         policy: &Policy,
     ) -> Result<Executed, StoreError> {
-        let mut ahead = self
-            .ahead
-            .take()
-            .filter(|a| a.key == *x.key && a.ids.iter().eq(x.accounts))
-            .filter(|a| a.seen.key.as_ref().is_some_and(|k| k.token == x.token))
-            .map(|a| a.seen);
+        let mut ahead = Ahead::for_execution(self.ahead.take(), &x);
         let done = super::retrying(
             policy,
             |e| *e == StoreError::Conflict,
@@ -808,7 +912,13 @@ impl Store for PgStore {
                     Some(seen) => seen,
                     None => {
                         self.revive()?;
-                        self.read_seen(&x)?
+                        let [src, dst] = seen_args(&self.shape, &x);
+                        let k = x.key;
+                        let row = self.client.query_one(
+                            &self.sql.hot.seen,
+                            &[&k.client_id, &k.endpoint, &k.idem_key, &src, &dst],
+                        );
+                        seen_of(&row.map_err(pg)?, &self.shape)?
                     }
                 };
                 let planned = plan(&seen);
@@ -885,7 +995,7 @@ impl Reads for PgStore {
 
     fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
         let row = self.reading(|s| {
-            s.client.query_opt(&s.sql.read_key, &[&key.client_id, &key.endpoint, &key.idem_key])
+            s.client.query_opt(&s.sql.hot.read_key, &[&key.client_id, &key.endpoint, &key.idem_key])
         })?;
         row.as_ref().map(record).transpose()
     }
@@ -951,7 +1061,7 @@ impl Tx for PgTx<'_> {
         }
         // The primary key is the arbiter. If the row it saw is gone already
         // (purged in between), run the claim again.
-        let read_key = &self.sql.read_key;
+        let read_key = &self.sql.hot.read_key;
         self.key_row(read_key, key)?.map(Some).ok_or(StoreError::Conflict)
     }
 
@@ -963,7 +1073,7 @@ impl Tx for PgTx<'_> {
     ) -> Result<bool, StoreError> {
         match self
             .client
-            .query_opt(&self.sql.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key])
+            .query_opt(&self.sql.hot.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key])
         {
             Ok(Some(_)) => {}
             Ok(None) => return Ok(false),
@@ -973,7 +1083,7 @@ impl Tx for PgTx<'_> {
             Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(false),
             Err(e) => return Err(pg(e)),
         }
-        let replace_claim = &self.sql.replace_claim;
+        let replace_claim = &self.sql.hot.replace_claim;
         Ok(self.write_claim(replace_claim, key, claim, Some((&seen.token, seen.state.name())))? == 1)
     }
 
@@ -1014,7 +1124,7 @@ impl Tx for PgTx<'_> {
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
         let n = self
             .client
-            .execute(&self.sql.release, &[&key.client_id, &key.endpoint, &key.idem_key, &token])
+            .execute(&self.sql.hot.release, &[&key.client_id, &key.endpoint, &key.idem_key, &token])
             .map_err(pg)?;
         Ok(n == 1)
     }
