@@ -1,28 +1,35 @@
-//! Where the synchronous protocol runs for the service: worker threads that
-//! each own one store connection, fed by bounded queues.
+//! Where the protocol runs for the service.
 //!
-//! On SQLite, one writer owns the write connection and folds the transfers
-//! waiting in its queue into one group commit (a savepoint per request, one
-//! fsync for the group), answering each only after that commit returned. On
-//! PostgreSQL, a bounded pool of workers, each a connection, runs one
-//! transfer at a time. On both, readers with connections of their own answer
-//! lookups and health probes from plain reads, on a queue of their own, and
-//! on SQLite settled keys (replays, 422s) too: a read never waits behind an
-//! execution's lock wait or a group commit.
+//! On SQLite, one writer thread owns the write connection and folds the
+//! transfers waiting in its queue into one group commit (a savepoint per
+//! request, one fsync for the group), answering each only after that commit
+//! returned. On PostgreSQL, a transfer runs on a connection of an async
+//! pool (`store::pg_pool`), awaited on the service's runtime in a task of
+//! its own: no thread waits on a socket and none is handed the request.
+//! On both, reader threads with connections of their own answer lookups
+//! and health probes from plain reads, on a queue of their own, and settled
+//! keys (replays, 422s) when the writers are busy: a read never waits
+//! behind an execution's lock wait or a group commit. On PostgreSQL,
+//! writer threads with connections of their own run the payout steps.
 //!
-//! A job, once queued, runs to completion whatever happens to the HTTP
-//! connection that asked for it: a client that hangs up mid-request never
-//! strands a claim. A full queue is refused at once (503, `busy`).
+//! A transfer, once queued or spawned, runs to completion whatever happens
+//! to the HTTP connection that asked for it: a client that hangs up
+//! mid-request never strands a claim. A full queue is refused at once
+//! (503, `busy`); so is a pool with no connection free within the busy
+//! budget.
 
 use super::health::Health;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
+use crate::protocol::Steps;
 use crate::protocol::{self, Ctx, Flow, Outcome, Response};
 use crate::reason::Reason;
 use crate::request::{Request, ScopedKey};
 use crate::store::pg::PgStore;
+use crate::store::pg_pool::{Manager, PgConn, Pool};
 use crate::store::sqlite::SqliteStore;
 use crate::store::{Db, Reads, Store, StoreError};
+use deadpool::managed::PoolError;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
@@ -62,19 +69,32 @@ pub type Work = Box<dyn FnOnce(&mut dyn Store) + Send>;
 
 /// The connections the service runs on.
 pub enum Stores {
-    Sqlite { writer: SqliteStore, readers: Vec<SqliteStore> },
-    Postgres { writers: Vec<PgStore>, readers: Vec<PgStore> },
+    Sqlite {
+        writer: SqliteStore,
+        readers: Vec<SqliteStore>,
+    },
+    /// Transfers run on `pool`, awaited; `writers` (payouts only) and
+    /// `readers` are synchronous connections with a thread each.
+    Postgres {
+        pool: Pool,
+        writers: Vec<PgStore>,
+        readers: Vec<PgStore>,
+    },
 }
 
 impl Stores {
-    /// Opens what `db` needs: a writer on SQLite, `pool` writers on
-    /// PostgreSQL, and readers beside them.
-    pub fn open(db: &Db, pool: usize, policy: &Policy) -> Result<Stores, StoreError> {
+    /// Opens what `db` needs: a writer on SQLite; on PostgreSQL a pool of
+    /// `pool` connections for transfers and, when `payouts` are served,
+    /// `pool` writers for them; and readers beside them.
+    pub fn open(db: &Db, pool: usize, payouts: bool, policy: &'static Policy) -> Result<Stores, StoreError> {
         let path = match db {
             Db::Postgres(spec) => {
                 let connect =
                     |n| (0..n).map(|_| PgStore::connect(spec, policy)).collect::<Result<Vec<_>, _>>();
-                return Ok(Stores::Postgres { writers: connect(pool.max(1))?, readers: connect(READERS)? });
+                let readers = connect(READERS)?;
+                let pool_of = Manager::new(spec, &readers[0], policy)?.pool(pool)?;
+                let writers = connect(if payouts { pool.max(1) } else { 0 })?;
+                return Ok(Stores::Postgres { pool: pool_of, writers, readers });
             }
             Db::Sqlite(path) => path,
         };
@@ -99,8 +119,8 @@ pub enum GroupPoint {
 pub type GroupHook = Arc<dyn Fn(GroupPoint) + Send + Sync>;
 
 pub struct Executor {
-    /// PostgreSQL writers waiting for a job; `None` on SQLite.
-    idle_writers: Option<Arc<AtomicUsize>>,
+    /// PostgreSQL: where transfers run, and what they need around them.
+    pool: Option<OnPool>,
     writes: Mutex<Option<SyncSender<Job>>>,
     reads: Mutex<Option<SyncSender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -135,7 +155,7 @@ impl Executor {
     ) -> std::io::Result<Self> {
         let (writes, write_jobs) = queue(capacity);
         let (reads, read_jobs) = queue(capacity);
-        let mut idle_writers = None;
+        let mut on_pool = None;
         let mut workers = Vec::new();
         let readers = match stores {
             Stores::Sqlite { writer, readers } => {
@@ -145,27 +165,32 @@ impl Executor {
                 })?);
                 readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect::<Vec<_>>()
             }
-            Stores::Postgres { writers, readers } => {
-                let idle = Arc::new(AtomicUsize::new(0));
+            Stores::Postgres { pool, writers, readers } => {
                 for (i, store) in writers.into_iter().enumerate() {
                     let (jobs, clock, health) = (write_jobs.clone(), clock.clone(), health.clone());
-                    let idle = Some(idle.clone());
                     workers.push(spawn(format!("idem-store-{i}"), move || {
-                        one_at_a_time(Box::new(store), &jobs, policy, &clock, &health, idle)
+                        one_at_a_time(Box::new(store), &jobs, policy, &clock, &health)
                     })?);
                 }
-                idle_writers = Some(idle);
+                on_pool = Some(OnPool {
+                    pool,
+                    policy,
+                    clock: clock.clone(),
+                    health: health.clone(),
+                    orphans: Arc::default(),
+                    running: Arc::default(),
+                });
                 readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect()
             }
         };
         for (i, reader) in readers.into_iter().enumerate() {
             let (jobs, clock, health) = (read_jobs.clone(), clock.clone(), health.clone());
             workers.push(spawn(format!("idem-reader-{i}"), move || {
-                one_at_a_time(reader, &jobs, policy, &clock, &health, None)
+                one_at_a_time(reader, &jobs, policy, &clock, &health)
             })?);
         }
         Ok(Executor {
-            idle_writers,
+            pool: on_pool,
             writes: Mutex::new(Some(writes)),
             reads: Mutex::new(Some(reads)),
             workers: Mutex::new(workers),
@@ -177,11 +202,36 @@ impl Executor {
     /// writers: always on SQLite (its one writer runs group commits). On
     /// PostgreSQL the claim is one statement that answers a settled key in
     /// the same one round trip, so a look-up first would only add one to
-    /// every new transfer, unless no writer is free (all in executions,
-    /// perhaps in lock waits on a hot account): then the reader answers a
-    /// replay at once.
+    /// every new transfer, unless no connection of the pool is free (all in
+    /// executions, perhaps in lock waits on a hot account): then a reader
+    /// answers a replay at once.
     pub fn settles_first(&self) -> bool {
-        self.idle_writers.as_ref().is_none_or(|idle| idle.load(Ordering::Relaxed) == 0)
+        self.pool.as_ref().is_none_or(|on| {
+            let status = on.pool.status();
+            status.available == 0 && status.size >= status.max_size
+        })
+    }
+
+    /// Whether transfers run on a pool ([`Executor::transfer_on_pool`], on
+    /// PostgreSQL) rather than as [`Job::Transfer`]s (SQLite's writer).
+    pub fn runs_on_pool(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// Runs a transfer on PostgreSQL's pool, in a task of its own, so that
+    /// it runs to completion even if the connection that asked goes away.
+    pub async fn transfer_on_pool(&self, req: Request) -> Result<Outcome, StoreError> {
+        let Some(on) = self.pool.clone() else {
+            return Err(StoreError::Backend("no connection pool: transfers run as jobs".into()));
+        };
+        on.running.fetch_add(1, Ordering::Relaxed);
+        let task = tokio::spawn(async move {
+            let outcome = on.transfer(&req).await;
+            report(&on.health, &outcome);
+            on.running.fetch_sub(1, Ordering::Relaxed);
+            outcome
+        });
+        task.await.unwrap_or_else(|_| Err(StoreError::Backend("a transfer's task failed".into())))
     }
 
     /// Queues a transfer for the writer (or the pool); `false` when full or shut.
@@ -194,8 +244,14 @@ impl Executor {
         send(&self.reads, job)
     }
 
-    /// Stops taking jobs and waits for every queued one to finish.
+    /// Stops taking jobs and waits for every queued one, and every transfer
+    /// running on the pool, to finish.
     pub fn drain(&self) {
+        if let Some(on) = &self.pool {
+            while on.running.load(Ordering::Relaxed) > 0 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
         self.writes.lock().unwrap_or_else(|e| e.into_inner()).take();
         self.reads.lock().unwrap_or_else(|e| e.into_inner()).take();
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|e| e.into_inner()));
@@ -291,6 +347,53 @@ impl Orphans {
     }
 }
 
+/// What a transfer on PostgreSQL's pool runs with.
+#[derive(Clone)]
+struct OnPool {
+    pool: Pool,
+    policy: &'static Policy,
+    clock: Clock,
+    health: Arc<Health>,
+    /// Claims left by requests answered 503 `unavailable` (see [`Orphans`]):
+    /// released before the next transfer runs.
+    orphans: Arc<Mutex<Orphans>>,
+    /// Transfers running, for [`Executor::drain`].
+    running: Arc<AtomicUsize>,
+}
+
+impl OnPool {
+    async fn transfer(&self, req: &Request) -> Result<Outcome, StoreError> {
+        let mut conn = match self.pool.get().await {
+            Ok(conn) => conn,
+            Err(PoolError::Timeout(_)) => return protocol::unless_busy(Err(StoreError::Busy), self.policy),
+            Err(PoolError::Backend(e)) => return protocol::unless_busy(Err(e), self.policy),
+            Err(e) => return Err(StoreError::Backend(format!("connection pool: {e}").into())),
+        };
+        self.release_orphans(&mut conn).await;
+        let token = protocol::fresh_token()
+            .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
+        let ctx = Ctx { policy: self.policy, now: (self.clock)(), token: &token };
+        let outcome = protocol::handle_steps(&mut *conn, req, ctx).await;
+        if unavailable(&outcome) {
+            self.orphans.lock().unwrap_or_else(|e| e.into_inner()).add(req.key.clone(), token);
+        }
+        outcome
+    }
+
+    /// Releases the claims of [`OnPool::orphans`] while the database takes it.
+    async fn release_orphans(&self, conn: &mut PgConn) {
+        loop {
+            let next = self.orphans.lock().unwrap_or_else(|e| e.into_inner()).0.pop_front();
+            let Some((key, token)) = next else { return };
+            if let Err(StoreError::Unavailable(_) | StoreError::Busy) = conn.release(&key, &token).await {
+                // still away: later
+                self.orphans.lock().unwrap_or_else(|e| e.into_inner()).0.push_front((key, token));
+                return;
+            }
+        }
+    }
+}
+
 /// Tells `health` what a write's outcome says of the database.
 fn report(health: &Health, outcome: &Result<Outcome, StoreError>) {
     match outcome {
@@ -328,34 +431,22 @@ fn read_or_transfer<S: Reads>(
     None
 }
 
-/// A worker that runs each job on its own (PostgreSQL writers, and
-/// readers), counted in `idle` while it waits for one.
+/// A worker that runs each job on its own (PostgreSQL writers, and readers).
 fn one_at_a_time<S: Reads + ?Sized>(
     mut store: Box<S>,
     jobs: &Mutex<Receiver<Job>>,
     policy: &Policy,
     clock: &Clock,
     health: &Health,
-    idle: Option<Arc<AtomicUsize>>,
 ) {
     let mut orphans = Orphans::default();
-    let waiting = |now: bool| {
-        if let Some(idle) = &idle {
-            match now {
-                true => idle.fetch_add(1, Ordering::Relaxed),
-                false => idle.fetch_sub(1, Ordering::Relaxed),
-            };
-        }
-    };
     loop {
-        waiting(true);
         let job = match orphans.0.is_empty() {
             true => next(jobs),
             false => {
                 match jobs.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(Orphans::RETRY_EVERY) {
                     Ok(job) => Some(job),
                     Err(RecvTimeoutError::Timeout) => {
-                        waiting(false);
                         orphans.release(&mut *store, policy, clock);
                         continue;
                     }
@@ -363,7 +454,6 @@ fn one_at_a_time<S: Reads + ?Sized>(
                 }
             }
         };
-        waiting(false);
         let Some(job) = job else { break };
         if let Some((req, reply)) = read_or_transfer(&mut store, job, policy, clock) {
             orphans.release(&mut *store, policy, clock);

@@ -299,11 +299,17 @@ async fn refuse_or_transfer(
             Err(_) => return failed(note),
         }
     }
-    let (reply, answer) = oneshot::channel();
-    if !app.executor.submit(Job::Transfer { req: parsed, reply }) {
-        return busy(app, note);
-    }
-    match answer.await {
+    let outcome = match app.executor.runs_on_pool() {
+        true => Ok(app.executor.transfer_on_pool(parsed).await),
+        false => {
+            let (reply, answer) = oneshot::channel();
+            if !app.executor.submit(Job::Transfer { req: parsed, reply }) {
+                return busy(app, note);
+            }
+            answer.await
+        }
+    };
+    match outcome {
         Ok(Ok(Outcome::Respond(answer))) => respond(answer, note),
         Ok(Ok(Outcome::Crashed(_))) | Err(_) => failed(note),
         Ok(Err(e)) => store_error(app, &e, note),

@@ -1,7 +1,8 @@
 //! `idem serve`: the protocol behind HTTP, following
 //! draft-ietf-httpapi-idempotency-key-header. A thin async edge (tokio and
-//! hyper) around the synchronous protocol, which runs to completion on the
-//! store workers of [`executor`], detached from the connection that asked.
+//! hyper) around the protocol, which runs to completion in [`executor`]
+//! (SQLite's writer thread, or PostgreSQL's async pool), detached from the
+//! connection that asked.
 //!
 //! The first line on stdout names the bound address (`http://HOST:PORT`);
 //! one JSON line per request goes to stderr. SIGTERM or Ctrl-C stops
@@ -45,8 +46,9 @@ pub struct Options {
     pub db: crate::store::Db,
     /// Bearer token → client id.
     pub clients: HashMap<String, String>,
-    /// Connections to PostgreSQL (each with a worker thread) that run
-    /// transfers; SQLite has one writer. Two readers serve reads on either.
+    /// Connections to PostgreSQL that run transfers (an async pool), and as
+    /// many writer threads for payouts when a gateway is set; SQLite has
+    /// one writer. Two readers serve reads on either.
     pub pool: usize,
     /// Transfers answered at once; more get 503 at once.
     pub max_in_flight: usize,
@@ -278,7 +280,7 @@ impl Service {
         hook: Option<executor::GroupHook>,
     ) -> Result<Service, ServeError> {
         keep_freed_memory();
-        let stores = executor::Stores::open(&options.db, options.pool, policy)?;
+        let stores = executor::Stores::open(&options.db, options.pool, options.gateway.is_some(), policy)?;
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
         let executor =

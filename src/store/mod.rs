@@ -30,6 +30,7 @@
 pub mod bank;
 mod db;
 pub mod pg;
+pub mod pg_pool;
 pub mod sqlite;
 
 pub use db::Db;
@@ -793,16 +794,41 @@ pub fn retrying<R>(
     transient: impl Fn(&StoreError) -> bool,
     mut attempt: impl FnMut() -> Result<R, StoreError>,
 ) -> Result<R, StoreError> {
-    let deadline = Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
-    let mut pause = Duration::from_micros(200);
+    let mut backoff = Backoff::new(policy);
     loop {
         match attempt() {
-            Err(e) if transient(&e) && Instant::now() + pause < deadline => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(20));
-            }
+            Err(e) if transient(&e) => match backoff.next() {
+                Some(pause) => std::thread::sleep(pause),
+                None => return Err(e),
+            },
             other => return other,
         }
+    }
+}
+
+/// The pauses between tries of [`retrying`] (and of the service's pool):
+/// 200 µs, then twice as long each time up to 20 ms, while the busy budget
+/// lasts.
+pub struct Backoff {
+    deadline: Instant,
+    pause: Duration,
+}
+
+impl Backoff {
+    pub fn new(policy: &Policy) -> Backoff {
+        let deadline = Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
+        Backoff { deadline, pause: Duration::from_micros(200) }
+    }
+
+    /// The pause before the next try, or `None` if it would end past the
+    /// budget.
+    pub fn next(&mut self) -> Option<Duration> {
+        let pause = self.pause;
+        if Instant::now() + pause >= self.deadline {
+            return None;
+        }
+        self.pause = (pause * 2).min(Duration::from_millis(20));
+        Some(pause)
     }
 }
 

@@ -89,6 +89,11 @@ struct Statements {
 }
 
 impl PgStore {
+    /// How this database's `account.acct_id` is typed.
+    pub(super) fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
     /// Connects to the database `spec` names and makes sure it is one the
     /// engine can use. The error never quotes `spec`.
     pub fn connect(spec: &str, policy: &Policy) -> Result<Self, StoreError> {
@@ -140,12 +145,17 @@ impl PgStore {
 fn session(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
     let mut client = client(spec, policy)?;
     client
-        .batch_execute(&format!(
-            "SET lock_timeout = {}; SET statement_timeout = {STATEMENT_TIMEOUT_MS}; SET synchronous_commit = on",
-            policy.busy_timeout_ms
-        ))
+        .batch_execute(&session_sql(policy))
         .map_err(|e| redacted("cannot configure the session", &e, spec))?;
     Ok(client)
+}
+
+/// What every connection that runs requests sets first.
+pub(super) fn session_sql(policy: &Policy) -> String {
+    format!(
+        "SET lock_timeout = {}; SET statement_timeout = {STATEMENT_TIMEOUT_MS}; SET synchronous_commit = on",
+        policy.busy_timeout_ms
+    )
 }
 
 /// How long a network that stopped answering may keep a connection: TCP
@@ -161,17 +171,23 @@ const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest any one statement may run on the server: every statement of
 /// a request takes milliseconds, and its lock waits end at the busy budget.
-const STATEMENT_TIMEOUT_MS: u32 = 15_000;
+pub(super) const STATEMENT_TIMEOUT_MS: u32 = 15_000;
 
 /// A plain connection to the database `spec` names, with a connect timeout
 /// of the busy budget and the network timeouts above, each unless `spec`
 /// sets its own. The error never quotes `spec`.
 pub(super) fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
-    let mut config = Config::from_str(spec).map_err(|e| redacted("--db", &e, spec))?;
+    let config = Config::from(configure(spec, policy)?);
+    config.connect(NoTls).map_err(|e| redacted("cannot connect to PostgreSQL", &e, spec))
+}
+
+/// The configuration of [`client`], for either driver.
+pub(super) fn configure(spec: &str, policy: &Policy) -> Result<tokio_postgres::Config, StoreError> {
+    let mut config = tokio_postgres::Config::from_str(spec).map_err(|e| redacted("--db", &e, spec))?;
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(Duration::from_millis(u64::from(policy.busy_timeout_ms)));
     }
-    let defaults = Config::new();
+    let defaults = tokio_postgres::Config::new();
     if config.get_keepalives_idle() == defaults.get_keepalives_idle() {
         config.keepalives_idle(KEEPALIVE_IDLE);
     }
@@ -185,7 +201,7 @@ pub(super) fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> 
         config.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
     config.application_name("idem");
-    config.connect(NoTls).map_err(|e| redacted("cannot connect to PostgreSQL", &e, spec))
+    Ok(config)
 }
 
 /// `spec` with `search_path` set to `schema`, in the form `spec` is in.
@@ -201,7 +217,7 @@ pub(super) fn in_schema(spec: &str, schema: &str) -> String {
 
 /// A connection error as one line, with every trace of `spec` (and the
 /// password in it) removed, in case a driver message ever echoes it.
-fn redacted(what: &str, e: &postgres::Error, spec: &str) -> StoreError {
+pub(super) fn redacted(what: &str, e: &postgres::Error, spec: &str) -> StoreError {
     let mut line = format!("{what}: {}", describe(e));
     let password = Config::from_str(spec)
         .ok()
@@ -243,7 +259,7 @@ pub(super) fn pg(e: postgres::Error) -> StoreError {
 /// (53: disk full, memory, connections), or is a standby that cannot write
 /// (25006). Nothing of the transaction is known to have committed but what
 /// a retry will find; the next transaction runs on a new connection.
-fn lost(e: &postgres::Error) -> bool {
+pub(super) fn lost(e: &postgres::Error) -> bool {
     match e.code() {
         Some(c) => {
             let c = c.code();
@@ -620,7 +636,7 @@ fn balance(id: &AcctId, text: &str) -> Result<i64, StoreError> {
     }
 }
 
-fn record(row: &Row) -> Result<KeyRecord, StoreError> {
+pub(super) fn record(row: &Row) -> Result<KeyRecord, StoreError> {
     record_at(row, 0)
 }
 
@@ -643,7 +659,7 @@ fn record_at(row: &Row, at: usize) -> Result<KeyRecord, StoreError> {
 
 /// The key (columns 1..=9, if there is one) and the accounts `[src, dst]`
 /// (columns 10..=13, id and balance as text) of a claim or seen row.
-fn seen_of(row: &Row, shape: &Shape) -> Result<Seen, StoreError> {
+pub(super) fn seen_of(row: &Row, shape: &Shape) -> Result<Seen, StoreError> {
     let key = match row.get::<_, Option<String>>(4) {
         Some(_) => Some(record_at(row, 1)?),
         None => None,

@@ -83,8 +83,21 @@ impl Cluster {
         String::from_utf8(out.stdout).unwrap().trim().to_owned()
     }
 
+    /// A connection to the primary. Right after a failover the cluster may
+    /// have none for a moment (the old primary rejoining, a leader race):
+    /// wait for one, as a client would.
     fn client(&self) -> postgres::Client {
-        postgres::Client::connect(&self.conninfo, postgres::NoTls).unwrap()
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match postgres::Client::connect(&self.conninfo, postgres::NoTls) {
+                Ok(client) => return client,
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("no primary yet ({e}); waiting");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => panic!("no primary for 30 s: {e}"),
+            }
+        }
     }
 }
 

@@ -1,0 +1,272 @@
+//! The PostgreSQL store as `idem serve` runs a request on it: tokio-postgres
+//! connections awaited on the service's own runtime, in a deadpool pool, so
+//! no thread waits on a socket. A request's steps ([`protocol::Steps`]) run
+//! here, the claim and the execution one statement each; the statements,
+//! their arguments and the reading of their rows are the synchronous
+//! store's (`pg.rs`), which still runs everything else (payouts, reads,
+//! the schema).
+//!
+//! Every statement has a deadline on the client side too: a server that is
+//! paused rather than gone keeps acknowledging at the TCP level, so only a
+//! deadline here frees the request; the connection is then dropped from the
+//! pool (its state is unknown) and the answer is 503 `unavailable`.
+
+use super::pg::{self, Ahead, ClaimArgs, ClaimRow, Hot, PgStore, PlanArgs, Shape};
+use super::{Backoff, Claim, Executed, Execution, KeyRecord, Plan, Seen, StoreError};
+use crate::policy::Policy;
+use crate::protocol::Steps;
+use crate::request::{AcctId, ScopedKey};
+use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
+use postgres::error::SqlState;
+use std::future::Future;
+use std::time::Duration;
+use tokio_postgres::{Client, NoTls};
+
+/// The pool the service takes a connection from for each transfer.
+pub type Pool = managed::Pool<Manager>;
+
+/// Makes and keeps the pool's connections (deadpool's [`managed::Manager`]).
+pub struct Manager {
+    config: tokio_postgres::Config,
+    /// To say why a connection failed without quoting the connection string.
+    spec: String,
+    shape: Shape,
+    policy: &'static Policy,
+}
+
+impl Manager {
+    /// The connections of `store`'s database: `store` (synchronous, already
+    /// connected) has made and checked the schema and knows its shape.
+    pub fn new(spec: &str, store: &PgStore, policy: &'static Policy) -> Result<Manager, StoreError> {
+        let config = pg::configure(spec, policy)?;
+        Ok(Manager { config, spec: spec.to_owned(), shape: store.shape().clone(), policy })
+    }
+
+    /// A pool of at most `size` connections; a request waits for one at
+    /// most the busy budget (then 503 `busy`).
+    pub fn pool(self, size: usize) -> Result<Pool, StoreError> {
+        let wait = Duration::from_millis(u64::from(self.policy.busy_timeout_ms));
+        Pool::builder(self)
+            .max_size(size.max(1))
+            .wait_timeout(Some(wait))
+            .create_timeout(Some(wait))
+            .runtime(deadpool::Runtime::Tokio1)
+            .build()
+            .map_err(|e| StoreError::Backend(format!("cannot build the connection pool: {e}").into()))
+    }
+}
+
+impl managed::Manager for Manager {
+    type Type = PgConn;
+    type Error = StoreError;
+
+    async fn create(&self) -> Result<PgConn, StoreError> {
+        let unavailable =
+            |e: tokio_postgres::Error| match pg::redacted("cannot connect to PostgreSQL", &e, &self.spec) {
+                StoreError::Backend(why) => StoreError::Unavailable(why.to_string()),
+                other => other,
+            };
+        let (client, connection) = self.config.connect(NoTls).await.map_err(unavailable)?;
+        tokio::spawn(async move {
+            // ends when the connection closes; the client sees that as errors
+            let _ = connection.await;
+        });
+        client.batch_execute(&pg::session_sql(self.policy)).await.map_err(unavailable)?;
+        let mut prepared = Vec::new();
+        for sql in Hot::texts(&self.shape) {
+            prepared.push(client.prepare(&sql).await.map_err(unavailable)?);
+        }
+        let sql =
+            Hot::of(prepared.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
+        Ok(PgConn { client, sql, shape: self.shape.clone(), ahead: None, broken: false, policy: self.policy })
+    }
+
+    async fn recycle(&self, conn: &mut PgConn, _: &Metrics) -> RecycleResult<StoreError> {
+        match conn.broken || conn.client.is_closed() {
+            true => Err(RecycleError::message("the connection is closed or its state unknown")),
+            false => Ok(()),
+        }
+    }
+}
+
+/// One connection of the pool.
+pub struct PgConn {
+    client: Client,
+    sql: Hot,
+    shape: Shape,
+    /// What the last claim read on its way, for the execution under it.
+    ahead: Option<Ahead>,
+    /// A statement outlived its deadline: the pool drops this connection.
+    broken: bool,
+    policy: &'static Policy,
+}
+
+/// How long the client waits for any one statement: longer than the server
+/// lets it run, so a deadline here means the server stopped answering.
+const DEADLINE: Duration = Duration::from_millis(pg::STATEMENT_TIMEOUT_MS as u64 + 1_000);
+
+/// `statement`'s answer, or [`StoreError::Unavailable`] past the deadline
+/// (and `broken` set: the pool then drops the connection).
+async fn deadline<T>(
+    broken: &mut bool,
+    statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(DEADLINE, statement).await {
+        Ok(answer) => answer.map_err(pg::pg),
+        Err(_) => {
+            *broken = true;
+            Err(StoreError::Unavailable(format!("PostgreSQL did not answer within {DEADLINE:?}")))
+        }
+    }
+}
+
+/// Waits [`Backoff`]'s next pause before a conflict is run again; past the
+/// busy budget, [`StoreError::Busy`].
+async fn pause(backoff: &mut Backoff) -> Result<(), StoreError> {
+    match backoff.next() {
+        Some(pause) => Ok(tokio::time::sleep(pause).await),
+        None => Err(StoreError::Busy),
+    }
+}
+
+impl PgConn {
+    /// One claim statement: `Ok(Err(accounts))` if the key is ours now.
+    async fn claim_once(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        args: &ClaimArgs<'_>,
+    ) -> Result<Result<KeyRecord, [Option<super::Account>; 2]>, StoreError> {
+        let row = deadline(&mut self.broken, self.client.query_one(&self.sql.claim, &args.params())).await?;
+        match pg::claim_row(&row, &self.shape, claim)? {
+            ClaimRow::Mine(read) => Ok(Err(read)),
+            ClaimRow::Existing(rec) => Ok(Ok(rec)),
+            ClaimRow::Raced => {
+                let k: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                    [&key.client_id, &key.endpoint, &key.idem_key];
+                let row = deadline(&mut self.broken, self.client.query_opt(&self.sql.read_key, &k)).await?;
+                row.as_ref().map(pg::record).transpose()?.map(Ok).ok_or(StoreError::Conflict)
+            }
+        }
+    }
+
+    /// One takeover: the row locked `NOWAIT`, then the compare-and-set.
+    async fn replace_once(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        let (created_at, lease_until, state) =
+            (claim.created_at.to_string(), claim.lease_until.to_string(), seen.state.name());
+        let tx = self.client.transaction().await.map_err(pg::pg)?;
+        tx.batch_execute("SET LOCAL synchronous_commit = off").await.map_err(pg::pg)?;
+        match tx.query_opt(&self.sql.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key]).await {
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(false),
+            // locked: its execution is running, so the key is in flight
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(false),
+            Err(e) => return Err(pg::pg(e)),
+        }
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
+            &key.client_id,
+            &key.endpoint,
+            &key.idem_key,
+            &claim.fingerprint,
+            &claim.token,
+            &created_at,
+            &lease_until,
+            &seen.token,
+            &state,
+        ];
+        let replaced = tx.execute(&self.sql.replace_claim, &params).await.map_err(pg::pg)?;
+        tx.commit().await.map_err(pg::pg)?;
+        Ok(replaced == 1)
+    }
+
+    /// One execution: decide on `seen` (or on a fresh plain read) and write
+    /// the plan in one statement.
+    async fn execute_once(
+        &mut self,
+        x: &Execution<'_>,
+        seen: Option<Seen>,
+        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
+    ) -> Result<Executed, StoreError> {
+        let seen = match seen {
+            Some(seen) => seen,
+            None => {
+                let ([src, dst], k) = (pg::seen_args(&self.shape, x), x.key);
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                    [&k.client_id, &k.endpoint, &k.idem_key, &src, &dst];
+                let read = self.client.query_one(&self.sql.seen, &params);
+                pg::seen_of(&deadline(&mut self.broken, read).await?, &self.shape)?
+            }
+        };
+        let planned = plan(&seen);
+        let Some(args) = PlanArgs::new(&self.shape, x, &planned) else { return Ok(Executed::Nothing) };
+        let row =
+            deadline(&mut self.broken, self.client.query_one(&self.sql.execute, &args.params())).await?;
+        pg::plan_row(&row, &self.shape, &planned).map(Executed::Completed)
+    }
+}
+
+impl Steps for PgConn {
+    async fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: [&AcctId; 2],
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        self.ahead = None;
+        let args = ClaimArgs::new(&self.shape, key, claim, Some(accounts));
+        let mut backoff = Backoff::new(self.policy);
+        loop {
+            match self.claim_once(key, claim, &args).await {
+                Err(StoreError::Conflict) => pause(&mut backoff).await?,
+                Err(e) => return Err(e),
+                Ok(Ok(existing)) => return Ok(Some(existing)),
+                Ok(Err(read)) => {
+                    self.ahead = Some(Ahead::new(key, claim, accounts, read));
+                    return Ok(None);
+                }
+            }
+        }
+    }
+
+    async fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        let mut backoff = Backoff::new(self.policy);
+        loop {
+            match self.replace_once(key, seen, claim).await {
+                Err(StoreError::Conflict) => pause(&mut backoff).await?,
+                other => return other,
+            }
+        }
+    }
+
+    async fn execute(
+        &mut self,
+        x: Execution<'_>,
+        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
+    ) -> Result<Executed, StoreError> {
+        let mut seen = Ahead::for_execution(self.ahead.take(), &x);
+        let mut backoff = Backoff::new(self.policy);
+        loop {
+            match self.execute_once(&x, seen.take(), plan).await {
+                Err(StoreError::Conflict) => pause(&mut backoff).await?,
+                other => return other,
+            }
+        }
+    }
+
+    async fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&key.client_id, &key.endpoint, &key.idem_key, &token];
+        let release = self.client.execute(&self.sql.release, &params);
+        Ok(deadline(&mut self.broken, release).await? == 1)
+    }
+}
