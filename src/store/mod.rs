@@ -797,7 +797,7 @@ pub fn retrying<R>(
     let mut backoff = Backoff::new(policy);
     loop {
         match attempt() {
-            Err(e) if transient(&e) => match backoff.next() {
+            Err(e) if transient(&e) => match backoff.pause() {
                 Some(pause) => std::thread::sleep(pause),
                 None => return Err(e),
             },
@@ -822,7 +822,7 @@ impl Backoff {
 
     /// The pause before the next try, or `None` if it would end past the
     /// budget.
-    pub fn next(&mut self) -> Option<Duration> {
+    pub fn pause(&mut self) -> Option<Duration> {
         let pause = self.pause;
         if Instant::now() + pause >= self.deadline {
             return None;

@@ -123,8 +123,11 @@ async fn deadline<T>(
 /// Waits [`Backoff`]'s next pause before a conflict is run again; past the
 /// busy budget, [`StoreError::Busy`].
 async fn pause(backoff: &mut Backoff) -> Result<(), StoreError> {
-    match backoff.next() {
-        Some(pause) => Ok(tokio::time::sleep(pause).await),
+    match backoff.pause() {
+        Some(pause) => {
+            tokio::time::sleep(pause).await;
+            Ok(())
+        }
         None => Err(StoreError::Busy),
     }
 }
@@ -157,8 +160,7 @@ impl PgConn {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
-        let (created_at, lease_until, state) =
-            (claim.created_at.to_string(), claim.lease_until.to_string(), seen.state.name());
+        let state = seen.state.name();
         let tx = self.client.transaction().await.map_err(pg::pg)?;
         tx.batch_execute("SET LOCAL synchronous_commit = off").await.map_err(pg::pg)?;
         match tx.query_opt(&self.sql.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key]).await {
@@ -168,17 +170,10 @@ impl PgConn {
             Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(false),
             Err(e) => return Err(pg::pg(e)),
         }
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
-            &key.client_id,
-            &key.endpoint,
-            &key.idem_key,
-            &claim.fingerprint,
-            &claim.token,
-            &created_at,
-            &lease_until,
-            &seen.token,
-            &state,
-        ];
+        // the claim's own arguments, then the version seen
+        let claimed = ClaimArgs::new(&self.shape, key, claim, None);
+        let [c0, c1, c2, c3, c4, c5, c6, ..] = claimed.params();
+        let params = [c0, c1, c2, c3, c4, c5, c6, &seen.token, &state];
         let replaced = tx.execute(&self.sql.replace_claim, &params).await.map_err(pg::pg)?;
         tx.commit().await.map_err(pg::pg)?;
         Ok(replaced == 1)
