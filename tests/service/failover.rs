@@ -249,6 +249,9 @@ fn three_services_lose_nothing_acknowledged_when_the_primary_is_killed() {
                         send_until_final(&urls, c as usize, &key, &body, &seen).unwrap_or_else(|| {
                             panic!("{key}: no final answer in 120 s (a key left blocked?)")
                         });
+                    // a client's pace, not a benchmark's: the kill must land mid-run
+                    // (a transfer takes a few milliseconds; the kill, longer)
+                    std::thread::sleep(Duration::from_millis(50));
                     let transfer_id = answer["transfer_id"].as_i64();
                     let f = Final {
                         status,
