@@ -11,7 +11,7 @@
 //! The engine:
 pub mod canonical; // RFC 8785 canonical JSON and the SHA-256 fingerprint
 pub mod clock; // RFC 3339 instants in one sortable text form
-pub mod ledger; // balance checks and moves inside the execution transaction
+pub mod ledger; // whether a transfer may go out, and the balances that decision rests on
 pub mod payout; // payouts through an outside gateway: intent, call, result; reconcile
 pub mod policy; // policy.json, embedded: every number the engine enforces
 pub mod protocol; // claim → execute → complete, replay, conflict; the core

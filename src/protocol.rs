@@ -9,12 +9,22 @@
 //!    pass — and [`decide`] reads the existing record: replay, 422, 409, or
 //!    take over a claim whose lease ran out (or a key past retention), by a
 //!    compare-and-set on the version it saw.
-//! 2. **Execute** (a second, durable write transaction): lock the key and
-//!    check the claim is still ours (fencing: a slow original whose lease was
-//!    taken over must not complete too), move the money, and store the exact
-//!    response with the key's completion. All or nothing.
+//! 2. **Execute** (a second, durable write transaction): `plan` decides on
+//!    the key and the accounts as the store saw them (fencing: a claim no
+//!    longer ours, say a slow original whose lease was taken over, writes
+//!    nothing), the ledger says whether the money moves and what that rests
+//!    on, and the store writes the plan, the money and the exact response
+//!    with the key's completion, all or nothing. A store that locks as it
+//!    reads (SQLite) writes it as planned; one that reads first and writes
+//!    in one statement (PostgreSQL, one round trip a step) writes it only if
+//!    the claim is still ours and the ledger's premises still hold under
+//!    its locks, and else reads again and plans again.
 //! 3. **Replay**: a completed key answers with its stored bytes; only
 //!    `replay` differs from the first response.
+//!
+//! [`handle`] conducts a request on a [`Store`] that is called; the service
+//! conducts it on PostgreSQL's async pool with [`handle_steps`], on the same
+//! decisions (`after_claim`, `plan`, `committed`) in the same order.
 //!
 //! The claim commit is [`Durability::Lazy`]: a claim lost in a power cut
 //! moved no money, and the retry simply claims again. The execution commit

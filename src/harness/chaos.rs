@@ -1,5 +1,5 @@
 //! `idem chaos`: a day of many concurrent clients sending their transfers
-//! through a lossy network ([`proxy`]) to a real service, which is killed
+//! through a lossy network ([`super::proxy`]) to a real service, which is killed
 //! with SIGKILL and restarted mid-day (and, on PostgreSQL, the database
 //! restarted once, or a replicated one's primary killed: a failover). With
 //! several instances, each client tries them in turn. Then the verdict, from the database and the clients' own

@@ -1,6 +1,6 @@
 //! The PostgreSQL store as `idem serve` runs a request on it: tokio-postgres
 //! connections awaited on the service's own runtime, in a deadpool pool, so
-//! no thread waits on a socket. A request's steps ([`protocol::Steps`]) run
+//! no thread waits on a socket. A request's steps ([`crate::protocol::Steps`]) run
 //! here, the claim and the execution one statement each; the statements,
 //! their arguments and the reading of their rows are the synchronous
 //! store's (`pg.rs`), which still runs everything else (payouts, reads,
