@@ -266,6 +266,7 @@ pub trait Steps: Send {
         &mut self,
         x: Execution<'_>,
         plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
+        crash: &mut (dyn FnMut() -> bool + Send),
     ) -> impl Future<Output = Result<Executed, StoreError>> + Send;
     fn release(
         &mut self,
@@ -283,27 +284,25 @@ pub async fn handle_steps<S: Steps>(
 ) -> Result<Outcome, StoreError> {
     let outcome = match claim_steps(store, req, ctx).await {
         Ok(Claimed::Answer(response)) => Ok(Outcome::Respond(response)),
-        Ok(Claimed::Mine) => {
-            let mut lost = None;
-            let mut plan = |seen: &Seen| plan(seen, req, ctx, &mut lost);
-            match store.execute(execution(req, ctx), &mut plan).await {
-                Ok(executed) => {
-                    Ok(committed(executed, lost, ctx).map_or_else(|outcome| outcome, Outcome::Respond))
-                }
-                Err(e) => {
-                    // as in `handle`: free the key now, best effort
-                    let _ = store.release(&req.key, ctx.token).await;
-                    Err(e)
-                }
+        Ok(Claimed::Mine) => match execute_steps(store, req, ctx, &mut || false).await {
+            Err(e) => {
+                // as in `handle`: free the key now, best effort
+                let _ = store.release(&req.key, ctx.token).await;
+                Err(e)
             }
-        }
+            done => done,
+        },
         Err(e) => Err(e),
     };
     unless_busy(outcome, ctx.policy)
 }
 
 /// [`claim`] on [`Steps`].
-async fn claim_steps<S: Steps>(store: &mut S, req: &Request, ctx: Ctx<'_>) -> Result<Claimed, StoreError> {
+pub async fn claim_steps<S: Steps>(
+    store: &mut S,
+    req: &Request,
+    ctx: Ctx<'_>,
+) -> Result<Claimed, StoreError> {
     let claim = fresh_claim(&req.fingerprint, ctx);
     let accounts = [&req.transfer.src, &req.transfer.dst];
     let Some(existing) = store.claim(&req.key, &claim, accounts).await? else {
@@ -317,6 +316,20 @@ async fn claim_steps<S: Steps>(store: &mut S, req: &Request, ctx: Ctx<'_>) -> Re
         true => Claimed::Mine,
         false => Claimed::Answer(in_progress(ctx.policy)),
     })
+}
+
+/// [`execute`] on [`Steps`], asking `crash` whether to stop before the
+/// write (the harness's [`Point::BeforeCommit`]).
+pub async fn execute_steps<S: Steps>(
+    store: &mut S,
+    req: &Request,
+    ctx: Ctx<'_>,
+    crash: &mut (dyn FnMut() -> bool + Send),
+) -> Result<Outcome, StoreError> {
+    let mut lost = None;
+    let mut plan = |seen: &Seen| plan(seen, req, ctx, &mut lost);
+    let executed = store.execute(execution(req, ctx), &mut plan, crash).await?;
+    Ok(committed(executed, lost, ctx).map_or_else(|outcome| outcome, Outcome::Respond))
 }
 
 /// Turns a lock wait that ran out of budget, or a database that cannot be

@@ -186,6 +186,7 @@ impl PgConn {
         x: &Execution<'_>,
         seen: Option<Seen>,
         plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
+        crash: &mut (dyn FnMut() -> bool + Send),
     ) -> Result<Executed, StoreError> {
         let seen = match seen {
             Some(seen) => seen,
@@ -199,6 +200,10 @@ impl PgConn {
         };
         let planned = plan(&seen);
         let Some(args) = PlanArgs::new(&self.shape, x, &planned) else { return Ok(Executed::Nothing) };
+        // nothing is written yet: a crash here leaves what one before the commit does
+        if crash() {
+            return Ok(Executed::Crashed);
+        }
         let row =
             deadline(&mut self.broken, self.client.query_one(&self.sql.execute, &args.params())).await?;
         pg::plan_row(&row, &self.shape, &planned).map(Executed::Completed)
@@ -247,11 +252,12 @@ impl Steps for PgConn {
         &mut self,
         x: Execution<'_>,
         plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
+        crash: &mut (dyn FnMut() -> bool + Send),
     ) -> Result<Executed, StoreError> {
         let mut seen = Ahead::for_execution(self.ahead.take(), &x);
         let mut backoff = Backoff::new(self.policy);
         loop {
-            match self.execute_once(&x, seen.take(), plan).await {
+            match self.execute_once(&x, seen.take(), plan, crash).await {
                 Err(StoreError::Conflict) => pause(&mut backoff).await?,
                 other => return other,
             }

@@ -8,7 +8,8 @@
 //! `PROPTEST_CASES` sets the number of days (256 by default; `just storm`
 //! runs tens of thousands).
 
-use crate::common::{Backend, backends, store_with};
+use crate::common::{Backend, backends, make_bank, store_with};
+use crate::models::awaited::Awaited;
 use crate::models::storm::{ACCOUNTS, op, run_day, run_day_on};
 use idem::request::AcctId;
 use proptest::prelude::*;
@@ -37,6 +38,25 @@ proptest! {
     ) {
         for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
             run_day_on(&mut store_with(backend, &accounts(&balances)), balances, ops.clone())?;
+        }
+    }
+}
+
+proptest! {
+    // The conductor `idem serve` runs on PostgreSQL (async, on its pool).
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn the_services_conductor_agrees_with_the_oracle_on_random_days(
+        balances in prop::array::uniform::<_, ACCOUNTS>(0i64..2_000),
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
+            let rows: Vec<(serde_json::Value, i64)> =
+                accounts(&balances).into_iter().map(|(id, b)| (serde_json::json!(id.to_string()), b)).collect();
+            let dir = tempfile::tempdir().unwrap();
+            let spec = make_bank(backend, dir.path(), &rows, false);
+            let mut engine = Awaited::connect(&spec.to_string_lossy());
+            run_day_on(&mut engine, balances, ops.clone())?;
         }
     }
 }

@@ -1,0 +1,73 @@
+//! The service's conductor as an [`Engine`]: a request's claim and
+//! execution run by `protocol::claim_steps` and `protocol::execute_steps`
+//! on a connection of the service's async pool (`store::pg_pool`), each
+//! step awaited on a runtime of its own, so the storm's random days judge
+//! the conductor `idem serve` runs on PostgreSQL, crash points included.
+//! Release, purge and the audit run on the synchronous store beside it.
+
+use idem::clock::Timestamp;
+use idem::policy::Policy;
+use idem::protocol::{self, Claimed, Ctx, Engine, Flow, Outcome, Point};
+use idem::request::Request;
+use idem::store::pg::PgStore;
+use idem::store::pg_pool::{Manager, Pool};
+use idem::store::{Audit, StoreError};
+
+pub struct Awaited {
+    runtime: tokio::runtime::Runtime,
+    pool: Pool,
+    store: PgStore,
+}
+
+impl Awaited {
+    /// On the PostgreSQL database `spec` (its accounts made already).
+    pub fn connect(spec: &str) -> Awaited {
+        let policy = Policy::embedded();
+        let store = PgStore::connect(spec, policy).unwrap();
+        let pool = Manager::new(spec, &store, policy).unwrap().pool(1).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        Awaited { runtime, pool, store }
+    }
+}
+
+impl Engine for Awaited {
+    fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
+        self.runtime.block_on(async {
+            let mut conn = self.pool.get().await.map_err(|e| StoreError::Backend(e.to_string().into()))?;
+            protocol::claim_steps(&mut *conn, req, ctx).await
+        })
+    }
+
+    fn execute(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError> {
+        // asked once, before the write, as the synchronous stores ask it
+        let before = faults(Point::BeforeCommit) == Flow::Crash;
+        let outcome = self.runtime.block_on(async {
+            let mut conn = self.pool.get().await.map_err(|e| StoreError::Backend(e.to_string().into()))?;
+            protocol::execute_steps(&mut *conn, req, ctx, &mut || before).await
+        })?;
+        // an answer that is not a replay, 409 or 422 (a claim found lost) was committed
+        let committed =
+            matches!(&outcome, Outcome::Respond(r) if !(r.replay || [409, 422].contains(&r.status)));
+        if committed && faults(Point::AfterCommit) == Flow::Crash {
+            return Ok(Outcome::Crashed(Point::AfterCommit));
+        }
+        Ok(outcome)
+    }
+
+    fn release(&mut self, req: &Request, ctx: Ctx) -> Result<bool, StoreError> {
+        protocol::release(&mut self.store, &req.key, ctx)
+    }
+
+    fn purge(&mut self, before: Timestamp, policy: &Policy) -> Result<u64, StoreError> {
+        protocol::purge(&mut self.store, before, policy)
+    }
+
+    fn audit(&mut self) -> Result<Audit, StoreError> {
+        idem::store::Store::audit(&mut self.store)
+    }
+}
