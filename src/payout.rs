@@ -269,6 +269,18 @@ pub fn finish<S: Store + ?Sized>(
     })
 }
 
+/// The most of a gateway's text a payout keeps.
+const GATEWAY_TEXT_CHARS: usize = 200;
+
+/// A gateway's text as a payout stores and shows it: its control characters
+/// replaced (PostgreSQL keeps no NUL, and a line break has no place in a
+/// reason) and at most [`GATEWAY_TEXT_CHARS`] characters. The other side's
+/// answer is data: one unwritable text must not stop the payout, nor the
+/// reconciliation of every payout behind it.
+fn gateway_text(text: &str) -> String {
+    text.chars().take(GATEWAY_TEXT_CHARS).map(|c| if c.is_control() { '\u{fffd}' } else { c }).collect()
+}
+
 /// Writes a result into a payout its caller holds: the state, the hold
 /// released on a refusal, and the key completed with the answer once the
 /// payout is settled.
@@ -287,11 +299,11 @@ fn settle(
         Call::Refused { status, reason } => {
             tx.lock_account(&p.src)?;
             tx.add_to_balance(&p.src, p.amount)?;
-            (p.state, p.status, p.note) = (PayoutState::Failed, Some(status), Some(reason));
+            (p.state, p.status, p.note) = (PayoutState::Failed, Some(status), Some(gateway_text(&reason)));
         }
         Call::Unknown(why) => {
             // a reconciler may ask the gateway at once
-            (p.state, p.note, p.lease_until) = (PayoutState::Unknown, Some(why), now);
+            (p.state, p.note, p.lease_until) = (PayoutState::Unknown, Some(gateway_text(&why)), now);
         }
     }
     p.updated_at = now;

@@ -89,16 +89,29 @@ pub struct PayoutRequest {
 /// Why a request is malformed. `Display` is the `reason` of the 400 response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestError {
-    TooLarge { limit: usize },
+    TooLarge {
+        limit: usize,
+    },
     NotUtf8,
     NotJson(String),
     NotObject(&'static str),
     Missing(&'static str),
     UnknownField(String),
-    WrongType { field: &'static str, expected: &'static str },
+    WrongType {
+        field: &'static str,
+        expected: &'static str,
+    },
     Empty(&'static str),
-    TooLong { field: &'static str, limit: usize },
-    Amount { max: i64 },
+    TooLong {
+        field: &'static str,
+        limit: usize,
+    },
+    /// A control character (NUL, a line break, …): no store keeps a NUL,
+    /// and none belongs in an id, a key or a name.
+    Control(&'static str),
+    Amount {
+        max: i64,
+    },
     SameAccount,
     Currency(String),
 }
@@ -118,6 +131,7 @@ impl fmt::Display for RequestError {
             Self::TooLong { field, limit } => {
                 write!(f, "{field} must be at most {limit} characters")
             }
+            Self::Control(field) => write!(f, "{field} must not contain control characters"),
             Self::Amount { max } => {
                 write!(f, "amount must be a positive integer no greater than {max}")
             }
@@ -202,6 +216,7 @@ fn renamed(e: RequestError, name: &'static str) -> RequestError {
         RequestError::WrongType { .. } => RequestError::WrongType { field: name, expected: "a string" },
         RequestError::Empty(_) => RequestError::Empty(name),
         RequestError::TooLong { limit, .. } => RequestError::TooLong { field: name, limit },
+        RequestError::Control(_) => RequestError::Control(name),
         other => other,
     }
 }
@@ -317,6 +332,8 @@ fn checked_text(s: &str, field: &'static str, limit: usize) -> Result<String, Re
         Err(RequestError::Empty(field))
     } else if s.chars().count() > limit {
         Err(RequestError::TooLong { field, limit })
+    } else if s.chars().any(char::is_control) {
+        Err(RequestError::Control(field))
     } else {
         Ok(s.to_owned())
     }
@@ -372,6 +389,9 @@ mod tests {
             (OK.replace("\"k\"", "\"\""), "idem_key must not be empty"),
             (OK.replace("\"k\"", &format!("\"{}\"", "k".repeat(256))), "idem_key must be at most 255"),
             (OK.replace("\"k\"", "7"), "idem_key must be a string"),
+            (OK.replace("\"k\"", "\"k\\u0000\""), "idem_key must not contain control characters"),
+            (OK.replace("\"c\"", "\"c\\n\""), "client_id must not contain control characters"),
+            (OK.replace("\"A\"", "\"A\\u007f\""), "body.src must not contain control characters"),
             (OK.replace("\"client_id\":\"c\",", ""), "missing field client_id"),
             (OK.replace("\"src\":\"A\",", ""), "missing field body.src"),
             (OK.replace(",\"currency\":\"KRW\"", ""), "missing field body.currency"),

@@ -116,9 +116,12 @@ pub fn load_clients(path: &Path, policy: &Policy) -> Result<HashMap<String, Stri
                 path.display()
             )));
         }
-        if client.is_empty() || client.chars().count() > policy.max_field_chars {
+        if client.is_empty()
+            || client.chars().count() > policy.max_field_chars
+            || client.contains(char::is_control)
+        {
             return Err(ServeError::Other(format!(
-                "{}: client ids must be 1 to {} characters",
+                "{}: client ids must be 1 to {} characters, none of them a control character",
                 path.display(),
                 policy.max_field_chars
             )));

@@ -159,15 +159,47 @@ fn sql_in_ids_is_data_and_no_client_reaches_another_clients_key() {
     let ghost = json!(format!("{evil}' OR '1'='1"));
     assert_eq!(bank.send(&request(evil, "/t", "k", s, &ghost, 3)).reason(), Some("unknown_account"));
     // mallory tries alice's key with other scope strings: a new key each time, never alice's answer
-    for (client, endpoint) in
-        [("mallory", "/t"), ("alice ", "/t"), ("alice", "/t "), ("ALICE", "/t"), ("alice\u{0}", "/t")]
-    {
+    for (client, endpoint) in [("mallory", "/t"), ("alice ", "/t"), ("alice", "/t "), ("ALICE", "/t")] {
         let r = bank.send(&request(client, endpoint, evil, s, d, 4));
         assert_eq!((r.status(), r.replay()), (201, false), "{client:?} {endpoint:?}");
         assert_ne!(r.raw_body(), alice.raw_body());
     }
+    // a control character is no scope at all: 400, nothing stored
+    let nul = bank.send(&request("alice\u{0}", "/t", evil, s, d, 4));
+    assert_eq!(nul.status(), 400);
+    assert_eq!(nul.reason(), Some("invalid_request: client_id must not contain control characters"));
     let again = bank.send(&request("alice", "/t", evil, s, d, 3));
     assert_eq!((again.replay(), again.raw_body()), (true, alice.raw_body()));
-    assert_eq!(bank.balances(), vec![before[0] - 23, before[1] + 23]);
-    assert_eq!(bank.transfers().len(), 6);
+    assert_eq!(bank.balances(), vec![before[0] - 19, before[1] + 19]);
+    assert_eq!(bank.transfers().len(), 5);
+}
+
+#[test]
+fn control_characters_in_any_field_are_a_400_on_every_store_and_store_nothing() {
+    for backend in backends() {
+        let mut rng = rng();
+        let bank = Bank::on(backend, &mut rng, 2, false);
+        let before = bank.balances();
+        let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
+        let nul = json!("acct\u{0}");
+        let requests = [
+            request("c\u{0}", "/t", "k", s, d, 3),
+            request("c", "/t\u{0}", "k", s, d, 3),
+            request("c", "/t", "k\u{0}", s, d, 3),
+            request("c", "/t", "k\n", s, d, 3),
+            request("c", "/t", "k", s, &nul, 3),
+        ];
+        for text in requests {
+            let r = bank.send(&text);
+            assert_eq!(r.status(), 400, "{backend:?}: {text}");
+            assert!(
+                r.reason().unwrap().ends_with("must not contain control characters"),
+                "{backend:?}: {r:?}"
+            );
+        }
+        assert_eq!(bank.balances(), before, "{backend:?}");
+        // the key of the last one was not consumed
+        let r = bank.send(&request("c", "/t", "k", s, d, 3));
+        assert_eq!((r.status(), r.replay()), (201, false), "{backend:?}");
+    }
 }

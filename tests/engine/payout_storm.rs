@@ -444,3 +444,22 @@ fn a_retry_of_a_new_body_in_flight_under_a_key_past_retention_is_409_not_the_old
         assert_eq!((retry.response.status, retry.payout_id), (409, None), "{backend:?}: {retry:?}");
     }
 }
+
+#[test]
+fn a_gateway_text_with_control_characters_is_stored_clean_and_bounded() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let row = day.begin(0, 0, 250).unwrap().expect("a new key calls the gateway");
+        // PostgreSQL refuses a NUL in text: stored as it came, the refusal
+        // failed, and with it every reconciliation that met this payout
+        let reason = format!("account_closed\u{0}\r\n{}", "x".repeat(1_000));
+        let refused = day.finish(&row, Call::Refused { status: 402, reason });
+        assert_eq!(refused.state, PayoutState::Failed, "{backend:?}");
+        let note = refused.note.expect("the refusal's reason");
+        assert!(note.starts_with("account_closed\u{fffd}\u{fffd}\u{fffd}x"), "{backend:?}: {note:?}");
+        assert_eq!(note.chars().count(), 200, "{backend:?}");
+        let money = day.store.audit().unwrap().money();
+        assert_eq!(money, OPENING * 2, "{backend:?}: the refused payout's hold was not released");
+    }
+}
