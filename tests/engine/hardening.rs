@@ -257,9 +257,13 @@ fn recover_prints_json_lines_that_a_tab_or_newline_in_a_key_cannot_forge() {
     let bank = Bank::new(&mut rng, 2, false);
     let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
     let forged = "k\tc\t/t\tother\nstale\tc\t/t\tforged";
-    let text = request("c", "/t", forged, s, d, 1);
+    // Such a key is a 400 now; a database written before that rule can
+    // still hold one: a claim left behind, its key renamed to it.
+    let text = request("c", "/t", "k", s, d, 1);
     let out = bank.command(&bank.request_file(&text)).arg("--crash-after-claim").env("IDEM_NOW", T0).output();
     assert_eq!(out.unwrap().status.code(), Some(4));
+    let renamed = Connection::open(&bank.db).unwrap().execute("UPDATE idem_key SET idem_key = ?1", [forged]);
+    assert_eq!(renamed.unwrap(), 1);
     let out = Command::new(IDEM).arg("recover").arg("--db").arg(&bank.db).env("IDEM_NOW", at(1)).output();
     let stdout = String::from_utf8(out.unwrap().stdout).unwrap();
     let rows: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
