@@ -12,6 +12,19 @@ use sha2::{Digest, Sha256};
 use std::collections::HashSet;
 use std::fmt;
 
+/// How much of a client's own text a reason echoes back.
+const ECHO_CHARS: usize = 64;
+
+/// A client's text as a reason may quote it: at most [`ECHO_CHARS`]
+/// characters. It lives here, below the request parser, because the
+/// canonical parser quotes a duplicate member's name too.
+pub(crate) fn clip(text: &str) -> String {
+    match text.char_indices().nth(ECHO_CHARS) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
 /// A parsed JSON value that keeps what canonicalisation needs and no more.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Json {
@@ -198,7 +211,7 @@ impl<'de> Visitor<'de> for JsonVisitor {
         let mut names = HashSet::new();
         while let Some(name) = map.next_key::<String>()? {
             if !names.insert(name.clone()) {
-                return Err(de::Error::custom(format!("duplicate member {:?}", crate::request::clip(&name))));
+                return Err(de::Error::custom(format!("duplicate member {:?}", clip(&name))));
             }
             let value = map.next_value()?;
             members.push((name, value));

@@ -6,7 +6,7 @@
 //! fingerprint would still cover, and a client that sends `"memo"` expecting
 //! it to matter deserves to hear that it does not.
 
-use crate::canonical::{Json, fingerprint};
+use crate::canonical::{Json, clip, fingerprint};
 use crate::policy::Policy;
 use std::fmt;
 
@@ -14,9 +14,6 @@ use std::fmt;
 /// double-precision column keep exact. Amounts and integer account ids
 /// beyond it would round, and two different ids could share a fingerprint.
 pub const MAX_EXACT_INT: i64 = 9_007_199_254_740_991;
-
-/// How much of a client's own text a reason echoes back.
-const ECHO_CHARS: usize = 64;
 
 /// The identity of a key: `(client_id, endpoint, idem_key)`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -299,14 +296,6 @@ fn transfer_request(
         return Err(RequestError::SameAccount);
     }
     Ok(Request { key, transfer, fingerprint: fingerprint(body) })
-}
-
-/// A client's text as a reason may quote it: at most [`ECHO_CHARS`].
-pub(crate) fn clip(text: &str) -> String {
-    match text.char_indices().nth(ECHO_CHARS) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text.to_owned(),
-    }
 }
 
 fn only_fields(json: &Json, what: &'static str, allowed: &[&str], prefix: &str) -> Result<(), RequestError> {
