@@ -3,7 +3,7 @@
 //! the right reason. This runs the whole cohort: every correct engine and
 //! service must pass every property (at most with a profile); every broken
 //! one must fail the properties its mistake breaks and no other. The table
-//! it prints (`-- --nocapture`) is the README's engines × properties table.
+//! it prints (`-- --nocapture`) is docs/check.md's engines × properties table.
 
 use std::collections::BTreeSet;
 use std::io::BufRead;

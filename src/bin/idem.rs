@@ -165,7 +165,7 @@ enum Command {
         /// SQLite: the most transfers one group commit (one fsync) carries; 1 commits each alone.
         #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
         group_max: u32,
-        /// With --gateway: POST /v1/payouts pays out through it (see the README).
+        /// With --gateway: POST /v1/payouts pays out through it (see docs/payouts.md).
         #[command(flatten)]
         gateway: GatewayArgs,
         /// How often payouts left unknown or stranded are reconciled (with --gateway).
@@ -356,7 +356,7 @@ enum Command {
     /// draft and DESIGN §2.
     ///
     /// --profile FILE: what the implementation chose where the contract
-    /// leaves it open (JSON; see the README). Without one, idem's choices
+    /// leaves it open (JSON; see docs/check.md). Without one, idem's choices
     /// for --url, and for --engine any stable 4xx of the right class.
     /// Each FAIL names the sentence of the contract it rests on and shows
     /// the steps. Exit 1 on any failure; --seed reproduces a run's plan

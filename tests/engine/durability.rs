@@ -86,7 +86,7 @@ fn a_replay_writes_and_syncs_nothing() {
     assert_eq!(events, vec![Event::Answer]);
 }
 
-/// `idem transfer --key-file order-1.key`, a bare name as the README
+/// `idem transfer --key-file order-1.key`, a bare name as docs/service.md
 /// writes it: the key file is published and its directory synced before
 /// the first connection is opened, so a power cut after an attempt left
 /// cannot lose the key that attempt used.

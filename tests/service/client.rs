@@ -118,7 +118,7 @@ fn twenty_runs_on_key_files_that_differ_only_in_extension_each_send_the_key_thei
         assert_eq!(*code, Some(0), "order.{n}: {stderr}");
         let held = std::fs::read_to_string(keys.join(format!("order.{n}"))).unwrap();
         assert_eq!(Some(held.trim_end()), key.as_deref(), "order.{n} holds a key its run did not send");
-        // a rerun with the same file, as the README says, replays
+        // a rerun with the same file, as docs/service.md says, replays
         let (code, again, _, stderr) = run(&serve.url, &args(n));
         assert_eq!((code, &again), (Some(0), stdout), "order.{n}: the rerun paid again: {stderr}");
     }
