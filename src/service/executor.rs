@@ -31,7 +31,7 @@ use crate::store::sqlite::SqliteStore;
 use crate::store::{Db, Reads, Store, StoreError};
 use deadpool::managed::PoolError;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -282,28 +282,9 @@ fn transfer<S: Store>(
     policy: &Policy,
     clock: &Clock,
 ) -> Result<Outcome, StoreError> {
-    transfer_as(store, req, policy, clock).0
-}
-
-/// [`transfer`], and the claim token it ran under.
-fn transfer_as<S: Store>(
-    store: &mut S,
-    req: &Request,
-    policy: &Policy,
-    clock: &Clock,
-) -> (Result<Outcome, StoreError>, String) {
-    let token = match protocol::fresh_token() {
-        Ok(token) => token,
-        Err(e) => {
-            return (
-                Err(StoreError::Backend(format!("no randomness for a claim token: {e}").into())),
-                String::new(),
-            );
-        }
-    };
-    let outcome =
-        protocol::handle(store, req, Ctx { policy, now: clock(), token: &token }, &mut |_| Flow::Continue);
-    (outcome, token)
+    let token = protocol::fresh_token()
+        .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
+    protocol::handle(store, req, Ctx { policy, now: clock(), token: &token }, &mut |_| Flow::Continue)
 }
 
 /// Whether an outcome says the database went away under the request
@@ -314,8 +295,8 @@ fn unavailable(outcome: &Result<Outcome, StoreError>) -> bool {
 
 /// Claims left behind by requests that answered 503 because the database
 /// went away (a failover, a restart): the protocol's own release ran while
-/// it was still away. Each is released as soon as the database answers
-/// again, so its key does not wait out the whole lease (minutes) for an
+/// it was still away. Each is released before the next transfer on the
+/// pool runs, so its key does not wait out the whole lease (minutes) for an
 /// attempt that is over. Safe whatever happened meanwhile: a release only
 /// deletes a key still `in_progress` under this attempt's token, so a
 /// claim that never reached the new primary, or an execution that did
@@ -326,24 +307,12 @@ struct Orphans(std::collections::VecDeque<(ScopedKey, String)>);
 impl Orphans {
     /// How many are kept; past it the oldest wait for their lease.
     const MAX: usize = 4096;
-    /// How often they are retried while no job comes.
-    const RETRY_EVERY: Duration = Duration::from_millis(500);
 
     fn add(&mut self, key: ScopedKey, token: String) {
         if self.0.len() == Self::MAX {
             self.0.pop_front();
         }
         self.0.push_back((key, token));
-    }
-
-    fn release<S: Store + ?Sized>(&mut self, store: &mut S, policy: &Policy, clock: &Clock) {
-        while let Some((key, token)) = self.0.front() {
-            let ctx = Ctx { policy, now: clock(), token };
-            match protocol::release(store, key, ctx) {
-                Err(StoreError::Unavailable(_) | StoreError::Busy) => return, // still away: later
-                _ => drop(self.0.pop_front()),
-            }
-        }
     }
 }
 
@@ -431,7 +400,9 @@ fn read_or_transfer<S: Reads>(
     None
 }
 
-/// A worker that runs each job on its own (PostgreSQL writers, and readers).
+/// A worker that runs each job on its own (PostgreSQL's payout writers, and
+/// readers). Transfers go to SQLite's writer or PostgreSQL's pool; one
+/// queued here anyway is run, not dropped.
 fn one_at_a_time<S: Reads + ?Sized>(
     mut store: Box<S>,
     jobs: &Mutex<Receiver<Job>>,
@@ -439,34 +410,13 @@ fn one_at_a_time<S: Reads + ?Sized>(
     clock: &Clock,
     health: &Health,
 ) {
-    let mut orphans = Orphans::default();
-    loop {
-        let job = match orphans.0.is_empty() {
-            true => next(jobs),
-            false => {
-                match jobs.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(Orphans::RETRY_EVERY) {
-                    Ok(job) => Some(job),
-                    Err(RecvTimeoutError::Timeout) => {
-                        orphans.release(&mut *store, policy, clock);
-                        continue;
-                    }
-                    Err(RecvTimeoutError::Disconnected) => None,
-                }
-            }
-        };
-        let Some(job) = job else { break };
+    while let Some(job) = next(jobs) {
         if let Some((req, reply)) = read_or_transfer(&mut store, job, policy, clock) {
-            orphans.release(&mut *store, policy, clock);
-            let (outcome, token) = transfer_as(&mut store, &req, policy, clock);
-            if unavailable(&outcome) {
-                orphans.add(req.key.clone(), token);
-            }
+            let outcome = transfer(&mut store, &req, policy, clock);
             report(health, &outcome);
             drop(reply.send(outcome));
         }
     }
-    // the service is stopping: a last try for what is still held
-    orphans.release(&mut *store, policy, clock);
 }
 
 /// The SQLite writer: takes every transfer waiting (up to `group_max`),
