@@ -90,7 +90,15 @@ fn kill_storm(backend: Backend) {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_micros(rng.below(life_us)));
+        // Half the kills anywhere in a run's life; half near its end, where
+        // the claim and the execution are (a run's start is connecting and
+        // preparing, most of it on PostgreSQL across the hop).
+        let one_us = one.as_micros() as u64;
+        let at = match rng.below(2) {
+            0 => rng.below(life_us),
+            _ => one_us * 6 / 10 + rng.below(one_us / 2 + 1),
+        };
+        std::thread::sleep(Duration::from_micros(at));
         match child.try_wait().unwrap() {
             Some(_) => finished += 1,
             None => {
