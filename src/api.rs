@@ -132,8 +132,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             token: args.gateway_token,
             timeout: args.gateway_timeout,
             // a reconciler's concern, not a request's
-            lookup_delay: Duration::ZERO,
-            key_window: Duration::MAX,
+            limits: crate::payout::Limits::default(),
         };
         let crash_at = args.crash_at.or(args.crash_after_claim.then_some(CrashAt::AfterClaim));
         return pay_out(&Db::parse(&args.db), &bytes, &gateway, ctx, fixed, crash_at);

@@ -17,6 +17,9 @@ pub enum Reason {
     InsufficientFunds,
     /// A stored refusal: the credit would overflow `dst`'s balance.
     BalanceOverflow,
+    /// 409: the key made a payout whose answer is no longer kept; a key
+    /// never makes a second payout. Nothing stored.
+    PayoutKeyUsed,
     /// 503: a lock was held past the busy budget; nothing stored.
     Busy,
     /// 503: the database could not take the request; nothing stored.
@@ -35,6 +38,7 @@ impl Reason {
             Reason::UnknownAccount => "unknown_account",
             Reason::InsufficientFunds => "insufficient_funds",
             Reason::BalanceOverflow => "balance_overflow",
+            Reason::PayoutKeyUsed => "payout_key_used",
             Reason::Busy => "busy",
             Reason::Unavailable => "unavailable",
             Reason::Invalid(text) | Reason::Other(text) => text,
@@ -49,6 +53,7 @@ impl Reason {
             "unknown_account" => Reason::UnknownAccount,
             "insufficient_funds" => Reason::InsufficientFunds,
             "balance_overflow" => Reason::BalanceOverflow,
+            "payout_key_used" => Reason::PayoutKeyUsed,
             "busy" => Reason::Busy,
             "unavailable" => Reason::Unavailable,
             t if t == "invalid_request" || t.starts_with("invalid_request:") => Reason::Invalid(t.to_owned()),
@@ -82,6 +87,7 @@ mod tests {
             Reason::UnknownAccount,
             Reason::InsufficientFunds,
             Reason::BalanceOverflow,
+            Reason::PayoutKeyUsed,
             Reason::Busy,
             Reason::Unavailable,
             Reason::Invalid("invalid_request: amount must be a positive integer".into()),

@@ -41,6 +41,20 @@ struct GatewayArgs {
     /// The gateway forgets a key after this (Stripe: 24h; Toss Payments: 15d).
     #[arg(long, default_value = "24h", value_parser = clock::parse_duration)]
     gateway_key_window: std::time::Duration,
+    /// A resend stays this far inside the key window (clock skew; the call's
+    /// own time is kept on top of it).
+    #[arg(long, default_value = "1h", value_parser = clock::parse_duration)]
+    gateway_key_margin: std::time::Duration,
+    /// At most this many sends of one payout, the first included; then it
+    /// waits for a person (`idem payouts`).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i64).range(1..=1000))]
+    gateway_max_sends: i64,
+    /// The first wait before an unknown payout is looked at again; it
+    /// doubles per look (with full jitter) up to --gateway-backoff-cap.
+    #[arg(long, default_value = "30s", value_parser = clock::parse_duration)]
+    gateway_backoff: std::time::Duration,
+    #[arg(long, default_value = "1h", value_parser = clock::parse_duration)]
+    gateway_backoff_cap: std::time::Duration,
 }
 
 impl GatewayArgs {
@@ -49,8 +63,14 @@ impl GatewayArgs {
             url: self.gateway?,
             token: self.gateway_token,
             timeout: self.gateway_timeout,
-            lookup_delay: self.gateway_lookup_delay,
-            key_window: self.gateway_key_window,
+            limits: idem::payout::Limits {
+                lookup_delay: self.gateway_lookup_delay,
+                key_window: self.gateway_key_window,
+                key_margin: self.gateway_key_margin,
+                max_sends: self.gateway_max_sends,
+                backoff: self.gateway_backoff,
+                backoff_cap: self.gateway_backoff_cap,
+            },
         })
     }
 }

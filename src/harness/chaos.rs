@@ -333,8 +333,8 @@ fn settle_payouts(
         url: gateway.url.clone(),
         token: None,
         timeout: Duration::from_secs(2),
-        lookup_delay: Duration::ZERO,
-        key_window: Duration::from_secs(86_400),
+        // the day's reconciliations run ahead of the clock: no waits
+        limits: payout::Limits { backoff: Duration::ZERO, ..payout::Limits::default() },
     };
     let mut store = store::open(db, policy, Usage::LongLived)?;
     payout::prepare(&mut *store, policy)?;

@@ -296,7 +296,7 @@ async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> 
         (Method::GET, "/healthz") => Ok(reply(StatusCode::OK, &json!({"status": "ok"}))),
         (Method::POST, "/payouts") => pay(gw, req).await,
         (Method::GET, p) if p.starts_with("/payouts/") => Ok(lookup(&gw, &p["/payouts/".len()..])),
-        _ => Ok(error(StatusCode::NOT_FOUND, "not_found", "no such route")),
+        _ => Ok(error(StatusCode::NOT_FOUND, "no_such_route", "no such route")),
     }
 }
 

@@ -556,6 +556,9 @@ fn detail_of(reason: &Reason) -> &str {
         Reason::UnknownAccount => "The source or destination account does not exist.",
         Reason::InsufficientFunds => "The source account's balance is below the amount.",
         Reason::BalanceOverflow => "The destination account cannot hold the amount.",
+        Reason::PayoutKeyUsed => {
+            "This key made a payout whose answer is no longer kept; a key never makes a second payout: use a new key for a new payout."
+        }
         Reason::Busy => "The service is busy; retry shortly.",
         Reason::Unavailable => "The database cannot take requests now; retry shortly with the same key.",
         // invalid_request: … carries its own explanation

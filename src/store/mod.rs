@@ -164,6 +164,11 @@ impl KeyState {
     }
 }
 
+/// The keys a purge may delete, besides their age: never the claim of a
+/// payout (`in_progress` while its payout is open: the gateway may have
+/// paid under it). Both stores speak it.
+pub(crate) const PURGEABLE: &str = "NOT (state = 'in_progress' AND endpoint = '/v1/payouts')";
+
 /// The queries of [`Store::audit`], in SQL both stores speak.
 pub(crate) mod audit_sql {
     pub const TRANSFERS: &str = "SELECT transfer_id, amount FROM transfer ORDER BY transfer_id";
@@ -366,41 +371,55 @@ pub struct NewTransfer<'a> {
     pub created_at: Timestamp,
 }
 
-/// Where a payout stands. `InProgress`: the money is held (debited from
-/// `src`) and a call to the gateway may be under way; `Unknown`: the call
-/// ended without a definitive answer, the money still held; `Completed`:
-/// the gateway paid; `Failed`: it refused for good, the hold was released.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a payout stands (the transitions are `src/payout/`'s, listed in
+/// `docs/payouts.md`). The money is held (debited from `src`) while it is
+/// `InProgress` (a call to the gateway may be under way), `Unknown` (a call
+/// ended without a definitive answer: looked up and resent with backoff) or
+/// `NeedsAttention` (an answer no resend can fix: a person settles it).
+/// `Completed`: the gateway paid. `Failed`: it refused for good, the hold
+/// went back to `src`. `Returned`: paid, then the money came back (a bank
+/// return, a reversal), credited back to `src`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum PayoutState {
     InProgress,
+    Unknown,
+    NeedsAttention,
     Completed,
     Failed,
-    Unknown,
+    Returned,
 }
 
 impl PayoutState {
+    pub const ALL: [PayoutState; 6] = [
+        PayoutState::InProgress,
+        PayoutState::Unknown,
+        PayoutState::NeedsAttention,
+        PayoutState::Completed,
+        PayoutState::Failed,
+        PayoutState::Returned,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             PayoutState::InProgress => "in_progress",
+            PayoutState::Unknown => "unknown",
+            PayoutState::NeedsAttention => "needs_attention",
             PayoutState::Completed => "completed",
             PayoutState::Failed => "failed",
-            PayoutState::Unknown => "unknown",
+            PayoutState::Returned => "returned",
         }
     }
 
     pub fn parse(text: &str) -> Result<PayoutState, StoreError> {
-        Ok(match text {
-            "in_progress" => PayoutState::InProgress,
-            "completed" => PayoutState::Completed,
-            "failed" => PayoutState::Failed,
-            "unknown" => PayoutState::Unknown,
-            other => return Err(StoreError::Backend(format!("corrupt payout row: state {other:?}").into())),
-        })
+        PayoutState::ALL
+            .into_iter()
+            .find(|s| s.name() == text)
+            .ok_or_else(|| StoreError::Backend(format!("corrupt payout row: state {text:?}").into()))
     }
 
-    /// Whether the payout is settled for good.
+    /// Whether the outcome is known: the hold was paid out or went back.
     pub fn settled(self) -> bool {
-        matches!(self, PayoutState::Completed | PayoutState::Failed)
+        matches!(self, PayoutState::Completed | PayoutState::Failed | PayoutState::Returned)
     }
 }
 
@@ -420,7 +439,7 @@ pub struct PayoutRow {
     pub state: PayoutState,
     /// Who may call the gateway for it now (a request, or a reconciler)…
     pub holder: String,
-    /// …until then.
+    /// …until then; for an `Unknown` payout, when it is next looked at.
     pub lease_until: Timestamp,
     pub created_at: Timestamp,
     pub updated_at: Timestamp,
@@ -428,6 +447,12 @@ pub struct PayoutRow {
     pub note: Option<String>,
     /// The HTTP status of the settled answer (201, or the refusal's).
     pub status: Option<u16>,
+    /// How many times it was sent to the gateway (counted before each send).
+    pub sends: i64,
+    /// How many times a reconciler took it (its backoff grows with them).
+    pub attempts: i64,
+    /// The provider's own id for the payout, once known.
+    pub provider_id: Option<String>,
 }
 
 /// A payout's row as a store reads it, before it is checked: each store
@@ -448,6 +473,9 @@ pub(crate) struct PayoutText {
     pub updated_at: String,
     pub note: Option<String>,
     pub status: Option<i64>,
+    pub sends: i64,
+    pub attempts: i64,
+    pub provider_id: Option<String>,
 }
 
 impl PayoutText {
@@ -473,9 +501,68 @@ impl PayoutText {
                 .status
                 .map(|s| u16::try_from(s).map_err(|_| corrupt(format!("status {s}"))))
                 .transpose()?,
+            sends: self.sends,
+            attempts: self.attempts,
+            provider_id: self.provider_id,
         })
     }
 }
+
+/// One change of a payout's state, as its audit trail keeps it: who, when,
+/// from what to what, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutEvent {
+    pub payout_id: i64,
+    pub at: Timestamp,
+    pub actor: String,
+    pub was: PayoutState,
+    pub now: PayoutState,
+    pub why: String,
+}
+
+/// The payout tables, in SQL both stores speak but for the key column and
+/// the types each store fills in (`{id}`: the payout id's type and default;
+/// `{src}`: the account id's type; `{time}`: a timestamp's text type).
+pub(crate) const PAYOUT_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS payout (
+    payout_id      {id} PRIMARY KEY,
+    client_id      text NOT NULL,
+    endpoint       text NOT NULL,
+    idem_key       text NOT NULL,
+    fingerprint    text NOT NULL,
+    src            {src} NOT NULL,
+    beneficiary    text NOT NULL,
+    amount         bigint NOT NULL CHECK ({amount} AND amount > 0),
+    currency       text NOT NULL,
+    downstream_key text NOT NULL UNIQUE,
+    state          text NOT NULL CHECK (state IN ('in_progress', 'unknown', 'needs_attention', 'completed', 'failed', 'returned')),
+    holder         text NOT NULL,
+    lease_until    {time} NOT NULL,
+    created_at     {time} NOT NULL,
+    updated_at     {time} NOT NULL,
+    note           text,
+    status         integer,
+    sends          integer NOT NULL DEFAULT 0,
+    attempts       integer NOT NULL DEFAULT 0,
+    provider_id    text,
+    CHECK ((state IN ('completed', 'failed', 'returned')) = (status IS NOT NULL)));
+CREATE INDEX IF NOT EXISTS payout_key ON payout (client_id, endpoint, idem_key);
+CREATE INDEX IF NOT EXISTS payout_open ON payout (state, lease_until);
+CREATE TABLE IF NOT EXISTS payout_event (
+    event_id  {id} PRIMARY KEY,
+    payout_id bigint NOT NULL,
+    at        {time} NOT NULL,
+    actor     text NOT NULL,
+    was       text NOT NULL,
+    now       text NOT NULL,
+    why       text NOT NULL);
+CREATE INDEX IF NOT EXISTS payout_event_of ON payout_event (payout_id, event_id);
+";
+
+/// The columns of `payout` before its second version (no `needs_attention`
+/// nor `returned`, no sends, attempts or provider id): what a migration copies.
+pub(crate) const PAYOUT_V1_COLUMNS: &str = "payout_id, client_id, endpoint, idem_key, fingerprint, src, beneficiary,
+    amount, currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status";
 
 /// Everything the harness reads back to judge a run: the ledger and how it
 /// ties to the keys. Read-only, for tests, `idem prove` and `idem check`.
@@ -740,14 +827,27 @@ pub trait Tx {
     fn payout(&mut self, _id: i64) -> Result<Option<PayoutRow>, StoreError> {
         Err(no_payouts())
     }
-    /// Writes `row`'s state, holder, lease, note and status only if its holder is
-    /// still `seen_holder`; `false` if another took it.
+    /// Writes `row`'s state, holder, lease, note, status, sends, attempts and
+    /// provider id only if its holder is still `seen_holder`; `false` if
+    /// another took it.
     fn update_payout(&mut self, _row: &PayoutRow, _seen_holder: &str) -> Result<bool, StoreError> {
         Err(no_payouts())
     }
-    /// Payouts not settled whose lease has run out at `now`, oldest first;
-    /// with `all`, every payout not settled.
+    /// Payouts `in_progress` or `unknown` whose lease has run out at `now`,
+    /// oldest first; with `all`, every payout not settled.
     fn payouts_open(&mut self, _now: Timestamp, _all: bool) -> Result<Vec<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Up to `limit` payouts in `state`, oldest first.
+    fn payouts_in(&mut self, _state: PayoutState, _limit: i64) -> Result<Vec<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Appends to a payout's audit trail.
+    fn insert_payout_event(&mut self, _event: &PayoutEvent) -> Result<(), StoreError> {
+        Err(no_payouts())
+    }
+    /// A payout's audit trail, oldest first.
+    fn payout_events(&mut self, _payout_id: i64) -> Result<Vec<PayoutEvent>, StoreError> {
         Err(no_payouts())
     }
 }

@@ -16,8 +16,8 @@
 //! module for why that is safe).
 
 use super::{
-    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PayoutRow, PayoutText,
-    RECORD_COLUMNS, Reads, Store, StoreError, Stored, Tx, audit_sql,
+    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PAYOUT_V1_COLUMNS, PURGEABLE,
+    PayoutEvent, PayoutRow, PayoutState, PayoutText, RECORD_COLUMNS, Reads, Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -68,34 +68,36 @@ CREATE INDEX IF NOT EXISTS idem_key_created_at ON idem_key (created_at);
 
 /// Created on first use by payouts only, so a database that never pays out
 /// holds exactly the lab's tables.
-const PAYOUT_SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS payout (
-    payout_id      INTEGER PRIMARY KEY,
-    client_id      TEXT NOT NULL,
-    endpoint       TEXT NOT NULL,
-    idem_key       TEXT NOT NULL,
-    fingerprint    TEXT NOT NULL,
-    src            NOT NULL,
-    beneficiary    TEXT NOT NULL,
-    amount         INTEGER NOT NULL CHECK (typeof(amount) = 'integer' AND amount > 0),
-    currency       TEXT NOT NULL,
-    downstream_key TEXT NOT NULL UNIQUE,
-    state          TEXT NOT NULL CHECK (state IN ('in_progress', 'completed', 'failed', 'unknown')),
-    holder         TEXT NOT NULL,
-    lease_until    TEXT NOT NULL,
-    created_at     TEXT NOT NULL,
-    updated_at     TEXT NOT NULL,
-    note           TEXT,
-    status         INTEGER,
-    CHECK ((state IN ('completed', 'failed')) = (status IS NOT NULL))
-);
-CREATE INDEX IF NOT EXISTS payout_key ON payout (client_id, endpoint, idem_key);
-CREATE INDEX IF NOT EXISTS payout_open ON payout (state, lease_until);
-";
+/// The payout tables in SQLite's words: `src` keeps the account id's own
+/// type (an integer or a text, as `account` does), an amount must be an integer.
+fn payout_schema() -> String {
+    super::PAYOUT_SCHEMA
+        .replace("{id}", "INTEGER")
+        .replace("{src}", "")
+        .replace("{amount}", "typeof(amount) = 'integer'")
+        .replace("{time}", "text")
+}
 
 const PAYOUT_COLUMNS: &str =
     "payout_id, client_id, endpoint, idem_key, fingerprint, src, beneficiary, amount,
-    currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status";
+    currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status,
+    sends, attempts, provider_id";
+
+const EVENT_COLUMNS: &str = "payout_id, at, actor, was, now, why";
+
+fn payout_event(r: &Row) -> rusqlite::Result<Result<PayoutEvent, StoreError>> {
+    let (at, was, now): (String, String, String) = (r.get(1)?, r.get(3)?, r.get(4)?);
+    Ok((|| {
+        Ok(PayoutEvent {
+            payout_id: r.get(0).map_err(backend)?,
+            at: Timestamp::parse(&at).map_err(|e| StoreError::Backend(format!("corrupt payout event: {e}").into()))?,
+            actor: r.get(2).map_err(backend)?,
+            was: PayoutState::parse(&was)?,
+            now: PayoutState::parse(&now)?,
+            why: r.get(5).map_err(backend)?,
+        })
+    })())
+}
 
 fn payout_row(r: &Row) -> rusqlite::Result<Result<PayoutRow, StoreError>> {
     let src = match acct_id(r.get(5)?) {
@@ -118,6 +120,9 @@ fn payout_row(r: &Row) -> rusqlite::Result<Result<PayoutRow, StoreError>> {
         updated_at: r.get(14)?,
         note: r.get(15)?,
         status: r.get(16)?,
+        sends: r.get(17)?,
+        attempts: r.get(18)?,
+        provider_id: r.get(19)?,
     };
     Ok(text.decode())
 }
@@ -724,9 +729,11 @@ impl Tx for SqliteTx<'_> {
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
         self.conn
             .prepare_cached(
-                "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
+                &format!(
+                    "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
                    (SELECT client_id, endpoint, idem_key FROM idem_key
-                    WHERE created_at < ?1 ORDER BY created_at LIMIT ?2)",
+                    WHERE created_at < ?1 AND {PURGEABLE} ORDER BY created_at LIMIT ?2)",
+                ),
             )
             .and_then(|mut s| s.execute((before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX))))
             .map(|n| n as u64)
@@ -747,15 +754,35 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn ensure_payouts(&mut self) -> Result<(), StoreError> {
-        self.conn.execute_batch(PAYOUT_SCHEMA).map_err(backend)
+        let table: Option<String> = self
+            .conn
+            .query_row("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'payout'", [], |r| r.get(0))
+            .optional()
+            .map_err(backend)?;
+        // A first version's table cannot take the new states (its CHECK) or
+        // the new columns: rebuilt, rows copied, in this transaction.
+        let migrate = table.is_some_and(|sql| !sql.contains("needs_attention"));
+        let sql = match migrate {
+            true => format!(
+                "ALTER TABLE payout RENAME TO payout_v1; DROP INDEX IF EXISTS payout_key; DROP INDEX IF EXISTS payout_open;
+                 {schema}
+                 INSERT INTO payout ({PAYOUT_V1_COLUMNS}) SELECT {PAYOUT_V1_COLUMNS} FROM payout_v1;
+                 DROP TABLE payout_v1;",
+                schema = payout_schema()
+            ),
+            false => payout_schema(),
+        };
+        self.conn.execute_batch(&sql).map_err(backend)
     }
 
     fn insert_payout(&mut self, p: &PayoutRow) -> Result<i64, StoreError> {
         self.conn
             .prepare_cached(
                 "INSERT INTO payout (client_id, endpoint, idem_key, fingerprint, src, beneficiary, amount, currency,
-                                     downstream_key, state, holder, lease_until, created_at, updated_at, note)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?13, ?14) RETURNING payout_id",
+                                     downstream_key, state, holder, lease_until, created_at, updated_at, note,
+                                     sends, attempts, provider_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?13, ?14, ?15, ?16, ?17)
+                 RETURNING payout_id",
             )
             .and_then(|mut s| {
                 s.query_row(
@@ -774,6 +801,9 @@ impl Tx for SqliteTx<'_> {
                         p.lease_until.to_string(),
                         p.created_at.to_string(),
                         p.note,
+                        p.sends,
+                        p.attempts,
+                        p.provider_id,
                     ],
                     |r| r.get(0),
                 )
@@ -796,7 +826,8 @@ impl Tx for SqliteTx<'_> {
     fn update_payout(&mut self, p: &PayoutRow, seen_holder: &str) -> Result<bool, StoreError> {
         self.conn
             .prepare_cached(
-                "UPDATE payout SET state = ?2, holder = ?3, lease_until = ?4, updated_at = ?5, note = ?6, status = ?8
+                "UPDATE payout SET state = ?2, holder = ?3, lease_until = ?4, updated_at = ?5, note = ?6, status = ?8,
+                                  sends = ?9, attempts = ?10, provider_id = ?11
                  WHERE payout_id = ?1 AND holder = ?7",
             )
             .and_then(|mut s| {
@@ -809,6 +840,9 @@ impl Tx for SqliteTx<'_> {
                     p.note,
                     seen_holder,
                     p.status,
+                    p.sends,
+                    p.attempts,
+                    p.provider_id,
                 ])
             })
             .map(|n| n == 1)
@@ -821,6 +855,35 @@ impl Tx for SqliteTx<'_> {
             "state IN ('in_progress', 'unknown') AND (?2 OR lease_until <= ?1) ORDER BY created_at, payout_id",
             &[&now, &all],
         )
+    }
+
+    fn payouts_in(&mut self, state: PayoutState, limit: i64) -> Result<Vec<PayoutRow>, StoreError> {
+        self.payouts_where("state = ?1 ORDER BY created_at, payout_id LIMIT ?2", &[&state.name(), &limit])
+    }
+
+    fn insert_payout_event(&mut self, e: &PayoutEvent) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(&format!("INSERT INTO payout_event ({EVENT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"))
+            .and_then(|mut s| {
+                s.execute(rusqlite::params![
+                    e.payout_id,
+                    e.at.to_string(),
+                    e.actor,
+                    e.was.name(),
+                    e.now.name(),
+                    e.why
+                ])
+            })
+            .map(|_| ())
+            .map_err(backend)
+    }
+
+    fn payout_events(&mut self, payout_id: i64) -> Result<Vec<PayoutEvent>, StoreError> {
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM payout_event WHERE payout_id = ?1 ORDER BY event_id");
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let rows: Vec<Result<PayoutEvent, StoreError>> =
+            stmt.query_map([payout_id], payout_event).and_then(|rows| rows.collect()).map_err(backend)?;
+        rows.into_iter().collect()
     }
 
     fn commit(mut self: Box<Self>) -> Result<(), StoreError> {

@@ -11,7 +11,7 @@
 
 use crate::common::{Backend, backends, store_with};
 use idem::clock::Timestamp;
-use idem::payout::{self, Begun, Call, Gateway, Lookup};
+use idem::payout::{self, Begun, Call, Gateway, Limits, Lookup};
 use idem::policy::Policy;
 use idem::protocol::Ctx;
 use idem::request::{AcctId, Payout, PayoutRequest, ScopedKey};
@@ -75,12 +75,15 @@ fn op() -> impl Strategy<Value = Op> {
 struct ModelGateway {
     ledger: Mutex<BTreeMap<String, bool>>, // key → paid (true) or refused (false)
     fate: Mutex<Fate>,
+    /// Lookups fail (a 503) while this is set.
+    down: Mutex<bool>,
+    limits: Limits,
 }
 
 impl ModelGateway {
     fn answer(paid: bool) -> Call {
         match paid {
-            true => Call::Paid,
+            true => Call::Paid(None),
             false => Call::Refused { status: 402, reason: "account_closed".into() },
         }
     }
@@ -100,20 +103,19 @@ impl Gateway for ModelGateway {
         }
     }
 
-    fn lookup(&self, key: &str) -> Lookup {
-        match self.ledger.lock().unwrap().get(key) {
-            Some(true) => Lookup::Paid,
+    fn lookup(&self, p: &PayoutRow) -> Lookup {
+        if *self.down.lock().unwrap() {
+            return Lookup::Error("HTTP 503".into());
+        }
+        match self.ledger.lock().unwrap().get(&p.downstream_key) {
+            Some(true) => Lookup::Paid(None),
             Some(false) => Lookup::Failed { reason: "account_closed".into() },
             None => Lookup::NotFound,
         }
     }
 
-    fn lookup_delay(&self) -> Duration {
-        Duration::ZERO
-    }
-
-    fn key_window(&self) -> Duration {
-        Duration::from_secs(86_400)
+    fn limits(&self) -> &Limits {
+        &self.limits
     }
 }
 
@@ -234,7 +236,7 @@ impl Day<'_> {
         let policy = Policy::embedded();
         let rows = rows(&mut *self.store, policy);
         let audit = self.store.audit().unwrap();
-        let out: i64 = rows.iter().filter(|p| p.state != PayoutState::Failed).map(|p| p.amount).sum();
+        let out: i64 = rows.iter().filter(|p| !matches!(p.state, PayoutState::Failed | PayoutState::Returned)).map(|p| p.amount).sum();
         prop_assert_eq!(audit.money() + out, OPENING * 2, "money after {:?}: {:?}", after, rows);
         let mut per_key = BTreeMap::new();
         for p in &rows {
@@ -250,7 +252,7 @@ impl Day<'_> {
         for p in &rows {
             match (p.state, ledger.get(&p.downstream_key)) {
                 (PayoutState::Completed, Some(true)) | (PayoutState::Failed, Some(false)) => {}
-                (PayoutState::InProgress | PayoutState::Unknown, _) => {}
+                (PayoutState::InProgress | PayoutState::Unknown | PayoutState::NeedsAttention, _) => {}
                 (state, at_gateway) => {
                     return Err(TestCaseError::fail(format!(
                         "idem says {state:?}, the gateway {at_gateway:?}, after {after:?}"
@@ -341,7 +343,13 @@ fn day_on(store: &mut dyn Store) -> Day<'_> {
     payout::prepare(store, Policy::embedded()).unwrap();
     Day {
         store,
-        gateway: ModelGateway { ledger: Mutex::default(), fate: Mutex::new(Fate::Pay) },
+        gateway: ModelGateway {
+            ledger: Mutex::default(),
+            fate: Mutex::new(Fate::Pay),
+            down: Mutex::new(false),
+            // the day's own clock moves in steps: a wait is the step's business
+            limits: Limits { backoff: Duration::ZERO, max_sends: i64::MAX, ..Limits::default() },
+        },
         start: Timestamp::parse("2026-12-01T00:00:00Z").unwrap(),
         now: 0,
         tokens: 0,
@@ -355,7 +363,7 @@ fn a_settled_payout_is_final_even_to_a_second_result_from_its_own_holder() {
         let mut store = store_with(backend, &accounts());
         let mut day = day_on(&mut *store);
         let row = day.begin(0, 0, 250).unwrap().expect("a new key calls the gateway");
-        let paid = day.finish(&row, Call::Paid);
+        let paid = day.finish(&row, Call::Paid(None));
         assert_eq!(paid.state, PayoutState::Completed);
         // the same holder, a late and contrary result: nothing may change
         let refused = Call::Refused { status: 402, reason: "account_closed".into() };
@@ -366,34 +374,61 @@ fn a_settled_payout_is_final_even_to_a_second_result_from_its_own_holder() {
     }
 }
 
+/// One request under `(client, key)` at the day's time: its answer, or
+/// `None` if it called the gateway (the payout it made is then abandoned).
+fn answer(day: &mut Day<'_>, client: u8, key: u8, amount: i64) -> Option<payout::Answer> {
+    let token = day.ctx_token();
+    let ctx = Ctx { policy: Policy::embedded(), now: day.now(), token: &token };
+    match payout::begin(&mut *day.store, &request(client, key, amount), ctx, LEASE).unwrap() {
+        Begun::Answer(answer) => Some(answer),
+        Begun::Call(_) => None,
+    }
+}
+
 #[test]
-fn a_payout_settled_after_its_key_was_reused_past_retention_leaves_the_new_answer_alone() {
-    let retention = Policy::embedded().retention_seconds();
+fn a_key_never_pays_twice_however_long_its_payout_stays_unknown() {
+    // The review's repro: the gateway pays, the answer is lost, its lookup
+    // fails for days; the client sends the same key and body at +73 h.
+    let policy = Policy::embedded();
     for backend in backends() {
         let mut store = store_with(backend, &accounts());
         let mut day = day_on(&mut *store);
-        let policy = Policy::embedded();
-        // the first payout's outcome is unknown, and stays so past retention
-        let old = day.begin(0, 0, 100).unwrap().unwrap();
-        day.gateway.ledger.lock().unwrap().insert(old.downstream_key.clone(), true);
-        let lost = Call::Unknown("answer lost".into());
-        day.finish(&old, lost);
-        // the key expires; the same body under it is a new payout
-        day.now += retention + 3600;
-        let new = day.begin(0, 0, 100).unwrap().expect("an expired key names a new payout");
-        assert_ne!(new.id, old.id);
-        // the old payout is settled while the new one is in flight
+        let first = day.begin(0, 0, 100).unwrap().unwrap();
+        day.gateway.ledger.lock().unwrap().insert(first.downstream_key.clone(), true);
+        day.finish(&first, Call::Unknown("answer lost".into()));
+        *day.gateway.down.lock().unwrap() = true;
+        for hours in [1, 25, 73] {
+            day.now = hours * 3600;
+            day.reconcile(Fate::Pay, 0);
+            // the operator's purge at its default, each time
+            let now = day.now();
+            idem::protocol::purge_expired(&mut *day.store, now, 100, policy).unwrap();
+            let claims = idem::protocol::open_claims(&mut *day.store, now, policy).unwrap();
+            assert!(claims.iter().any(|c| c.key == first.key), "{backend:?} +{hours} h: an open payout's claim was purged");
+            let retry = answer(&mut day, 0, 0, 100)
+                .unwrap_or_else(|| panic!("{backend:?}: at +{hours} h the key made a second payout"));
+            assert_eq!((retry.response.status, retry.payout_id), (202, Some(first.id)), "{backend:?} +{hours} h");
+            // another body under the key is not a new payout either
+            let other = answer(&mut day, 0, 0, 250).expect("another body made a payout");
+            assert_eq!(other.response.status, 422, "{backend:?} +{hours} h: {other:?}");
+        }
+        assert_eq!(rows(&mut *day.store, policy).len(), 1, "{backend:?}");
+        // the lookup answers again: the payout is settled, and its key answers with it
+        *day.gateway.down.lock().unwrap() = false;
         day.reconcile(Fate::Pay, 0);
-        let settled = day.finish(&new, Call::Paid);
-        assert_eq!(settled.state, PayoutState::Completed);
-        // a retry of the key is answered with the new payout, not the old
-        let token = day.ctx_token();
-        let ctx = Ctx { policy, now: day.now(), token: &token };
-        let Begun::Answer(retry) = payout::begin(&mut *day.store, &request(0, 0, 100), ctx, LEASE).unwrap()
-        else {
-            panic!("{backend:?}: a settled key called the gateway again")
-        };
-        assert_eq!((retry.response.status, retry.payout_id), (201, Some(new.id)), "{backend:?}: {retry:?}");
+        let retry = answer(&mut day, 0, 0, 100).expect("a settled key called the gateway");
+        assert_eq!((retry.response.status, retry.payout_id), (201, Some(first.id)), "{backend:?}");
+        // retention after it settled, the key is spent: 409, never a new payout
+        day.now += policy.retention_seconds() + 1;
+        let now = day.now();
+        idem::protocol::purge_expired(&mut *day.store, now, 100, policy).unwrap();
+        for amount in [100, 250] {
+            let spent = answer(&mut day, 0, 0, amount).expect("a spent key made a new payout");
+            assert_eq!(spent.response.status, 409, "{backend:?}: {spent:?}");
+            assert_eq!(spent.response.reason, Some(idem::reason::Reason::PayoutKeyUsed), "{backend:?}");
+        }
+        assert_eq!(rows(&mut *day.store, policy).len(), 1, "{backend:?}");
+        assert_eq!(day.gateway.ledger.lock().unwrap().len(), 1, "{backend:?}: paid twice at the gateway");
     }
 }
 
@@ -410,7 +445,7 @@ fn a_payout_of_the_whole_balance_goes_out_and_one_unit_more_is_refused() {
         };
         assert_eq!(over.response.reason.map(|r| r.to_string()), Some("insufficient_funds".into()));
         let row = day.begin(0, 0, OPENING).unwrap().expect("the whole balance may go out");
-        assert_eq!(day.finish(&row, Call::Paid).state, PayoutState::Completed, "{backend:?}");
+        assert_eq!(day.finish(&row, Call::Paid(None)).state, PayoutState::Completed, "{backend:?}");
         assert_eq!(
             day.store.audit().unwrap().money(),
             OPENING,
@@ -426,7 +461,7 @@ fn a_retry_of_a_new_body_in_flight_under_a_key_past_retention_is_409_not_the_old
         let mut store = store_with(backend, &accounts());
         let mut day = day_on(&mut *store);
         let old = day.begin(0, 0, 100).unwrap().unwrap();
-        day.finish(&old, Call::Paid);
+        day.finish(&old, Call::Paid(None));
         // past retention, another body claims the key and its process dies
         // before the intent
         day.now += retention + 3600;

@@ -1,0 +1,379 @@
+//! The gateway a payout goes through, as idem sees it: the [`Gateway`]
+//! trait, the limits a resend keeps to, and the HTTP client with the one
+//! table that classifies every answer (`docs/payouts.md` prints it).
+
+use crate::store::PayoutRow;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+/// What a send to the gateway came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// Paid; the provider's own id for it, if it gave one.
+    Paid(Option<String>),
+    /// A definitive refusal: `status` is what idem answers (402 or 422).
+    Refused { status: u16, reason: String },
+    /// No definitive answer (a timeout, a reset, a 5xx, a 429, pending):
+    /// looked up, and resent within the limits.
+    Unknown(String),
+    /// An answer no resend can fix (400, 401, 403, a key misused, a payout
+    /// that is not the one sent): never resent, a person settles it.
+    Terminal(String),
+}
+
+/// What the gateway says of a downstream key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    Paid(Option<String>),
+    Pending,
+    /// Refused, canceled, or paid and then returned: the money is back.
+    Failed { reason: String },
+    /// The gateway's own typed "no payout under this key".
+    NotFound,
+    /// No answer to go by: asked again later.
+    Error(String),
+    /// An answer no lookup will change: for a person.
+    Terminal(String),
+}
+
+/// The outside service payouts go through.
+pub trait Gateway: Send + Sync {
+    fn send(&self, payout: &PayoutRow) -> Call;
+    /// What the gateway says of `payout`'s downstream key, checked against
+    /// the payout (amount, currency, beneficiary).
+    fn lookup(&self, payout: &PayoutRow) -> Lookup;
+    fn limits(&self) -> &Limits;
+}
+
+/// What a reconciler keeps to when it resends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// A payout younger than this may be missing from lookups.
+    pub lookup_delay: Duration,
+    /// A key older than this is forgotten: sent again, it would pay again.
+    pub key_window: Duration,
+    /// Kept short of the key window: clocks disagree, and a lookup and a
+    /// send take time.
+    pub key_margin: Duration,
+    /// At most this many sends of one payout (the first included); then a
+    /// person settles it.
+    pub max_sends: i64,
+    /// The first wait before a payout is looked at again…
+    pub backoff: Duration,
+    /// …doubling per look up to this.
+    pub backoff_cap: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            lookup_delay: Duration::ZERO,
+            key_window: Duration::from_secs(24 * 3600),
+            key_margin: Duration::from_secs(3600),
+            max_sends: 5,
+            backoff: Duration::from_secs(30),
+            backoff_cap: Duration::from_secs(3600),
+        }
+    }
+}
+
+impl Limits {
+    /// The wait before the `attempt`-th look (1 for the first), capped
+    /// exponential with full jitter (AWS's "full jitter": uniform between
+    /// zero and the capped doubling), the draw fixed by `seed` so that one
+    /// payout's waits are reproducible and different payouts' are spread.
+    pub fn wait(&self, attempt: i64, seed: u64) -> Duration {
+        let doublings = u32::try_from(attempt.saturating_sub(1).clamp(0, 30)).unwrap_or(30);
+        let ceiling = self.backoff.saturating_mul(1 << doublings).min(self.backoff_cap);
+        let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
+        let draw = crate::rng::mix(seed ^ u64::try_from(attempt).unwrap_or(0));
+        Duration::from_millis(draw % millis.saturating_add(1))
+    }
+}
+
+/// A gateway's base URL, checked before any money is held: `http://` or
+/// `https://` and a host (a typo would otherwise hold each payout's money
+/// as `unknown` until a reconciler with the right URL came). Without a
+/// trailing `/`.
+pub fn gateway_url(text: &str) -> Result<String, String> {
+    let url = text.trim_end_matches('/');
+    let uri: ureq::http::Uri = url.parse().map_err(|e| format!("{text:?} is not a URL: {e}"))?;
+    match (uri.scheme_str(), uri.host()) {
+        (Some("http" | "https"), Some(host)) if !host.is_empty() => Ok(url.to_owned()),
+        _ => Err(format!("{text:?} is not an http:// or https:// URL with a host")),
+    }
+}
+
+/// The gateway over HTTP: `POST {url}/payouts` with the downstream key as
+/// `Idempotency-Key`, `GET {url}/payouts/{key}`.
+#[derive(Clone)]
+pub struct HttpGateway {
+    pub url: String,
+    pub token: Option<String>,
+    /// Each call's whole time; past it the outcome is unknown.
+    pub timeout: Duration,
+    pub limits: Limits,
+}
+
+impl std::fmt::Debug for HttpGateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // never the token
+        write!(f, "HttpGateway({})", self.url)
+    }
+}
+
+impl HttpGateway {
+    /// How long a caller holds a payout (a request's call, or a
+    /// reconciler's lookup and send): past it, it is presumed dead and the
+    /// payout is taken.
+    pub fn lease(&self) -> Duration {
+        self.timeout * 2
+    }
+
+    fn agent(&self) -> ureq::Agent {
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(self.timeout))
+            .build()
+            .into()
+    }
+
+    fn authorized<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.token {
+            Some(token) => req.header("Authorization", format!("Bearer {token}")),
+            None => req,
+        }
+    }
+}
+
+/// An answer's status and body; `Err` when none came whole.
+fn read(response: ureq::http::Response<ureq::Body>) -> Result<(u16, String), String> {
+    let status = response.status().as_u16();
+    let text = response.into_body().read_to_string().map_err(|e| format!("answer cut: {e}"))?;
+    Ok((status, text))
+}
+
+/// The most of a gateway's word (a reason, a state) idem quotes.
+const WORD_CHARS: usize = 64;
+
+fn word<'a>(v: &'a Value, member: &str) -> Option<&'a str> {
+    v.get(member)?.as_str()
+}
+
+fn quoted(text: &str) -> String {
+    text.chars().take(WORD_CHARS).collect()
+}
+
+/// A status whose request may succeed if sent again unchanged.
+fn transient(status: u16) -> bool {
+    matches!(status, 408 | 409 | 425 | 429) || status >= 500
+}
+
+/// What a send's answer means. The table, in order:
+/// 2xx `paid` → paid; 402/422 `failed` → refused; 2xx `pending` or 409 →
+/// unknown (accepted, look it up); 408, 425, 429, 5xx, a body that is not
+/// JSON on them → unknown; every other 4xx (400, 401, 403, 404, a key
+/// misused) → terminal; anything else → unknown.
+pub fn classify_send(status: u16, body: &str) -> Call {
+    let v: Option<Value> = serde_json::from_str(body).ok();
+    let state = v.as_ref().and_then(|v| word(v, "status"));
+    let why = || {
+        let code = v.as_ref().and_then(|v| word(v, "error").or_else(|| word(v, "status"))).unwrap_or("");
+        quoted(&format!("HTTP {status} {code}"))
+    };
+    match (status, state) {
+        (200..=299, Some("paid")) => Call::Paid(v.as_ref().and_then(|v| word(v, "id")).map(quoted)),
+        (402 | 422, Some("failed")) => Call::Refused {
+            status,
+            reason: quoted(v.as_ref().and_then(|v| word(v, "reason")).unwrap_or("payout_refused")),
+        },
+        (200..=299, _) => Call::Unknown(why()),
+        (s, _) if transient(s) => Call::Unknown(why()),
+        (400..=499, _) => Call::Terminal(why()),
+        _ => Call::Unknown(why()),
+    }
+}
+
+/// What a lookup's answer means for `p`. 200 `paid` whose amount, currency
+/// and beneficiary are `p`'s → paid (any of them different → terminal);
+/// `pending` → pending; `failed`, `canceled`, `returned`, `reversed` →
+/// failed (the money is back); another state → terminal; 404 with the
+/// gateway's typed `{"error": "not_found"}` → not found (a bare 404 may be
+/// a wrong URL: an error); 408, 429, 5xx → error; other 4xx → terminal.
+pub fn classify_lookup(status: u16, body: &str, p: &PayoutRow) -> Lookup {
+    let v: Option<Value> = serde_json::from_str(body).ok();
+    let Some(v) = v else {
+        return match status {
+            s if transient(s) || s == 404 || s < 400 => Lookup::Error(format!("HTTP {status} without a JSON body")),
+            s => Lookup::Terminal(format!("HTTP {s} without a JSON body")),
+        };
+    };
+    match status {
+        200 => {}
+        404 if word(&v, "error") == Some("not_found") => return Lookup::NotFound,
+        s if transient(s) || s == 404 || s < 400 => return Lookup::Error(quoted(&format!("HTTP {s}"))),
+        s => return Lookup::Terminal(quoted(&format!("HTTP {s} {}", word(&v, "error").unwrap_or("")))),
+    }
+    let differs = [
+        ("amount", v.get("amount").is_some_and(|a| a != &json!(p.amount))),
+        ("currency", v.get("currency").is_some_and(|c| c != &json!(p.currency))),
+        ("beneficiary", v.get("beneficiary").is_some_and(|b| b != &json!(p.beneficiary))),
+    ];
+    if let Some((member, _)) = differs.iter().find(|(_, d)| *d) {
+        return Lookup::Terminal(format!("the gateway's payout under this key has another {member}"));
+    }
+    let reason = || quoted(word(&v, "reason").unwrap_or("payout_refused"));
+    match word(&v, "status") {
+        Some("paid") => Lookup::Paid(word(&v, "id").map(quoted)),
+        Some("pending") => Lookup::Pending,
+        Some("failed") => Lookup::Failed { reason: reason() },
+        Some(state @ ("canceled" | "cancelled" | "returned" | "reversed")) => {
+            Lookup::Failed { reason: quoted(&format!("{state}: {}", reason())) }
+        }
+        Some(other) => Lookup::Terminal(quoted(&format!("a state idem does not know: {other}"))),
+        None => Lookup::Error("HTTP 200 without a status".into()),
+    }
+}
+
+impl Gateway for HttpGateway {
+    fn send(&self, p: &PayoutRow) -> Call {
+        let body =
+            json!({"beneficiary": p.beneficiary, "amount": p.amount, "currency": p.currency}).to_string();
+        let req = self
+            .agent()
+            .post(format!("{}/payouts", self.url))
+            .header("Idempotency-Key", &p.downstream_key)
+            .header("Content-Type", "application/json");
+        match self.authorized(req).send(body.as_str()).map_err(|e| e.to_string()).and_then(read) {
+            Ok((status, text)) => classify_send(status, &text),
+            Err(why) => Call::Unknown(why),
+        }
+    }
+
+    fn lookup(&self, p: &PayoutRow) -> Lookup {
+        let req = self.agent().get(format!("{}/payouts/{}", self.url, p.downstream_key));
+        match self.authorized(req).call().map_err(|e| e.to_string()).and_then(read) {
+            Ok((status, text)) => classify_lookup(status, &text, p),
+            Err(why) => Lookup::Error(why),
+        }
+    }
+
+    fn limits(&self) -> &Limits {
+        &self.limits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::Timestamp;
+    use crate::request::{AcctId, ScopedKey};
+    use crate::store::PayoutState;
+
+    fn row() -> PayoutRow {
+        let t = Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
+        PayoutRow {
+            id: 1,
+            key: ScopedKey { client_id: "c".into(), endpoint: "/v1/payouts".into(), idem_key: "k".into() },
+            fingerprint: "f".into(),
+            src: AcctId::Int(1),
+            beneficiary: "bob".into(),
+            amount: 250,
+            currency: "KRW".into(),
+            downstream_key: "d".into(),
+            state: PayoutState::Unknown,
+            holder: "h".into(),
+            lease_until: t,
+            created_at: t,
+            updated_at: t,
+            note: None,
+            status: None,
+            sends: 1,
+            attempts: 0,
+            provider_id: None,
+        }
+    }
+
+    #[test]
+    fn every_send_answer_has_its_class() {
+        let terminal = |c: &Call| matches!(c, Call::Terminal(_));
+        let unknown = |c: &Call| matches!(c, Call::Unknown(_));
+        assert_eq!(classify_send(201, r#"{"status":"paid","id":"po_9"}"#), Call::Paid(Some("po_9".into())));
+        assert_eq!(
+            classify_send(402, r#"{"status":"failed","reason":"account_closed"}"#),
+            Call::Refused { status: 402, reason: "account_closed".into() }
+        );
+        for (status, body) in [
+            (409, r#"{"status":"pending"}"#),
+            (202, r#"{"status":"pending"}"#),
+            (429, r#"{"error":"rate_limited"}"#),
+            (500, "<html>"),
+            (503, ""),
+            (408, ""),
+            (201, "not json"),
+            (422, r#"{"error":"validation"}"#), // a 422 without failed is no refusal, and not ours to fix
+        ] {
+            let call = classify_send(status, body);
+            let want = if status == 422 { terminal(&call) } else { unknown(&call) };
+            assert!(want, "{status} {body}: {call:?}");
+        }
+        for (status, body) in [
+            (400, r#"{"error":"idempotency_key_reused"}"#),
+            (400, r#"{"error":"invalid_request"}"#),
+            (401, r#"{"error":"unauthorized"}"#),
+            (403, ""),
+            (404, r#"{"error":"not_found"}"#),
+            (413, ""),
+        ] {
+            assert!(terminal(&classify_send(status, body)), "{status} {body}");
+        }
+    }
+
+    #[test]
+    fn every_lookup_answer_has_its_class() {
+        let p = row();
+        let paid = r#"{"status":"paid","id":"po_1","amount":250,"currency":"KRW","beneficiary":"bob"}"#;
+        assert_eq!(classify_lookup(200, paid, &p), Lookup::Paid(Some("po_1".into())));
+        assert_eq!(classify_lookup(200, r#"{"status":"pending"}"#, &p), Lookup::Pending);
+        for state in ["failed", "canceled", "returned", "reversed"] {
+            let body = format!(r#"{{"status":"{state}","reason":"bank_return"}}"#);
+            assert!(matches!(classify_lookup(200, &body, &p), Lookup::Failed { .. }), "{state}");
+        }
+        assert_eq!(classify_lookup(404, r#"{"error":"not_found"}"#, &p), Lookup::NotFound);
+        // a bare 404 (a wrong URL, a proxy) is no "never heard of it"
+        for (status, body) in [(404, ""), (404, "<html>"), (404, r#"{"error":"no_such_route"}"#), (503, ""), (429, "{}")] {
+            assert!(matches!(classify_lookup(status, body, &p), Lookup::Error(_)), "{status} {body}");
+        }
+        for (status, body) in [
+            (200, r#"{"status":"paid","amount":251}"#),
+            (200, r#"{"status":"paid","currency":"USD"}"#),
+            (200, r#"{"status":"paid","beneficiary":"eve"}"#),
+            (200, r#"{"status":"on_hold"}"#),
+            (401, r#"{"error":"unauthorized"}"#),
+            (403, ""),
+        ] {
+            assert!(matches!(classify_lookup(status, body, &p), Lookup::Terminal(_)), "{status} {body}");
+        }
+    }
+
+    #[test]
+    fn the_backoff_doubles_to_its_cap_and_is_jittered_below_it() {
+        let limits = Limits { backoff: Duration::from_secs(10), backoff_cap: Duration::from_secs(60), ..Limits::default() };
+        for attempt in 1..=12 {
+            let ceiling = Duration::from_secs((10u64 << (attempt - 1).min(3)).min(60));
+            let waits: Vec<Duration> = (0..200).map(|seed| limits.wait(attempt, seed)).collect();
+            assert!(waits.iter().all(|w| *w <= ceiling), "attempt {attempt}");
+            assert!(waits.iter().any(|w| *w > ceiling / 2), "attempt {attempt}: no spread");
+            assert!(waits.iter().any(|w| *w < ceiling / 2), "attempt {attempt}: no jitter");
+        }
+        assert_eq!(limits.wait(3, 7), limits.wait(3, 7), "a payout's wait is reproducible");
+    }
+
+    #[test]
+    fn a_callers_lease_outlasts_its_call_so_no_reconciler_takes_a_payout_mid_call() {
+        for timeout in [Duration::from_millis(1), Duration::from_secs(10), Duration::from_secs(86_400)] {
+            let gateway = HttpGateway { url: "http://gw".into(), token: None, timeout, limits: Limits::default() };
+            assert!(gateway.lease() > timeout, "{timeout:?}");
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! The recovery job: every payout left `in_progress` past its lease, and
+//! every `unknown` one whose wait is over, is taken (a compare-and-set on
+//! its holder, so two reconcilers never work on one payout) and settled by
+//! what the gateway says of its downstream key. Pending or no answer: looked
+//! at again after a capped, jittered, doubling wait. Not found: sent again
+//! with the same key, only past the gateway's lookup delay, inside its key
+//! window less the margin, and at most `max_sends` times. An answer no
+//! resend can fix goes to a person (`needs_attention`), at once. A payout
+//! whose result cannot be stored is set aside for a person with why, and
+//! the run goes on with the rest.
+
+use super::{Call, Gateway, Lookup, record, set_aside, take};
+use crate::clock::Timestamp;
+use crate::policy::Policy;
+use crate::store::{self, Durability, End, PayoutRow, PayoutState, Store, StoreError};
+use serde_json::json;
+use std::time::Duration;
+
+/// One reconciler decision, as the JSON line it prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub payout_id: i64,
+    pub downstream_key: String,
+    pub was: PayoutState,
+    pub now: PayoutState,
+    pub sends: i64,
+    /// What was done and why.
+    pub decision: String,
+}
+
+impl Decision {
+    pub fn to_json(&self) -> String {
+        json!({
+            "payout_id": self.payout_id,
+            "downstream_key": self.downstream_key,
+            "was": self.was.name(),
+            "now": self.now.name(),
+            "sends": self.sends,
+            "decision": self.decision,
+        })
+        .to_string()
+    }
+}
+
+fn seconds(d: Duration) -> i64 {
+    i64::try_from(d.as_secs()).unwrap_or(i64::MAX)
+}
+
+/// One pass over the payouts due. `token` names this reconciler; `now` is
+/// read per payout; `lease` is how long it holds one (its lookup and send).
+pub fn reconcile<S: Store + ?Sized>(
+    store: &mut S,
+    gateway: &dyn Gateway,
+    token: &str,
+    now: &dyn Fn() -> Timestamp,
+    lease: Duration,
+    policy: &Policy,
+) -> Result<Vec<Decision>, StoreError> {
+    let due = store::atomically(store, Durability::Lazy, policy, |tx| {
+        Ok(End::Rollback(tx.payouts_open(now(), false)?))
+    })?;
+    let mut decisions = Vec::new();
+    for seen in due {
+        let at = now();
+        let Some(p) = take(store, &seen, token, at, lease, policy, |p| p.attempts += 1)? else {
+            continue; // another reconciler has it, or it moved on
+        };
+        let (call, decision) = ask(store, gateway, &p, at, lease, token, policy)?;
+        let wait = gateway.limits().wait(p.attempts, seed(&p.downstream_key));
+        let next_look = now().plus_millis(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        let (after, decision) = match record(store, &p, call, now(), next_look, policy) {
+            Ok(after) => (after, decision),
+            // Availability is the run's problem, not this payout's: stop.
+            Err(e @ (StoreError::Unavailable(_) | StoreError::Busy)) => return Err(e),
+            Err(e) => match set_aside(store, &p, &format!("the result could not be stored: {e}"), now(), policy) {
+                Ok(after) => (after, format!("{decision}; its result could not be stored ({e}): set aside")),
+                Err(again) => {
+                    let why = format!("{decision}; its result could not be stored ({e}), nor set aside ({again})");
+                    (p.clone(), why)
+                }
+            },
+        };
+        decisions.push(Decision {
+            payout_id: p.id,
+            downstream_key: p.downstream_key.clone(),
+            was: seen.state,
+            now: after.state,
+            sends: after.sends,
+            decision,
+        });
+    }
+    Ok(decisions)
+}
+
+/// A payout's own seed for its waits' jitter.
+fn seed(downstream_key: &str) -> u64 {
+    downstream_key.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Asks the gateway about `p` (held by `token`), and sends it again if it
+/// never arrived and may still be sent: what to record, and why.
+fn ask<S: Store + ?Sized>(
+    store: &mut S,
+    gateway: &dyn Gateway,
+    p: &PayoutRow,
+    at: Timestamp,
+    lease: Duration,
+    token: &str,
+    policy: &Policy,
+) -> Result<(Call, String), StoreError> {
+    let limits = gateway.limits();
+    let age_at_least = |d: Duration| at.is_at_least(seconds(d), p.created_at);
+    // a resend must land inside the window even if sent at the end of the lease
+    let resend_until = limits.key_window.saturating_sub(limits.key_margin).saturating_sub(lease);
+    Ok(match gateway.lookup(p) {
+        Lookup::Paid(id) => (Call::Paid(id), "paid at the gateway: completed".to_owned()),
+        Lookup::Failed { reason } => {
+            let decision = format!("refused at the gateway ({reason}): the hold is released");
+            (Call::Refused { status: 422, reason }, decision)
+        }
+        Lookup::Pending => (Call::Unknown("pending at the gateway".into()), "pending at the gateway: left".into()),
+        Lookup::Error(why) => {
+            (Call::Unknown(format!("lookup failed: {why}")), format!("the lookup failed ({why}): left"))
+        }
+        Lookup::Terminal(why) => (
+            Call::Terminal(format!("the lookup's answer: {why}")),
+            format!("the lookup's answer needs a person ({why})"),
+        ),
+        Lookup::NotFound if !age_at_least(limits.lookup_delay) => (
+            Call::Unknown("not found yet, within the gateway's lookup delay".into()),
+            "not found, but younger than the gateway's lookup delay: left".into(),
+        ),
+        Lookup::NotFound if p.sends >= limits.max_sends => (
+            Call::Terminal(format!("not found at the gateway after {} sends", p.sends)),
+            format!("not found after {} sends, the most allowed: left for a person", p.sends),
+        ),
+        Lookup::NotFound if age_at_least(resend_until) => (
+            Call::Terminal(
+                "not found at the gateway, and too near or past its key window (a resend could pay again)".into(),
+            ),
+            "not found, too near or past the gateway's key window: left for a person".into(),
+        ),
+        Lookup::NotFound => {
+            // counted before it is sent: a send is never lost from the count
+            let Some(p) = take(store, p, token, at, lease, policy, |p| p.sends += 1)? else {
+                return Ok((Call::Unknown("taken by another".into()), "taken by another: left".into()));
+            };
+            match gateway.send(&p) {
+                Call::Unknown(why) => (
+                    Call::Unknown(format!("resent: {why}")),
+                    format!("not found: resent with the same key, still unknown ({why})"),
+                ),
+                Call::Paid(id) => (Call::Paid(id), "not found: resent with the same key, paid: completed".into()),
+                Call::Refused { status, reason } => {
+                    let decision = format!("not found: resent with the same key, refused ({reason}): released");
+                    (Call::Refused { status, reason }, decision)
+                }
+                Call::Terminal(why) => (
+                    Call::Terminal(format!("resent: {why}")),
+                    format!("not found: resent, an answer no resend can fix ({why}): left for a person"),
+                ),
+            }
+        }
+    })
+}
