@@ -76,6 +76,73 @@ impl GatewayArgs {
 }
 
 #[derive(Subcommand, Debug)]
+enum PayoutsAction {
+    /// One JSON line per payout: by default every one not settled, oldest first.
+    List {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        /// Only payouts in this state (in_progress, unknown, needs_attention,
+        /// completed, failed, returned).
+        #[arg(long, value_parser = payout_state)]
+        state: Option<idem::store::PayoutState>,
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+    },
+    /// One payout and its audit trail (who changed its state, when, why), as JSON.
+    Show {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        id: i64,
+    },
+    /// Settle a payout that is not settled by what the provider says: paid
+    /// (with the provider's reference) or failed (the hold goes back to its
+    /// account). One transaction with an audit row. Refused while a request
+    /// or a reconciler holds the payout, and for a settled one (exit 1).
+    Settle {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        id: i64,
+        /// The provider paid it.
+        #[arg(long, conflicts_with = "failed", requires = "reference")]
+        paid: bool,
+        /// The provider's reference for the payment.
+        #[arg(long, requires = "paid")]
+        reference: Option<String>,
+        /// It was not paid and will not be.
+        #[arg(long, required_unless_present = "paid")]
+        failed: bool,
+        /// Why: kept in the audit trail (and, for --failed, the client's reason).
+        #[arg(long)]
+        reason: String,
+        /// Who settles it (default: $USER).
+        #[arg(long, env = "USER", default_value = "operator")]
+        by: String,
+    },
+}
+
+fn payout_state(text: &str) -> Result<idem::store::PayoutState, String> {
+    idem::store::PayoutState::parse(text).map_err(|_| {
+        let names: Vec<&str> = idem::store::PayoutState::ALL.iter().map(|s| s.name()).collect();
+        format!("one of {}", names.join(", "))
+    })
+}
+
+/// A payout as `idem payouts` prints it: everything a person needs.
+fn payout_line(p: &idem::store::PayoutRow) -> serde_json::Value {
+    let mut v: serde_json::Value = serde_json::from_str(&idem::payout::to_json(p)).unwrap_or_default();
+    v["client_id"] = json!(p.key.client_id);
+    v["idem_key"] = json!(p.key.idem_key);
+    v["downstream_key"] = json!(p.downstream_key);
+    v["sends"] = json!(p.sends);
+    v["attempts"] = json!(p.attempts);
+    v["updated_at"] = json!(p.updated_at.to_string());
+    v["next_look"] = json!(p.lease_until.to_string());
+    v["holder"] = json!(p.holder);
+    v["note"] = json!(p.note);
+    v
+}
+
+#[derive(Subcommand, Debug)]
 enum Command {
     /// The day: gen, dup-report and replay into DIR, plus policy.json and idem_report.md.
     ///
@@ -209,6 +276,12 @@ enum Command {
         /// Only list the payouts not settled, one JSON line each; change nothing.
         #[arg(long)]
         list: bool,
+    },
+    /// The payouts a person settles: list them, show one with its audit
+    /// trail, settle one by what the provider says (docs/payouts.md, the runbook).
+    Payouts {
+        #[command(subcommand)]
+        action: PayoutsAction,
     },
     /// A payment gateway to pay out through, with seeded faults (a test harness).
     ///
@@ -442,6 +515,44 @@ fn main() -> ExitCode {
     }
 }
 
+fn payouts(action: PayoutsAction, policy: &'static Policy) -> Result<ExitCode, Failure> {
+    use idem::payout;
+    let open = |db: &Db| -> Result<Box<dyn idem::store::Store>, Failure> {
+        let mut store = store::open(db, policy, Usage::LongLived)?;
+        payout::prepare(&mut *store, policy)?;
+        Ok(store)
+    };
+    match action {
+        PayoutsAction::List { db, state, limit } => {
+            for p in payout::listed(&mut *open(&db)?, state, limit, policy)? {
+                println!("{}", payout_line(&p));
+            }
+        }
+        PayoutsAction::Show { db, id } => {
+            let Some((p, events)) = payout::events(&mut *open(&db)?, id, policy)? else {
+                return Err(Failure(format!("no payout {id}")));
+            };
+            let mut v = payout_line(&p);
+            v["events"] = events
+                .iter()
+                .map(|e| json!({"at": e.at.to_string(), "actor": e.actor, "was": e.was.name(), "now": e.now.name(), "why": e.why}))
+                .collect();
+            println!("{v}");
+        }
+        PayoutsAction::Settle { db, id, paid, reference, failed: _, reason, by } => {
+            let finding = match (paid, reference) {
+                (true, Some(reference)) => payout::Finding::Paid { reference },
+                _ => payout::Finding::Failed,
+            };
+            match payout::settle_by_hand(&mut *open(&db)?, id, &finding, &reason, &by, now()?, policy)? {
+                Ok(p) => println!("{}", payout_line(&p)),
+                Err(why) => return Err(Failure(why)),
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
     match command {
         Command::Gen { out } => {
@@ -503,6 +614,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 println!("{}", d.to_json());
             }
         }
+        Command::Payouts { action } => return payouts(action, policy),
         Command::Recover { db, release, force_live } => {
             let now = now()?;
             let mut store = store::open(&db, policy, Usage::LongLived)?;

@@ -27,7 +27,9 @@ pub enum Lookup {
     Paid(Option<String>),
     Pending,
     /// Refused, canceled, or paid and then returned: the money is back.
-    Failed { reason: String },
+    Failed {
+        reason: String,
+    },
     /// The gateway's own typed "no payout under this key".
     NotFound,
     /// No answer to go by: asked again later.
@@ -204,7 +206,9 @@ pub fn classify_lookup(status: u16, body: &str, p: &PayoutRow) -> Lookup {
     let v: Option<Value> = serde_json::from_str(body).ok();
     let Some(v) = v else {
         return match status {
-            s if transient(s) || s == 404 || s < 400 => Lookup::Error(format!("HTTP {status} without a JSON body")),
+            s if transient(s) || s == 404 || s < 400 => {
+                Lookup::Error(format!("HTTP {status} without a JSON body"))
+            }
             s => Lookup::Terminal(format!("HTTP {s} without a JSON body")),
         };
     };
@@ -341,7 +345,9 @@ mod tests {
         }
         assert_eq!(classify_lookup(404, r#"{"error":"not_found"}"#, &p), Lookup::NotFound);
         // a bare 404 (a wrong URL, a proxy) is no "never heard of it"
-        for (status, body) in [(404, ""), (404, "<html>"), (404, r#"{"error":"no_such_route"}"#), (503, ""), (429, "{}")] {
+        for (status, body) in
+            [(404, ""), (404, "<html>"), (404, r#"{"error":"no_such_route"}"#), (503, ""), (429, "{}")]
+        {
             assert!(matches!(classify_lookup(status, body, &p), Lookup::Error(_)), "{status} {body}");
         }
         for (status, body) in [
@@ -358,7 +364,11 @@ mod tests {
 
     #[test]
     fn the_backoff_doubles_to_its_cap_and_is_jittered_below_it() {
-        let limits = Limits { backoff: Duration::from_secs(10), backoff_cap: Duration::from_secs(60), ..Limits::default() };
+        let limits = Limits {
+            backoff: Duration::from_secs(10),
+            backoff_cap: Duration::from_secs(60),
+            ..Limits::default()
+        };
         for attempt in 1..=12 {
             let ceiling = Duration::from_secs((10u64 << (attempt - 1).min(3)).min(60));
             let waits: Vec<Duration> = (0..200).map(|seed| limits.wait(attempt, seed)).collect();
@@ -372,7 +382,8 @@ mod tests {
     #[test]
     fn a_callers_lease_outlasts_its_call_so_no_reconciler_takes_a_payout_mid_call() {
         for timeout in [Duration::from_millis(1), Duration::from_secs(10), Duration::from_secs(86_400)] {
-            let gateway = HttpGateway { url: "http://gw".into(), token: None, timeout, limits: Limits::default() };
+            let gateway =
+                HttpGateway { url: "http://gw".into(), token: None, timeout, limits: Limits::default() };
             assert!(gateway.lease() > timeout, "{timeout:?}");
         }
     }

@@ -25,9 +25,11 @@
 //! its lease ran out), so a late result never overwrites a newer one.
 
 mod gateway;
+mod person;
 mod reconcile;
 
 pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, classify_send, gateway_url};
+pub use person::{Finding, events, listed, settle_by_hand};
 pub use reconcile::{Decision, reconcile};
 
 use crate::clock::Timestamp;
@@ -100,7 +102,8 @@ pub fn to_json(p: &PayoutRow) -> String {
 /// The answer a payout's row gives: its stored result once settled, else
 /// 202 with where to look.
 pub fn answer_of(p: &PayoutRow) -> Answer {
-    let created = |p| Response { status: 201, replay: false, reason: None, body: to_json(p), transfer_id: None };
+    let created =
+        |p| Response { status: 201, replay: false, reason: None, body: to_json(p), transfer_id: None };
     let response = match (p.state, p.status) {
         (PayoutState::Completed | PayoutState::Returned, _) => created(p),
         (PayoutState::Failed, status) => Response::refusal(
@@ -119,9 +122,8 @@ pub fn answer_of(p: &PayoutRow) -> Answer {
 /// 4-36 characters). Derived from idem's token, never from the client's
 /// key: two clients' keys may collide, two claim tokens may not.
 pub fn downstream_key(token: &str) -> String {
-    let mut b: [u8; 16] = Sha256::digest(format!("idem payout {token}").as_bytes())[..16]
-        .try_into()
-        .unwrap_or([0; 16]);
+    let mut b: [u8; 16] =
+        Sha256::digest(format!("idem payout {token}").as_bytes())[..16].try_into().unwrap_or([0; 16]);
     b[6] = (b[6] & 0x0f) | 0x80; // version 8
     b[8] = (b[8] & 0x3f) | 0x80; // the RFC's variant
     let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
@@ -362,7 +364,7 @@ fn settle(
     next_look: Timestamp,
 ) -> Result<PayoutRow, StoreError> {
     let (seen, was) = (p.holder.clone(), p.state);
-    let why = match call {
+    let what = match call {
         Call::Paid(provider_id) => {
             (p.state, p.status, p.note) = (PayoutState::Completed, Some(201), None);
             p.provider_id = provider_id.map(|id| gateway_text(&id)).or(p.provider_id);
@@ -379,7 +381,8 @@ fn settle(
             "no definitive answer".to_owned()
         }
         Call::Terminal(why) => {
-            (p.state, p.note) = (PayoutState::NeedsAttention, Some(gateway_text(&format!("needs a person: {why}"))));
+            (p.state, p.note) =
+                (PayoutState::NeedsAttention, Some(gateway_text(&format!("needs a person: {why}"))));
             "an answer no resend can fix: for a person".to_owned()
         }
     };
@@ -389,10 +392,17 @@ fn settle(
     }
     if p.state != was {
         let why = match &p.note {
-            Some(note) => format!("{why}: {note}"),
-            None => why,
+            Some(note) => format!("{what}: {note}"),
+            None => what,
         };
-        tx.insert_payout_event(&PayoutEvent { payout_id: p.id, at: now, actor: seen, was, now: p.state, why })?;
+        tx.insert_payout_event(&PayoutEvent {
+            payout_id: p.id,
+            at: now,
+            actor: seen,
+            was,
+            now: p.state,
+            why,
+        })?;
     }
     // The key is this payout's while it is open (whoever holds its claim
     // now: a retry that took it over, or claimed it again after a release
@@ -414,7 +424,8 @@ pub fn lookup<S: Store + ?Sized>(
     id: i64,
     policy: &Policy,
 ) -> Result<Option<PayoutRow>, StoreError> {
-    let row = store::atomically(store, Durability::Lazy, policy, |tx| Ok(End::Rollback(tx.payout(id)?)))?;
+    let row =
+        store::atomically(store, Durability::Lazy, policy, |tx| Ok(End::Rollback(tx.peek_payout(id)?)))?;
     Ok(row.filter(|p| p.key.client_id == client_id))
 }
 

@@ -72,13 +72,19 @@ pub fn reconcile<S: Store + ?Sized>(
             Ok(after) => (after, decision),
             // Availability is the run's problem, not this payout's: stop.
             Err(e @ (StoreError::Unavailable(_) | StoreError::Busy)) => return Err(e),
-            Err(e) => match set_aside(store, &p, &format!("the result could not be stored: {e}"), now(), policy) {
-                Ok(after) => (after, format!("{decision}; its result could not be stored ({e}): set aside")),
-                Err(again) => {
-                    let why = format!("{decision}; its result could not be stored ({e}), nor set aside ({again})");
-                    (p.clone(), why)
+            Err(e) => {
+                match set_aside(store, &p, &format!("the result could not be stored: {e}"), now(), policy) {
+                    Ok(after) => {
+                        (after, format!("{decision}; its result could not be stored ({e}): set aside"))
+                    }
+                    Err(again) => {
+                        let why = format!(
+                            "{decision}; its result could not be stored ({e}), nor set aside ({again})"
+                        );
+                        (p.clone(), why)
+                    }
                 }
-            },
+            }
         };
         decisions.push(Decision {
             payout_id: p.id,
@@ -94,7 +100,9 @@ pub fn reconcile<S: Store + ?Sized>(
 
 /// A payout's own seed for its waits' jitter.
 fn seed(downstream_key: &str) -> u64 {
-    downstream_key.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    downstream_key
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
 /// Asks the gateway about `p` (held by `token`), and sends it again if it
@@ -118,7 +126,9 @@ fn ask<S: Store + ?Sized>(
             let decision = format!("refused at the gateway ({reason}): the hold is released");
             (Call::Refused { status: 422, reason }, decision)
         }
-        Lookup::Pending => (Call::Unknown("pending at the gateway".into()), "pending at the gateway: left".into()),
+        Lookup::Pending => {
+            (Call::Unknown("pending at the gateway".into()), "pending at the gateway: left".into())
+        }
         Lookup::Error(why) => {
             (Call::Unknown(format!("lookup failed: {why}")), format!("the lookup failed ({why}): left"))
         }
@@ -136,7 +146,8 @@ fn ask<S: Store + ?Sized>(
         ),
         Lookup::NotFound if age_at_least(resend_until) => (
             Call::Terminal(
-                "not found at the gateway, and too near or past its key window (a resend could pay again)".into(),
+                "not found at the gateway, and too near or past its key window (a resend could pay again)"
+                    .into(),
             ),
             "not found, too near or past the gateway's key window: left for a person".into(),
         ),
@@ -150,9 +161,12 @@ fn ask<S: Store + ?Sized>(
                     Call::Unknown(format!("resent: {why}")),
                     format!("not found: resent with the same key, still unknown ({why})"),
                 ),
-                Call::Paid(id) => (Call::Paid(id), "not found: resent with the same key, paid: completed".into()),
+                Call::Paid(id) => {
+                    (Call::Paid(id), "not found: resent with the same key, paid: completed".into())
+                }
                 Call::Refused { status, reason } => {
-                    let decision = format!("not found: resent with the same key, refused ({reason}): released");
+                    let decision =
+                        format!("not found: resent with the same key, refused ({reason}): released");
                     (Call::Refused { status, reason }, decision)
                 }
                 Call::Terminal(why) => (

@@ -561,7 +561,8 @@ CREATE INDEX IF NOT EXISTS payout_event_of ON payout_event (payout_id, event_id)
 
 /// The columns of `payout` before its second version (no `needs_attention`
 /// nor `returned`, no sends, attempts or provider id): what a migration copies.
-pub(crate) const PAYOUT_V1_COLUMNS: &str = "payout_id, client_id, endpoint, idem_key, fingerprint, src, beneficiary,
+pub(crate) const PAYOUT_V1_COLUMNS: &str =
+    "payout_id, client_id, endpoint, idem_key, fingerprint, src, beneficiary,
     amount, currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status";
 
 /// Everything the harness reads back to judge a run: the ledger and how it
@@ -826,6 +827,10 @@ pub trait Tx {
     /// The payout `id`, locked.
     fn payout(&mut self, _id: i64) -> Result<Option<PayoutRow>, StoreError> {
         Err(no_payouts())
+    }
+    /// The payout `id` as last committed, not locked (a plain read).
+    fn peek_payout(&mut self, id: i64) -> Result<Option<PayoutRow>, StoreError> {
+        self.payout(id)
     }
     /// Writes `row`'s state, holder, lease, note, status, sends, attempts and
     /// provider id only if its holder is still `seen_holder`; `false` if

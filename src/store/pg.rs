@@ -31,7 +31,8 @@
 
 use super::{
     Account, Audit, CREATED_HEAD, Claim, Durability, Executed, Execution, KeyRecord, KeyRow, KeyState,
-    NewTransfer, PURGEABLE, PayoutEvent, PayoutRow, PayoutState, PayoutText, Plan, Premise, Reads, Seen, Store, StoreError, Stored, Tx, audit_sql,
+    NewTransfer, PURGEABLE, PayoutEvent, PayoutRow, PayoutState, PayoutText, Plan, Premise, Reads, Seen,
+    Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -1296,6 +1297,10 @@ impl Tx for PgTx<'_> {
         Ok(self.payouts_where("payout_id = $1 FOR UPDATE", &[&id])?.into_iter().next())
     }
 
+    fn peek_payout(&mut self, id: i64) -> Result<Option<PayoutRow>, StoreError> {
+        Ok(self.payouts_where("payout_id = $1", &[&id])?.into_iter().next())
+    }
+
     fn update_payout(&mut self, p: &PayoutRow, seen_holder: &str) -> Result<bool, StoreError> {
         let (lease_until, updated_at) = (p.lease_until.to_string(), p.updated_at.to_string());
         let status = p.status.map(i32::from);
@@ -1326,7 +1331,8 @@ impl Tx for PgTx<'_> {
     fn payouts_open(&mut self, now: Timestamp, all: bool) -> Result<Vec<PayoutRow>, StoreError> {
         let now = now.to_string();
         self.payouts_where(
-            "state IN ('in_progress', 'unknown') AND ($2 OR lease_until <= $1) ORDER BY created_at, payout_id",
+            "state IN ('in_progress', 'unknown', 'needs_attention')
+             AND ($2 OR (state <> 'needs_attention' AND lease_until <= $1)) ORDER BY created_at, payout_id",
             &[&now, &all],
         )
     }

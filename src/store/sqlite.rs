@@ -17,7 +17,8 @@
 
 use super::{
     Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PAYOUT_V1_COLUMNS, PURGEABLE,
-    PayoutEvent, PayoutRow, PayoutState, PayoutText, RECORD_COLUMNS, Reads, Store, StoreError, Stored, Tx, audit_sql,
+    PayoutEvent, PayoutRow, PayoutState, PayoutText, RECORD_COLUMNS, Reads, Store, StoreError, Stored, Tx,
+    audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -90,7 +91,8 @@ fn payout_event(r: &Row) -> rusqlite::Result<Result<PayoutEvent, StoreError>> {
     Ok((|| {
         Ok(PayoutEvent {
             payout_id: r.get(0).map_err(backend)?,
-            at: Timestamp::parse(&at).map_err(|e| StoreError::Backend(format!("corrupt payout event: {e}").into()))?,
+            at: Timestamp::parse(&at)
+                .map_err(|e| StoreError::Backend(format!("corrupt payout event: {e}").into()))?,
             actor: r.get(2).map_err(backend)?,
             was: PayoutState::parse(&was)?,
             now: PayoutState::parse(&now)?,
@@ -728,13 +730,11 @@ impl Tx for SqliteTx<'_> {
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
         self.conn
-            .prepare_cached(
-                &format!(
-                    "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
+            .prepare_cached(&format!(
+                "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
                    (SELECT client_id, endpoint, idem_key FROM idem_key
                     WHERE created_at < ?1 AND {PURGEABLE} ORDER BY created_at LIMIT ?2)",
-                ),
-            )
+            ))
             .and_then(|mut s| s.execute((before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX))))
             .map(|n| n as u64)
             .map_err(backend)
@@ -756,7 +756,9 @@ impl Tx for SqliteTx<'_> {
     fn ensure_payouts(&mut self) -> Result<(), StoreError> {
         let table: Option<String> = self
             .conn
-            .query_row("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'payout'", [], |r| r.get(0))
+            .query_row("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'payout'", [], |r| {
+                r.get(0)
+            })
             .optional()
             .map_err(backend)?;
         // A first version's table cannot take the new states (its CHECK) or
@@ -852,7 +854,8 @@ impl Tx for SqliteTx<'_> {
     fn payouts_open(&mut self, now: Timestamp, all: bool) -> Result<Vec<PayoutRow>, StoreError> {
         let now = now.to_string();
         self.payouts_where(
-            "state IN ('in_progress', 'unknown') AND (?2 OR lease_until <= ?1) ORDER BY created_at, payout_id",
+            "state IN ('in_progress', 'unknown', 'needs_attention')
+             AND (?2 OR (state <> 'needs_attention' AND lease_until <= ?1)) ORDER BY created_at, payout_id",
             &[&now, &all],
         )
     }
@@ -863,7 +866,9 @@ impl Tx for SqliteTx<'_> {
 
     fn insert_payout_event(&mut self, e: &PayoutEvent) -> Result<(), StoreError> {
         self.conn
-            .prepare_cached(&format!("INSERT INTO payout_event ({EVENT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"))
+            .prepare_cached(&format!(
+                "INSERT INTO payout_event ({EVENT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
+            ))
             .and_then(|mut s| {
                 s.execute(rusqlite::params![
                     e.payout_id,

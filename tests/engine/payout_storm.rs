@@ -236,7 +236,11 @@ impl Day<'_> {
         let policy = Policy::embedded();
         let rows = rows(&mut *self.store, policy);
         let audit = self.store.audit().unwrap();
-        let out: i64 = rows.iter().filter(|p| !matches!(p.state, PayoutState::Failed | PayoutState::Returned)).map(|p| p.amount).sum();
+        let out: i64 = rows
+            .iter()
+            .filter(|p| !matches!(p.state, PayoutState::Failed | PayoutState::Returned))
+            .map(|p| p.amount)
+            .sum();
         prop_assert_eq!(audit.money() + out, OPENING * 2, "money after {:?}: {:?}", after, rows);
         let mut per_key = BTreeMap::new();
         for p in &rows {
@@ -404,10 +408,17 @@ fn a_key_never_pays_twice_however_long_its_payout_stays_unknown() {
             let now = day.now();
             idem::protocol::purge_expired(&mut *day.store, now, 100, policy).unwrap();
             let claims = idem::protocol::open_claims(&mut *day.store, now, policy).unwrap();
-            assert!(claims.iter().any(|c| c.key == first.key), "{backend:?} +{hours} h: an open payout's claim was purged");
+            assert!(
+                claims.iter().any(|c| c.key == first.key),
+                "{backend:?} +{hours} h: an open payout's claim was purged"
+            );
             let retry = answer(&mut day, 0, 0, 100)
                 .unwrap_or_else(|| panic!("{backend:?}: at +{hours} h the key made a second payout"));
-            assert_eq!((retry.response.status, retry.payout_id), (202, Some(first.id)), "{backend:?} +{hours} h");
+            assert_eq!(
+                (retry.response.status, retry.payout_id),
+                (202, Some(first.id)),
+                "{backend:?} +{hours} h"
+            );
             // another body under the key is not a new payout either
             let other = answer(&mut day, 0, 0, 250).expect("another body made a payout");
             assert_eq!(other.response.status, 422, "{backend:?} +{hours} h: {other:?}");
@@ -496,5 +507,191 @@ fn a_gateway_text_with_control_characters_is_stored_clean_and_bounded() {
         assert_eq!(note.chars().count(), 200, "{backend:?}");
         let money = day.store.audit().unwrap().money();
         assert_eq!(money, OPENING * 2, "{backend:?}: the refused payout's hold was not released");
+    }
+}
+
+/// A gateway whose every answer is set per test.
+struct Scripted {
+    send: Mutex<Call>,
+    lookup: Mutex<Lookup>,
+    sends: Mutex<usize>,
+    limits: Limits,
+}
+
+impl Gateway for Scripted {
+    fn send(&self, _: &PayoutRow) -> Call {
+        *self.sends.lock().unwrap() += 1;
+        self.send.lock().unwrap().clone()
+    }
+    fn lookup(&self, _: &PayoutRow) -> Lookup {
+        self.lookup.lock().unwrap().clone()
+    }
+    fn limits(&self) -> &Limits {
+        &self.limits
+    }
+}
+
+fn scripted(send: Call, lookup: Lookup) -> Scripted {
+    let limits = Limits {
+        backoff: Duration::from_secs(10),
+        backoff_cap: Duration::from_secs(60),
+        max_sends: 4,
+        ..Limits::default()
+    };
+    Scripted { send: Mutex::new(send), lookup: Mutex::new(lookup), sends: Mutex::new(0), limits }
+}
+
+/// Reconciles with `gateway` once a minute for `minutes` of the day's clock.
+fn reconcile_for(day: &mut Day<'_>, gateway: &Scripted, minutes: i64) -> Vec<payout::Decision> {
+    let mut all = Vec::new();
+    for _ in 0..minutes {
+        day.now += 60;
+        let now = day.now();
+        let token = day.ctx_token();
+        all.extend(
+            payout::reconcile(&mut *day.store, gateway, &token, &|| now, LEASE, Policy::embedded()).unwrap(),
+        );
+    }
+    all
+}
+
+#[test]
+fn a_payout_never_found_is_sent_at_most_max_sends_times_with_a_growing_wait_then_waits_for_a_person() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let row = day.begin(0, 0, 100).unwrap().unwrap();
+        day.finish(&row, Call::Unknown("lost on the way".into()));
+        let gateway = scripted(Call::Unknown("lost again".into()), Lookup::NotFound);
+        // a day of reconciling once a minute: before, a resend every run (1 440)
+        let decisions = reconcile_for(&mut day, &gateway, 24 * 60);
+        assert_eq!(*gateway.sends.lock().unwrap(), 3, "{backend:?}: 4 sends in all, the request's own first");
+        let last = decisions.last().unwrap();
+        assert_eq!((last.now, last.sends), (PayoutState::NeedsAttention, 4), "{backend:?}: {decisions:?}");
+        assert!(decisions.len() <= 6, "{backend:?}: looked at {} times: no backoff", decisions.len());
+        let p = &rows(&mut *day.store, Policy::embedded())[0];
+        assert!(p.note.as_deref().unwrap().contains("after 4 sends"), "{backend:?}: {p:?}");
+        assert_eq!(
+            day.store.audit().unwrap().money() + 100,
+            OPENING * 2,
+            "{backend:?}: the money stays held"
+        );
+    }
+}
+
+#[test]
+fn an_answer_no_resend_can_fix_goes_to_a_person_at_once_and_is_never_sent_again() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        // the request's own call: a 401 (idem's token is wrong) is no refusal of the payout
+        let row = day.begin(0, 0, 100).unwrap().unwrap();
+        let p = day.finish(&row, payout::classify_send(401, r#"{"error":"unauthorized"}"#));
+        assert_eq!(p.state, PayoutState::NeedsAttention, "{backend:?}");
+        assert_eq!(
+            payout::answer_of(&p).response.status,
+            202,
+            "{backend:?}: the money is held, the outcome open"
+        );
+        // a lookup that finds another amount under the key: never taken for paid
+        let other = day.begin(0, 1, 250).unwrap().unwrap();
+        day.finish(&other, Call::Unknown("timeout".into()));
+        let mismatch = payout::classify_lookup(200, r#"{"status":"paid","amount":2500}"#, &other);
+        let gateway = scripted(Call::Paid(None), mismatch);
+        let decisions = reconcile_for(&mut day, &gateway, 120);
+        assert_eq!(decisions.len(), 1, "{backend:?}: {decisions:?}");
+        assert_eq!(decisions[0].now, PayoutState::NeedsAttention, "{backend:?}");
+        assert_eq!(*gateway.sends.lock().unwrap(), 0, "{backend:?}");
+        assert_eq!(day.store.audit().unwrap().money() + 350, OPENING * 2, "{backend:?}");
+    }
+}
+
+#[test]
+fn a_payout_whose_result_cannot_be_stored_is_set_aside_and_the_run_settles_the_rest() {
+    for backend in backends() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows_ = [(serde_json::json!("acct-0"), OPENING), (serde_json::json!("acct-1"), OPENING)];
+        let spec = crate::common::make_bank(backend, dir.path(), &rows_, false);
+        let db = idem::store::Db::parse(spec.to_str().unwrap());
+        let policy = Policy::embedded();
+        let mut store = idem::store::open(&db, policy, idem::store::Usage::LongLived).unwrap();
+        let mut day = day_on(&mut *store);
+        let first = day.begin(0, 0, 100).unwrap().unwrap(); // from acct-0
+        day.finish(&first, Call::Unknown("timeout".into()));
+        let body = r#"{"src":"acct-1","beneficiary":"bob","amount":100,"currency":"KRW"}"#;
+        let key = ScopedKey {
+            client_id: "client-1".into(),
+            endpoint: payout::PAYOUTS.into(),
+            idem_key: "k".into(),
+        };
+        let req = idem::request::parse_payout(key, body.as_bytes(), policy).unwrap();
+        let ctx = Ctx { policy, now: day.now(), token: "t-second" };
+        let Begun::Call(second) = payout::begin(&mut *day.store, &req, ctx, LEASE).unwrap() else { panic!() };
+        day.finish(&second, Call::Unknown("timeout".into()));
+        // acct-0 is closed by hand: releasing the first payout's hold cannot be written
+        let sql = "DELETE FROM account WHERE acct_id = 'acct-0'";
+        match backend {
+            Backend::Sqlite => drop(rusqlite::Connection::open(&spec).unwrap().execute(sql, []).unwrap()),
+            _ => drop(crate::common::pg::client(spec.to_str().unwrap()).execute(sql, &[]).unwrap()),
+        }
+        let refused = scripted(Call::Paid(None), Lookup::Failed { reason: "account_closed".into() });
+        let decisions = reconcile_for(&mut day, &refused, 1);
+        let states: Vec<PayoutState> = decisions.iter().map(|d| d.now).collect();
+        assert_eq!(states, [PayoutState::NeedsAttention, PayoutState::Failed], "{backend:?}: {decisions:?}");
+        assert!(decisions[0].decision.contains("set aside"), "{backend:?}: {decisions:?}");
+        assert_eq!(day.store.audit().unwrap().money(), OPENING, "{backend:?}: acct-1's hold is back");
+    }
+}
+
+#[test]
+fn a_first_version_payout_table_is_migrated_with_its_rows() {
+    for backend in backends() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows_ = [(serde_json::json!("acct-0"), OPENING)];
+        let spec = crate::common::make_bank(backend, dir.path(), &rows_, false);
+        // the table as the first version made it, with one unknown payout
+        let (v1, row) = (
+            "CREATE TABLE payout (payout_id {id} PRIMARY KEY, client_id TEXT NOT NULL, endpoint TEXT NOT NULL,
+                 idem_key TEXT NOT NULL, fingerprint TEXT NOT NULL, src TEXT NOT NULL, beneficiary TEXT NOT NULL,
+                 amount BIGINT NOT NULL CHECK (amount > 0), currency TEXT NOT NULL, downstream_key TEXT NOT NULL UNIQUE,
+                 state TEXT NOT NULL CHECK (state IN ('in_progress', 'completed', 'failed', 'unknown')),
+                 holder TEXT NOT NULL, lease_until TEXT NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL,
+                 note TEXT, status INTEGER, CHECK ((state IN ('completed', 'failed')) = (status IS NOT NULL)))",
+            "INSERT INTO payout VALUES (7, 'c', '/v1/payouts', 'k', 'f', 'acct-0', 'bob', 100, 'KRW',
+                 'idem-po-0123', 'unknown', 'h', '2026-12-01T00:00:00Z', '2026-12-01T00:00:00Z',
+                 '2026-12-01T00:00:00Z', 'timeout', NULL)",
+        );
+        match backend {
+            Backend::Sqlite => {
+                let v1 = v1.replace("{id}", "INTEGER");
+                rusqlite::Connection::open(&spec).unwrap().execute_batch(&format!("{v1}; {row}")).unwrap()
+            }
+            _ => {
+                let v1 = v1.replace("{id}", "bigint GENERATED BY DEFAULT AS IDENTITY");
+                crate::common::pg::client(spec.to_str().unwrap())
+                    .batch_execute(&format!("{v1}; {row}"))
+                    .unwrap()
+            }
+        }
+        let db = idem::store::Db::parse(spec.to_str().unwrap());
+        let policy = Policy::embedded();
+        let mut store = idem::store::open(&db, policy, idem::store::Usage::LongLived).unwrap();
+        for _ in 0..2 {
+            payout::prepare(&mut *store, policy).unwrap(); // and again: a no-op
+        }
+        let p =
+            store::atomically(&mut *store, Durability::Lazy, policy, |tx| Ok(End::Rollback(tx.payout(7)?)))
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            (p.state, p.downstream_key.as_str(), p.sends),
+            (PayoutState::Unknown, "idem-po-0123", 0),
+            "{backend:?}"
+        );
+        // the new state is now storable
+        let gateway = scripted(Call::Paid(None), Lookup::Terminal("on_hold".into()));
+        let now = Timestamp::parse("2026-12-01T01:00:00Z").unwrap();
+        let d = payout::reconcile(&mut *store, &gateway, "r", &|| now, LEASE, policy).unwrap();
+        assert_eq!(d[0].now, PayoutState::NeedsAttention, "{backend:?}: {d:?}");
     }
 }

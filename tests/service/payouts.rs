@@ -216,6 +216,14 @@ fn answer_lost(pg: bool) {
     assert_eq!((gw.ledger().len(), balance(&db, "A")), (1, START - 900));
 }
 
+/// `idem payouts ARGS --db DB`: its exit status and its JSON lines.
+fn payouts_cmd(db: &Path, args: &[&str]) -> (bool, Vec<Value>, String) {
+    let out = Command::new(IDEM).arg("payouts").args(args).arg("--db").arg(db).output().unwrap();
+    let lines =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (out.status.success(), lines, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 #[test]
 fn a_request_lost_before_the_gateway_is_resent_with_its_key_only_past_the_lookup_delay_and_inside_the_window()
 {
@@ -233,28 +241,88 @@ fn a_request_lost_before_the_gateway_is_resent_with_its_key_only_past_the_lookup
     assert!(early.iter().all(|d| d["now"] == "unknown"), "{early:?}");
     assert!(early[0]["decision"].as_str().unwrap().contains("lookup delay"), "{early:?}");
     assert!(gw.ledger().is_empty(), "resent within the lookup delay");
-    // past the key window the gateway would pay again: a person decides
-    let too_late = reconcile(
-        &db,
-        url,
-        &[&delay[..], &["--gateway-key-window", "1h"]].concat(),
-        Some(&later(Duration::from_secs(7200))),
-    );
-    assert!(too_late.iter().all(|d| d["decision"].as_str().unwrap().contains("person")), "{too_late:?}");
-    assert!(gw.ledger().is_empty(), "resent past the key window");
-    let list = Command::new(IDEM).args(["reconcile", "--list", "--db"]).arg(&db).output().unwrap();
-    let listed = String::from_utf8(list.stdout).unwrap();
-    assert_eq!(listed.lines().count(), 2, "{listed}");
-    assert!(listed.contains("needs a person"), "{listed}");
-    // past the delay, inside the window: resent once, with the same key
-    // (after the lease the run above took)
+    // past the delay, inside the window less its margin and the call's time:
+    // resent once, with the same key (after the lease the run above took)
     let resent = reconcile(&db, url, &delay, Some(&later(Duration::from_secs(3 * 3600))));
     assert!(resent.len() == 2 && resent.iter().all(|d| d["now"] == "completed"), "{resent:?}");
+    assert!(resent.iter().all(|d| d["sends"] == 2), "the first send and one resend: {resent:?}");
     let keys: Vec<String> = payouts(&db).into_iter().map(|p| p.2).collect();
     let paid: Vec<String> = gw.ledger().into_iter().map(|p| p.0).collect();
     assert_eq!(paid, keys);
+    assert!(keys.iter().all(|k| k.len() == 36 && k.as_bytes()[14] == b'8'), "a UUID v8 per payout: {keys:?}");
     assert_eq!(pay(&s, "p-b", &payout("bob", 200)).status, 201);
     assert_eq!(balance(&db, "A"), START - 300);
+}
+
+#[test]
+fn a_payout_inside_its_key_windows_margin_goes_to_a_person_who_settles_it_once() {
+    let (_dir, db) = bank();
+    let lossy = Gateway::start(&["--lose-request", "100"]);
+    let s = serve(&db, &lossy.url, &[]);
+    assert_eq!(pay(&s, "p-a", &payout("bob", 100)).status, 202);
+    assert_eq!(pay(&s, "p-b", &payout("bob", 200)).status, 202);
+    // within the window but inside its margin (a clock 50 min behind the
+    // gateway's, or a slow lookup and send, would land past it): a person
+    let window = ["--gateway-key-window", "1h", "--gateway-key-margin", "15m"];
+    let near = reconcile(&db, &lossy.url, &window, Some(&later(Duration::from_secs(50 * 60))));
+    assert!(near.len() == 2 && near.iter().all(|d| d["now"] == "needs_attention"), "{near:?}");
+    assert!(lossy.ledger().is_empty(), "resent inside the key window's margin");
+    // nobody resends it now, however often the reconciler runs
+    let gw = Gateway::start(&[]);
+    assert!(reconcile(&db, &gw.url, &[], Some(&later(Duration::from_secs(7200)))).is_empty());
+    let (ok, listed, _) = payouts_cmd(&db, &["list", "--state", "needs_attention"]);
+    assert!(ok && listed.len() == 2, "{listed:?}");
+    assert!(listed.iter().all(|p| p["note"].as_str().unwrap().starts_with("needs a person")), "{listed:?}");
+    assert_eq!(pay(&s, "p-a", &payout("bob", 100)).json()["state"], "needs_attention");
+    // the person finds p-a paid at the provider by hand, p-b never sent
+    let (a, b) = (listed[0]["payout_id"].to_string(), listed[1]["payout_id"].to_string());
+    let settle = |id: &str, how: &[&str]| payouts_cmd(&db, &[&["settle", id][..], how].concat());
+    let (ok, done, err) =
+        settle(&a, &["--paid", "--reference", "po_77", "--reason", "paid by phone", "--by", "kim"]);
+    assert!(ok && done[0]["state"] == "completed" && done[0]["provider_id"] == "po_77", "{done:?} {err}");
+    let (ok, done, err) = settle(&b, &["--failed", "--reason", "never reached the provider"]);
+    assert!(ok && done[0]["state"] == "failed", "{done:?} {err}");
+    // once only: a second settlement is refused and changes nothing
+    let (ok, _, err) = settle(&a, &["--failed", "--reason", "again"]);
+    assert!(!ok && err.contains("settled already"), "{err}");
+    assert_eq!(balance(&db, "A"), START - 100, "p-a paid out, p-b's hold back");
+    // the clients' retries now get the settled answers
+    assert_eq!(pay(&s, "p-a", &payout("bob", 100)).status, 201);
+    let refused = pay(&s, "p-b", &payout("bob", 200));
+    assert_eq!(
+        (refused.status, refused.json()["reason"].as_str().map(String::from)),
+        (422, Some("never reached the provider".into()))
+    );
+    // and the audit trail says who did what, when and why
+    let (ok, shown, _) = payouts_cmd(&db, &["show", &a]);
+    let events = shown[0]["events"].as_array().unwrap();
+    let trail: Vec<(&str, &str)> =
+        events.iter().map(|e| (e["was"].as_str().unwrap(), e["now"].as_str().unwrap())).collect();
+    assert!(
+        ok && trail
+            == [
+                ("in_progress", "unknown"),
+                ("unknown", "needs_attention"),
+                ("needs_attention", "completed"),
+                ("completed", "completed")
+            ],
+        "{events:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["actor"] == "person:kim" && e["why"].as_str().unwrap().contains("paid by phone")),
+        "{events:?}"
+    );
+    // a payout held by a live request or reconciler is not a person's to settle
+    let slow = Gateway::start(&["--slow", "100", "--slow-for", "3s"]);
+    let s2 = serve(&db, &slow.url, &["--gateway-timeout", "10s"]);
+    let waiting = pay_meanwhile(&s2, "p-c", payout("bob", 50));
+    std::thread::sleep(Duration::from_millis(700));
+    let c = payouts(&db).last().unwrap().0.to_string();
+    let (ok, _, err) = settle(&c, &["--failed", "--reason", "impatient"]);
+    assert!(!ok && err.contains("held by"), "{err}");
+    assert_eq!(waiting.join().unwrap().status, 201);
 }
 
 #[test]
