@@ -258,6 +258,10 @@ enum Command {
         /// How often payouts left unknown or stranded are reconciled (with --gateway).
         #[arg(long, default_value = "30s", value_parser = clock::parse_positive_duration)]
         reconcile_every: std::time::Duration,
+        /// Payouts answered at once, apart from --max-in-flight (a quarter of
+        /// them per client); more get 503 busy at once.
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+        max_payouts_in_flight: u32,
     },
     /// Settle payouts left unknown (or stranded in progress past their lease) by asking the gateway.
     ///
@@ -703,6 +707,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             group_max,
             gateway,
             reconcile_every,
+            max_payouts_in_flight,
         } => {
             let descriptors = idem::service::descriptor_limit();
             let options = idem::service::Options {
@@ -716,6 +721,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 log_secret: std::env::var_os("IDEM_LOG_SECRET").map(|s| s.into_encoded_bytes()),
                 gateway: gateway.http(),
                 reconcile_every,
+                max_payouts_in_flight: max_payouts_in_flight as usize,
             };
             let clock: idem::service::executor::Clock = match fixed_now()? {
                 Some(fixed) => std::sync::Arc::new(move || fixed),

@@ -4,12 +4,12 @@
 //! transfer goes through the same protocol as `idem_api`, in the same key
 //! space, scoped by `(client id from the token, route path, key)`.
 
-use super::executor::{Clock, Executor, Job};
+use super::executor::{Executor, Job};
 use super::health::Health;
 use super::log::Log;
 use super::metrics::Metrics;
 use crate::clock::Timestamp;
-use crate::payout::{self, Begun, HttpGateway, PAYOUTS};
+use crate::payout::PAYOUTS;
 use crate::policy::Policy;
 use crate::protocol::{Outcome, Response as Answer};
 use crate::reason::Reason;
@@ -44,10 +44,10 @@ pub struct App {
     pub metrics: Metrics,
     pub log: Log,
     health: Arc<Health>,
-    policy: &'static Policy,
+    pub(super) policy: &'static Policy,
     in_flight: Semaphore,
-    /// Where payouts go, and the service's clock; `None`: no payouts.
-    payouts: Option<(Arc<HttpGateway>, Clock)>,
+    /// Where payouts go; `None`: no payouts.
+    pub(super) payouts: Option<super::payouts::Desk>,
 }
 
 impl App {
@@ -58,7 +58,7 @@ impl App {
         log: Log,
         policy: &'static Policy,
         max_in_flight: usize,
-        payouts: Option<(Arc<HttpGateway>, Clock)>,
+        payouts: Option<super::payouts::Desk>,
     ) -> Self {
         let clients = clients.into_iter().map(|(token, client)| (digest(token.as_bytes()), client)).collect();
         App {
@@ -105,17 +105,17 @@ fn digest(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
 }
 
-type Reply = Response<Full<Bytes>>;
+pub(super) type Reply = Response<Full<Bytes>>;
 
 /// What the log line says of a request besides its status.
 #[derive(Default)]
-struct Note {
-    client: Option<String>,
+pub(super) struct Note {
+    pub client: Option<String>,
     key: Option<String>,
-    replay: bool,
+    pub replay: bool,
     reason: Option<String>,
     /// A store error behind a 5xx, for the operator (never in a response).
-    error: Option<String>,
+    pub error: Option<String>,
 }
 
 /// Answers one request, counts it and logs it.
@@ -192,7 +192,7 @@ async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
         (&Method::POST, TRANSFERS) => transfer(app, req, note).await,
         (&Method::POST, PAYOUTS) => transfer(app, req, note).await,
         (&Method::GET, p) if p.starts_with("/v1/payouts/") => {
-            payout_lookup(app, req.headers(), &p["/v1/payouts/".len()..], note).await
+            super::payouts::lookup(app, req.headers(), &p["/v1/payouts/".len()..], note).await
         }
         (&Method::GET, p) if p.starts_with("/v1/transfers/") => {
             lookup(app, req.headers(), &p[14..], note).await
@@ -207,7 +207,7 @@ async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
 }
 
 /// The caller's client id, from `Authorization: Bearer <token>`.
-fn authenticate(app: &App, headers: &HeaderMap) -> Option<String> {
+pub(super) fn authenticate(app: &App, headers: &HeaderMap) -> Option<String> {
     // Authorization is a singleton: two of them is no credential at all.
     let mut values = headers.get_all(header::AUTHORIZATION).iter();
     let (Some(value), None) = (values.next(), values.next()) else { return None };
@@ -219,7 +219,7 @@ fn authenticate(app: &App, headers: &HeaderMap) -> Option<String> {
     app.clients.get(&digest(token.trim().as_bytes())).cloned()
 }
 
-fn unauthorized(note: &mut Note) -> Reply {
+pub(super) fn unauthorized(note: &mut Note) -> Reply {
     let mut reply = problem(
         StatusCode::UNAUTHORIZED,
         "unauthorized",
@@ -274,7 +274,7 @@ async fn refuse_or_transfer(
     };
     if payouts {
         let scoped = ScopedKey { client_id: client, endpoint: PAYOUTS.into(), idem_key: key };
-        return make_payout(app, scoped, &body, note).await;
+        return super::payouts::make(app, scoped, &body, note).await;
     }
     let scoped = ScopedKey { client_id: client, endpoint: TRANSFERS.into(), idem_key: key };
     let parsed = match request::parse_body(scoped, &body, app.policy) {
@@ -366,7 +366,7 @@ async fn read_request(
 
 /// Runs `work` on a writer's connection; `None` if the queue is full or the
 /// worker went away.
-async fn on_writer<R: Send + 'static>(
+pub(super) async fn on_writer<R: Send + 'static>(
     app: &App,
     work: impl FnOnce(&mut dyn crate::store::Store) -> R + Send + 'static,
 ) -> Option<R> {
@@ -376,99 +376,6 @@ async fn on_writer<R: Send + 'static>(
         return None;
     }
     answer.await.ok()
-}
-
-/// `POST /v1/payouts`: the intent (claim, hold, payout row) on a writer,
-/// the gateway's call on a blocking thread with no connection held, the
-/// result on a writer again.
-async fn make_payout(app: &App, key: ScopedKey, body: &[u8], note: &mut Note) -> Reply {
-    let Some((gateway, clock)) = app.payouts.clone() else {
-        return problem(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            "This service makes no payouts (it was started without --gateway).",
-            note,
-        );
-    };
-    let req = match request::parse_payout(key, body, app.policy) {
-        Ok(req) => req,
-        Err(e) => {
-            let reason = e.to_string();
-            return problem(StatusCode::BAD_REQUEST, &reason, &reason, note);
-        }
-    };
-    let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
-    let policy = app.policy;
-    let lease = gateway.lease();
-    let now = clock.clone();
-    let begun = on_writer(app, move |store| {
-        let token = crate::protocol::fresh_token()
-            .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
-        let ctx = crate::protocol::Ctx { policy, now: now(), token: &token };
-        payout::begin(store, &req, ctx, lease)
-    })
-    .await;
-    let row = match begun {
-        None => return busy(app, note),
-        Some(Err(e)) => return store_error(app, &e, note),
-        Some(Ok(Begun::Answer(answer))) => return respond_payout(answer, note),
-        Some(Ok(Begun::Call(row))) => row,
-    };
-    let call = {
-        let (gateway, row) = (gateway.clone(), row.clone());
-        tokio::task::spawn_blocking(move || payout::Gateway::send(&*gateway, &row))
-            .await
-            .unwrap_or_else(|e| payout::Call::Unknown(format!("the call did not end: {e}")))
-    };
-    let finished = on_writer(app, move |store| payout::finish(store, &row, call, clock(), policy)).await;
-    match finished {
-        Some(Ok(p)) => respond_payout(payout::answer_of(&p), note),
-        // The result is not recorded: the payout stays in progress until
-        // the reconciler asks the gateway; the client polls or retries.
-        Some(Err(e)) => store_error(app, &e, note),
-        None => busy(app, note),
-    }
-}
-
-/// A payout's answer: 201 with the payout, 202 with where to poll, or a
-/// problem; `Location` names the payout.
-fn respond_payout(answer: payout::Answer, note: &mut Note) -> Reply {
-    let payout::Answer { response, payout_id } = answer;
-    match response.status {
-        201 | 202 => {
-            note.replay = response.replay;
-            let status = if response.status == 201 { StatusCode::CREATED } else { StatusCode::ACCEPTED };
-            let mut reply = text(status, "application/json", response.body.clone());
-            if response.replay {
-                reply.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
-            }
-            if response.status == 202 {
-                reply.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            }
-            if let Some(location) =
-                payout_id.and_then(|id| HeaderValue::from_str(&format!("{PAYOUTS}/{id}")).ok())
-            {
-                reply.headers_mut().insert(header::LOCATION, location);
-            }
-            reply
-        }
-        _ => respond(response, note),
-    }
-}
-
-/// `GET /v1/payouts/{id}`: where a payout of the caller stands.
-async fn payout_lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Reply {
-    let Some(client) = authenticate(app, headers) else { return unauthorized(note) };
-    note.client = Some(client.clone());
-    let not_found = |note: &mut Note| problem(StatusCode::NOT_FOUND, "not_found", "No such payout.", note);
-    let (Some(_), Ok(id)) = (&app.payouts, id.parse::<i64>()) else { return not_found(note) };
-    let policy = app.policy;
-    match on_writer(app, move |store| payout::lookup(store, &client, id, policy)).await {
-        Some(Ok(Some(p))) => text(StatusCode::OK, "application/json", payout::to_json(&p)),
-        Some(Ok(None)) => not_found(note),
-        Some(Err(e)) => store_error(app, &e, note),
-        None => busy(app, note),
-    }
 }
 
 /// Whether the request says its body is JSON (`application/json`, any
@@ -520,7 +427,7 @@ fn invalid_key(detail: &str) -> (&'static str, String) {
 
 /// The protocol's answer as HTTP: a 201 with the stored bytes and its
 /// `Location`, or a problem; a replay says so in `Idempotent-Replayed`.
-fn respond(answer: Answer, note: &mut Note) -> Reply {
+pub(super) fn respond(answer: Answer, note: &mut Note) -> Reply {
     note.replay = answer.replay;
     let mut reply = match (answer.status, answer.transfer_id) {
         (201, Some(id)) => {
@@ -566,7 +473,7 @@ fn detail_of(reason: &Reason) -> &str {
     }
 }
 
-fn busy(app: &App, note: &mut Note) -> Reply {
+pub(super) fn busy(app: &App, note: &mut Note) -> Reply {
     let answer = Answer::refusal(app.policy.on_busy, Reason::Busy);
     respond(answer, note)
 }
@@ -574,7 +481,7 @@ fn busy(app: &App, note: &mut Note) -> Reply {
 /// A store error as an answer: a database that is unavailable or busy is a
 /// 503 the client retries; anything else a 500. The error's text goes to
 /// the log only: a response never carries database text.
-fn store_error(app: &App, e: &StoreError, note: &mut Note) -> Reply {
+pub(super) fn store_error(app: &App, e: &StoreError, note: &mut Note) -> Reply {
     note.error = Some(e.to_string());
     match e {
         StoreError::Busy => respond(Answer::refusal(app.policy.on_busy, Reason::Busy), note),
@@ -583,7 +490,7 @@ fn store_error(app: &App, e: &StoreError, note: &mut Note) -> Reply {
     }
 }
 
-fn failed(note: &mut Note) -> Reply {
+pub(super) fn failed(note: &mut Note) -> Reply {
     problem(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", "The request could not be completed.", note)
 }
 
@@ -650,7 +557,7 @@ fn not_allowed(allow: &'static str, note: &mut Note) -> Reply {
     reply
 }
 
-fn text(status: StatusCode, content_type: &'static str, body: String) -> Reply {
+pub(super) fn text(status: StatusCode, content_type: &'static str, body: String) -> Reply {
     let mut reply = Response::new(Full::new(Bytes::from(body)));
     *reply.status_mut() = status;
     reply.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -658,7 +565,7 @@ fn text(status: StatusCode, content_type: &'static str, body: String) -> Reply {
 }
 
 /// An RFC 9457 problem with the `reason` extension member `idem_api` uses.
-fn problem(status: StatusCode, reason: &str, detail: &str, note: &mut Note) -> Reply {
+pub(super) fn problem(status: StatusCode, reason: &str, detail: &str, note: &mut Note) -> Reply {
     note.reason.get_or_insert_with(|| reason.to_owned());
     let body = json!({
         "type": "about:blank",

@@ -14,6 +14,7 @@ pub mod health;
 pub mod http;
 pub mod log;
 pub mod metrics;
+mod payouts;
 
 use crate::policy::Policy;
 use crate::store::StoreError;
@@ -62,6 +63,10 @@ pub struct Options {
     pub gateway: Option<crate::payout::HttpGateway>,
     /// How often the service reconciles payouts left unknown or stranded.
     pub reconcile_every: Duration,
+    /// Payouts answered at once (a quarter of them per client); more get
+    /// 503 at once. Apart from `max_in_flight`: a slow gateway never takes
+    /// a transfer's slot.
+    pub max_payouts_in_flight: usize,
 }
 
 /// Why the service could not start (or stop cleanly).
@@ -306,7 +311,10 @@ impl Service {
             log,
             policy,
             options.max_in_flight.max(1),
-            options.gateway.clone().map(|g| (Arc::new(g), clock.clone())),
+            options
+                .gateway
+                .clone()
+                .map(|g| payouts::Desk::new(g, clock.clone(), options.max_payouts_in_flight.max(1))),
         ));
         if let (Some(store), Some(gateway)) = (reconciler, options.gateway) {
             reconcile_in_background(store, gateway, options.reconcile_every, policy, clock, app.clone())

@@ -29,6 +29,7 @@ fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
         log_secret: None,
         gateway: None,
         reconcile_every: std::time::Duration::from_secs(30),
+        max_payouts_in_flight: 64,
     };
     let clock: idem::service::executor::Clock = Arc::new(idem::clock::Timestamp::now);
     let service =

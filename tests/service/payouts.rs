@@ -418,6 +418,56 @@ fn a_slow_gateway_holds_no_database_connection_transfers_go_on() {
 }
 
 #[test]
+fn payouts_waiting_on_a_slow_gateway_take_no_transfers_slot_and_one_client_cannot_take_them_all() {
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&["--slow", "100", "--slow-for", "3s"]);
+    let args = [
+        "--gateway",
+        &gw.url,
+        "--gateway-timeout",
+        "10s",
+        "--reconcile-every",
+        "1h",
+        "--max-in-flight",
+        "4",
+        "--max-payouts-in-flight",
+        "8",
+    ];
+    let s = Serve::start(&db, &[("tok", "shop"), ("tok2", "other")], &args, &[]);
+    // the shop sends 6 payouts at once: a quarter of the budget (2) wait on
+    // the gateway, the rest are refused at once, nothing stored for them
+    let waiting: Vec<_> =
+        (0..6).map(|i| pay_meanwhile(&s, &format!("p-{i}"), payout("bob", 10 + i))).collect();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while payouts(&db).len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // meanwhile every transfer of another client goes through (its budget is 4)
+    for i in 0..12 {
+        let t = s.post(
+            Some("tok2"),
+            Some(&format!("\"t-{i}\"")),
+            r#"{"src":"B","dst":"A","amount":1,"currency":"KRW"}"#,
+        );
+        assert_eq!(t.status, 201, "transfer {i} behind the shop's payouts: {}", t.body);
+    }
+    // and another client's payout is not refused for the shop's
+    let theirs = Serve::agent()
+        .post(format!("{}/v1/payouts", s.url))
+        .header("Authorization", "Bearer tok2")
+        .header("Idempotency-Key", "\"q-1\"")
+        .header("Content-Type", "application/json");
+    let theirs = std::thread::spawn(move || read(theirs.send(payout("carol", 7))));
+    let answers: Vec<u16> = waiting.into_iter().map(|w| w.join().unwrap().status).collect();
+    let (paid, busy) =
+        (answers.iter().filter(|s| **s == 201).count(), answers.iter().filter(|s| **s == 503).count());
+    assert_eq!((paid, busy), (2, 4), "{answers:?}");
+    assert_eq!(theirs.join().unwrap().status, 201);
+    assert_eq!(payouts(&db).len(), 3, "a refused payout stored nothing");
+}
+
+#[test]
 fn a_service_killed_after_the_gateway_accepted_is_settled_by_the_lookup_not_a_second_call() {
     killed_after_the_gateway_accepted(false);
 }

@@ -1,0 +1,171 @@
+//! The payout routes: `POST /v1/payouts` (the intent on a writer, the
+//! gateway's call on a blocking thread with no connection held, the result
+//! on a writer again) under a budget of their own, and `GET
+//! /v1/payouts/{id}`, a plain read on a reader.
+
+use super::executor::{Clock, Job};
+use super::http::{
+    App, Note, Reply, authenticate, busy, failed, on_writer, problem, respond, store_error, text,
+    unauthorized,
+};
+use crate::payout::{self, Begun, HttpGateway, PAYOUTS};
+use crate::request::{self, ScopedKey};
+use crate::store::StoreError;
+use hyper::StatusCode;
+use hyper::header::{self, HeaderMap, HeaderValue};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::oneshot;
+
+/// Where payouts go, and how many may wait on the gateway at once.
+pub struct Desk {
+    pub gateway: Arc<HttpGateway>,
+    pub clock: Clock,
+    budget: Budget,
+}
+
+impl Desk {
+    /// At most `in_flight` payouts at once (waiting on a slow gateway never
+    /// takes a transfer's slot), and at most a quarter of them (one at
+    /// least) of any one client.
+    pub fn new(gateway: HttpGateway, clock: Clock, in_flight: usize) -> Desk {
+        let budget =
+            Budget { total: in_flight, per_client: in_flight.div_ceil(4).max(1), held: Mutex::default() };
+        Desk { gateway: Arc::new(gateway), clock, budget }
+    }
+}
+
+struct Budget {
+    total: usize,
+    per_client: usize,
+    /// In flight: in all, and per client.
+    held: Mutex<(usize, HashMap<String, usize>)>,
+}
+
+/// One payout's place in the budget, given back when dropped.
+struct Slot<'a> {
+    budget: &'a Budget,
+    client: String,
+}
+
+impl Budget {
+    fn take(&self, client: &str) -> Option<Slot<'_>> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = held.1.get(client).copied().unwrap_or(0);
+        if held.0 >= self.total || mine >= self.per_client {
+            return None;
+        }
+        held.0 += 1;
+        held.1.insert(client.to_owned(), mine + 1);
+        Some(Slot { budget: self, client: client.to_owned() })
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let mut held = self.budget.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.0 = held.0.saturating_sub(1);
+        if let Some(n) = held.1.get_mut(&self.client) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.1.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// `POST /v1/payouts`.
+pub(super) async fn make(app: &App, key: ScopedKey, body: &[u8], note: &mut Note) -> Reply {
+    let Some(desk) = &app.payouts else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "This service makes no payouts (it was started without --gateway).",
+            note,
+        );
+    };
+    let req = match request::parse_payout(key, body, app.policy) {
+        Ok(req) => req,
+        Err(e) => {
+            let reason = e.to_string();
+            return problem(StatusCode::BAD_REQUEST, &reason, &reason, note);
+        }
+    };
+    let Some(_slot) = desk.budget.take(&req.key.client_id) else { return busy(app, note) };
+    let (gateway, clock, policy) = (desk.gateway.clone(), desk.clock.clone(), app.policy);
+    let lease = gateway.lease();
+    let now = clock.clone();
+    let begun = on_writer(app, move |store| {
+        let token = crate::protocol::fresh_token()
+            .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
+        let ctx = crate::protocol::Ctx { policy, now: now(), token: &token };
+        payout::begin(store, &req, ctx, lease)
+    })
+    .await;
+    let row = match begun {
+        None => return busy(app, note),
+        Some(Err(e)) => return store_error(app, &e, note),
+        Some(Ok(Begun::Answer(answer))) => return respond_payout(answer, note),
+        Some(Ok(Begun::Call(row))) => row,
+    };
+    let call = {
+        let row = row.clone();
+        tokio::task::spawn_blocking(move || payout::Gateway::send(&*gateway, &row))
+            .await
+            .unwrap_or_else(|e| payout::Call::Unknown(format!("the call did not end: {e}")))
+    };
+    let finished = on_writer(app, move |store| payout::finish(store, &row, call, clock(), policy)).await;
+    match finished {
+        Some(Ok(p)) => respond_payout(payout::answer_of(&p), note),
+        // The result is not recorded: the payout stays in progress until
+        // the reconciler asks the gateway; the client polls or retries.
+        Some(Err(e)) => store_error(app, &e, note),
+        None => busy(app, note),
+    }
+}
+
+/// A payout's answer: 201 with the payout, 202 with where to poll, or a
+/// problem; `Location` names the payout.
+fn respond_payout(answer: payout::Answer, note: &mut Note) -> Reply {
+    let payout::Answer { response, payout_id } = answer;
+    let mut reply = match response.status {
+        201 | 202 => {
+            note.replay = response.replay;
+            let status = if response.status == 201 { StatusCode::CREATED } else { StatusCode::ACCEPTED };
+            let mut reply = text(status, "application/json", response.body.clone());
+            if response.replay {
+                reply.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            if response.status == 202 {
+                reply.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            reply
+        }
+        _ => respond(response, note),
+    };
+    if let Some(location) = payout_id.and_then(|id| HeaderValue::from_str(&format!("{PAYOUTS}/{id}")).ok()) {
+        reply.headers_mut().insert(header::LOCATION, location);
+    }
+    reply
+}
+
+/// `GET /v1/payouts/{id}`: where a payout of the caller stands, read on a
+/// reader (never queued behind the writer, never a lock).
+pub(super) async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut Note) -> Reply {
+    let Some(client) = authenticate(app, headers) else { return unauthorized(note) };
+    note.client = Some(client.clone());
+    let not_found = |note: &mut Note| problem(StatusCode::NOT_FOUND, "not_found", "No such payout.", note);
+    let (Some(_), Ok(id)) = (&app.payouts, id.parse::<i64>()) else { return not_found(note) };
+    let policy = app.policy;
+    let (reply, answer) = oneshot::channel();
+    let job = Job::Run(Box::new(move |store| drop(reply.send(payout::lookup(store, &client, id, policy)))));
+    if !app.executor.submit_read(job) {
+        return busy(app, note);
+    }
+    match answer.await {
+        Ok(Ok(Some(p))) => text(StatusCode::OK, "application/json", payout::to_json(&p)),
+        Ok(Ok(None)) => not_found(note),
+        Ok(Err(e)) => store_error(app, &e, note),
+        Err(_) => failed(note),
+    }
+}
