@@ -55,6 +55,13 @@ struct GatewayArgs {
     gateway_backoff: std::time::Duration,
     #[arg(long, default_value = "1h", value_parser = clock::parse_duration)]
     gateway_backoff_cap: std::time::Duration,
+    /// A paid payout is looked up again for this long after it was paid, to
+    /// learn of money that came back (returned, reversed); 0s: never.
+    #[arg(long, default_value = "72h", value_parser = clock::parse_duration)]
+    gateway_return_window: std::time::Duration,
+    /// How often a paid payout is looked up within the return window.
+    #[arg(long, default_value = "6h", value_parser = clock::parse_positive_duration)]
+    gateway_return_check: std::time::Duration,
 }
 
 impl GatewayArgs {
@@ -70,6 +77,8 @@ impl GatewayArgs {
                 max_sends: self.gateway_max_sends,
                 backoff: self.gateway_backoff,
                 backoff_cap: self.gateway_backoff_cap,
+                return_window: self.gateway_return_window,
+                return_check: self.gateway_return_check,
             },
         })
     }
@@ -262,6 +271,10 @@ enum Command {
         /// them per client); more get 503 busy at once.
         #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
         max_payouts_in_flight: u32,
+        /// With --gateway: POST /v1/gateway-events takes the provider's events
+        /// signed with this secret (HMAC-SHA256; see docs/payouts.md).
+        #[arg(long, env = "IDEM_GATEWAY_EVENTS_SECRET", hide_env_values = true)]
+        gateway_events_secret: Option<String>,
     },
     /// Settle payouts left unknown (or stranded in progress past their lease) by asking the gateway.
     ///
@@ -708,6 +721,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             gateway,
             reconcile_every,
             max_payouts_in_flight,
+            gateway_events_secret,
         } => {
             let descriptors = idem::service::descriptor_limit();
             let options = idem::service::Options {
@@ -722,6 +736,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 gateway: gateway.http(),
                 reconcile_every,
                 max_payouts_in_flight: max_payouts_in_flight as usize,
+                events_secret: gateway_events_secret.map(String::into_bytes),
             };
             let clock: idem::service::executor::Clock = match fixed_now()? {
                 Some(fixed) => std::sync::Arc::new(move || fixed),

@@ -64,6 +64,11 @@ pub struct Limits {
     pub backoff: Duration,
     /// …doubling per look up to this.
     pub backoff_cap: Duration,
+    /// A paid payout is looked up again for this long after it was paid
+    /// (money can come back: a bank return, a reversal); zero: never.
+    pub return_window: Duration,
+    /// How often, within the return window.
+    pub return_check: Duration,
 }
 
 impl Default for Limits {
@@ -75,6 +80,8 @@ impl Default for Limits {
             max_sends: 5,
             backoff: Duration::from_secs(30),
             backoff_cap: Duration::from_secs(3600),
+            return_window: Duration::from_secs(3 * 24 * 3600),
+            return_check: Duration::from_secs(6 * 3600),
         }
     }
 }

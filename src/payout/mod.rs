@@ -24,10 +24,12 @@
 //! `holder` (the request that made it, or the reconciler that took it after
 //! its lease ran out), so a late result never overwrites a newer one.
 
+mod events;
 mod gateway;
 mod person;
 mod reconcile;
 
+pub use events::{Event, Refused, SIGNATURE_HEADER, apply as apply_event, sign, verify};
 pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, classify_send, gateway_url};
 pub use person::{Finding, events, listed, settle_by_hand};
 pub use reconcile::{Decision, reconcile};
@@ -308,11 +310,19 @@ fn take<S: Store + ?Sized>(
     store::atomically(store, Durability::Durable, policy, |tx| {
         let Some(mut p) = tx.payout(seen.id)? else { return Ok(End::Rollback(None)) };
         let open = matches!(p.state, PayoutState::InProgress | PayoutState::Unknown);
-        if !open || p.holder != seen.holder || (p.holder != token && p.lease_until > at) {
+        let paid = p.state == PayoutState::Completed && seen.state == PayoutState::Completed;
+        if !(open || paid) || p.holder != seen.holder || (open && p.holder != token && p.lease_until > at) {
             return Ok(End::Rollback(None));
         }
+        if paid && p.lease_until != seen.lease_until {
+            return Ok(End::Rollback(None)); // another reconciler checked it since
+        }
         let before = std::mem::replace(&mut p.holder, token.to_owned());
-        (p.lease_until, p.updated_at) = (at.plus_millis(lease), at);
+        match paid {
+            // a paid payout keeps its time of payment; its lease is when it was checked
+            true => p.lease_until = at,
+            false => (p.lease_until, p.updated_at) = (at.plus_millis(lease), at),
+        }
         change(&mut p);
         Ok(match tx.update_payout(&p, &before)? {
             true => End::Commit(Some(p)),
@@ -368,6 +378,7 @@ fn settle(
         Call::Paid(provider_id) => {
             (p.state, p.status, p.note) = (PayoutState::Completed, Some(201), None);
             p.provider_id = provider_id.map(|id| gateway_text(&id)).or(p.provider_id);
+            p.lease_until = now; // for a paid payout: when it was last checked for a return
             "paid".to_owned()
         }
         Call::Refused { status, reason } => {
@@ -414,6 +425,38 @@ fn settle(
     {
         tx.complete(&p.key, &rec.token, &stored(&answer_of(&p).response), now)?;
     }
+    Ok(p)
+}
+
+/// A paid payout whose money came back (a bank return, a reversal, a
+/// failure after `paid`): credits `src` back, in the transaction of the
+/// caller, who holds the payout. The key keeps its stored 201: the POST
+/// replays what was answered; `GET` shows the return.
+fn credit_back(
+    tx: &mut dyn Tx,
+    mut p: PayoutRow,
+    why: &str,
+    now: Timestamp,
+) -> Result<PayoutRow, StoreError> {
+    if p.state != PayoutState::Completed {
+        return Ok(p);
+    }
+    tx.lock_account(&p.src)?;
+    tx.add_to_balance(&p.src, p.amount)?;
+    let seen = p.holder.clone();
+    (p.state, p.note, p.updated_at) = (PayoutState::Returned, Some(gateway_text(why)), now);
+    if !tx.update_payout(&p, &seen)? {
+        return Err(StoreError::Conflict);
+    }
+    let why = format!("returned after it was paid: {}", gateway_text(why));
+    tx.insert_payout_event(&PayoutEvent {
+        payout_id: p.id,
+        at: now,
+        actor: seen,
+        was: PayoutState::Completed,
+        now: PayoutState::Returned,
+        why,
+    })?;
     Ok(p)
 }
 

@@ -9,7 +9,7 @@
 //! whose result cannot be stored is set aside for a person with why, and
 //! the run goes on with the rest.
 
-use super::{Call, Gateway, Lookup, record, set_aside, take};
+use super::{Call, Gateway, Lookup, credit_back, record, set_aside, take};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::store::{self, Durability, End, PayoutRow, PayoutState, Store, StoreError};
@@ -92,6 +92,61 @@ pub fn reconcile<S: Store + ?Sized>(
             was: seen.state,
             now: after.state,
             sends: after.sends,
+            decision,
+        });
+    }
+    decisions.extend(returns(store, gateway, token, now, lease, policy)?);
+    Ok(decisions)
+}
+
+/// Looks up the payouts paid within the return window, each once per
+/// `return_check`, and credits back each whose money came back. Only
+/// returns are decisions; a payout still paid is checked again later.
+fn returns<S: Store + ?Sized>(
+    store: &mut S,
+    gateway: &dyn Gateway,
+    token: &str,
+    now: &dyn Fn() -> Timestamp,
+    lease: Duration,
+    policy: &Policy,
+) -> Result<Vec<Decision>, StoreError> {
+    let limits = gateway.limits();
+    if limits.return_window.is_zero() {
+        return Ok(Vec::new());
+    }
+    let at = now();
+    let (checked_before, paid_since) =
+        (at.plus_seconds(-seconds(limits.return_check)), at.plus_seconds(-seconds(limits.return_window)));
+    let due = store::atomically(store, Durability::Lazy, policy, |tx| {
+        Ok(End::Rollback(tx.payouts_paid_due(checked_before, paid_since, 1000)?))
+    })?;
+    let mut decisions = Vec::new();
+    for seen in due {
+        let Some(p) = take(store, &seen, token, now(), lease, policy, |_| {})? else { continue };
+        let Lookup::Failed { reason } = gateway.lookup(&p) else { continue };
+        let back = store::atomically(store, Durability::Durable, policy, |tx| {
+            tx.lock_key(&p.key)?;
+            match tx.payout(p.id)? {
+                Some(current) if current.holder == token && current.state == PayoutState::Completed => {
+                    credit_back(tx, current, &reason, now()).map(|p| End::Commit(Some(p)))
+                }
+                _ => Ok(End::Rollback(None)),
+            }
+        });
+        let decision = match &back {
+            Ok(Some(_)) => format!("came back after it was paid ({reason}): credited back to its account"),
+            Ok(None) => continue, // settled otherwise meanwhile (an event)
+            Err(e @ (StoreError::Unavailable(_) | StoreError::Busy)) => return Err(e.clone()),
+            Err(e) => format!(
+                "came back after it was paid ({reason}), but the credit could not be stored ({e}): left"
+            ),
+        };
+        decisions.push(Decision {
+            payout_id: p.id,
+            downstream_key: p.downstream_key.clone(),
+            was: PayoutState::Completed,
+            now: back.ok().flatten().map_or(PayoutState::Completed, |p| p.state),
+            sends: p.sends,
             decision,
         });
     }

@@ -140,6 +140,7 @@ fn route_of(path: &str) -> &'static str {
         "/openapi.json" => "/openapi.json",
         p if p.starts_with("/v1/transfers/") => "/v1/transfers/{id}",
         PAYOUTS => PAYOUTS,
+        "/v1/gateway-events" => "/v1/gateway-events",
         p if p.starts_with("/v1/payouts/") => "/v1/payouts/{id}",
         _ => "other",
     }
@@ -191,6 +192,7 @@ async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
         (&Method::GET, "/openapi.json") => text(StatusCode::OK, "application/json", OPENAPI.to_owned()),
         (&Method::POST, TRANSFERS) => transfer(app, req, note).await,
         (&Method::POST, PAYOUTS) => transfer(app, req, note).await,
+        (&Method::POST, "/v1/gateway-events") => super::payouts::event(app, req, note).await,
         (&Method::GET, p) if p.starts_with("/v1/payouts/") => {
             super::payouts::lookup(app, req.headers(), &p["/v1/payouts/".len()..], note).await
         }
@@ -198,7 +200,7 @@ async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
             lookup(app, req.headers(), &p[14..], note).await
         }
         (_, "/healthz" | "/metrics" | "/openapi.json") => not_allowed("GET, HEAD", note),
-        (_, TRANSFERS | PAYOUTS) => not_allowed("POST", note),
+        (_, TRANSFERS | PAYOUTS | "/v1/gateway-events") => not_allowed("POST", note),
         (_, p) if p.starts_with("/v1/transfers/") || p.starts_with("/v1/payouts/") => {
             not_allowed("GET, HEAD", note)
         }

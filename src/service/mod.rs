@@ -67,6 +67,8 @@ pub struct Options {
     /// 503 at once. Apart from `max_in_flight`: a slow gateway never takes
     /// a transfer's slot.
     pub max_payouts_in_flight: usize,
+    /// The secret provider events are signed with (`None`: no events route).
+    pub events_secret: Option<Vec<u8>>,
 }
 
 /// Why the service could not start (or stop cleanly).
@@ -311,10 +313,14 @@ impl Service {
             log,
             policy,
             options.max_in_flight.max(1),
-            options
-                .gateway
-                .clone()
-                .map(|g| payouts::Desk::new(g, clock.clone(), options.max_payouts_in_flight.max(1))),
+            options.gateway.clone().map(|g| {
+                payouts::Desk::new(
+                    g,
+                    clock.clone(),
+                    options.max_payouts_in_flight.max(1),
+                    options.events_secret.clone(),
+                )
+            }),
         ));
         if let (Some(store), Some(gateway)) = (reconciler, options.gateway) {
             reconcile_in_background(store, gateway, options.reconcile_every, policy, clock, app.clone())

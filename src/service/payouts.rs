@@ -22,16 +22,18 @@ pub struct Desk {
     pub gateway: Arc<HttpGateway>,
     pub clock: Clock,
     budget: Budget,
+    /// What provider events are signed with; `None`: the route is not served.
+    events_secret: Option<Vec<u8>>,
 }
 
 impl Desk {
     /// At most `in_flight` payouts at once (waiting on a slow gateway never
     /// takes a transfer's slot), and at most a quarter of them (one at
     /// least) of any one client.
-    pub fn new(gateway: HttpGateway, clock: Clock, in_flight: usize) -> Desk {
+    pub fn new(gateway: HttpGateway, clock: Clock, in_flight: usize, events_secret: Option<Vec<u8>>) -> Desk {
         let budget =
             Budget { total: in_flight, per_client: in_flight.div_ceil(4).max(1), held: Mutex::default() };
-        Desk { gateway: Arc::new(gateway), clock, budget }
+        Desk { gateway: Arc::new(gateway), clock, budget, events_secret }
     }
 }
 
@@ -168,4 +170,61 @@ pub(super) async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut 
         Ok(Err(e)) => store_error(app, &e, note),
         Err(_) => failed(note),
     }
+}
+
+/// The most an event's body may hold.
+const MAX_EVENT_BODY: usize = 64 * 1024;
+
+/// `POST /v1/gateway-events`: a provider's signed event, applied once by
+/// its id on a writer. 200 with what it did (a duplicate too, so the
+/// provider stops resending); 401 unsigned or stale; 400 not an event.
+pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>, note: &mut Note) -> Reply {
+    use http_body_util::{BodyExt, Limited};
+    let Some(secret) = app.payouts.as_ref().and_then(|d| d.events_secret.clone()) else {
+        return problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note);
+    };
+    let clock = app
+        .payouts
+        .as_ref()
+        .map(|d| d.clock.clone())
+        .unwrap_or_else(|| Arc::new(crate::clock::Timestamp::now));
+    let signature =
+        req.headers().get(payout::SIGNATURE_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let body = match Limited::new(req.into_body(), MAX_EVENT_BODY).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(_) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "The body is unreadable or over 64 KiB.",
+                note,
+            );
+        }
+    };
+    let unix =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    let checked =
+        payout::verify(&secret, signature.as_deref(), &body, unix).and_then(|()| payout::Event::parse(&body));
+    let event = match checked {
+        Ok(event) => event,
+        Err(payout::Refused::Unsigned(why)) => {
+            return problem(StatusCode::UNAUTHORIZED, "unauthorized", why, note);
+        }
+        Err(payout::Refused::Malformed(why)) => {
+            return problem(StatusCode::BAD_REQUEST, "invalid_request", &why, note);
+        }
+    };
+    let policy = app.policy;
+    let applied = {
+        let event = event.clone();
+        on_writer(app, move |store| payout::apply_event(store, &event, clock(), policy)).await
+    };
+    let (duplicate, outcome) = match applied {
+        Some(Ok(Some(outcome))) => (false, outcome),
+        Some(Ok(None)) => (true, "seen before: nothing more done".to_owned()),
+        Some(Err(e)) => return store_error(app, &e, note),
+        None => return busy(app, note),
+    };
+    let body = serde_json::json!({"event_id": event.id, "duplicate": duplicate, "outcome": outcome});
+    text(StatusCode::OK, "application/json", body.to_string())
 }

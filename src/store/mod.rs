@@ -557,6 +557,12 @@ CREATE TABLE IF NOT EXISTS payout_event (
     now       text NOT NULL,
     why       text NOT NULL);
 CREATE INDEX IF NOT EXISTS payout_event_of ON payout_event (payout_id, event_id);
+CREATE TABLE IF NOT EXISTS gateway_event (
+    event_id       text PRIMARY KEY,
+    received_at    {time} NOT NULL,
+    kind           text NOT NULL,
+    downstream_key text NOT NULL,
+    outcome        text NOT NULL);
 ";
 
 /// The columns of `payout` before its second version (no `needs_attention`
@@ -841,6 +847,31 @@ pub trait Tx {
     /// Payouts `in_progress` or `unknown` whose lease has run out at `now`,
     /// oldest first; with `all`, every payout not settled.
     fn payouts_open(&mut self, _now: Timestamp, _all: bool) -> Result<Vec<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Up to `limit` completed payouts paid at or after `paid_since` and
+    /// last checked (their lease) at or before `checked_before`, oldest first.
+    fn payouts_paid_due(
+        &mut self,
+        _checked_before: Timestamp,
+        _paid_since: Timestamp,
+        _limit: i64,
+    ) -> Result<Vec<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+    /// The payout the gateway knows by `downstream_key`, locked.
+    fn payout_by_downstream_key(&mut self, _key: &str) -> Result<Option<PayoutRow>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Records a provider event once: `false` if its id was recorded before.
+    fn insert_gateway_event(
+        &mut self,
+        _event_id: &str,
+        _at: Timestamp,
+        _kind: &str,
+        _downstream_key: &str,
+        _outcome: &str,
+    ) -> Result<bool, StoreError> {
         Err(no_payouts())
     }
     /// Up to `limit` payouts in `state`, oldest first.

@@ -860,6 +860,40 @@ impl Tx for SqliteTx<'_> {
         )
     }
 
+    fn payouts_paid_due(
+        &mut self,
+        checked_before: Timestamp,
+        paid_since: Timestamp,
+        limit: i64,
+    ) -> Result<Vec<PayoutRow>, StoreError> {
+        self.payouts_where(
+            "state = 'completed' AND lease_until <= ?1 AND updated_at >= ?2 ORDER BY updated_at, payout_id LIMIT ?3",
+            &[&checked_before.to_string(), &paid_since.to_string(), &limit],
+        )
+    }
+
+    fn payout_by_downstream_key(&mut self, key: &str) -> Result<Option<PayoutRow>, StoreError> {
+        Ok(self.payouts_where("downstream_key = ?1", &[&key])?.into_iter().next())
+    }
+
+    fn insert_gateway_event(
+        &mut self,
+        event_id: &str,
+        at: Timestamp,
+        kind: &str,
+        downstream_key: &str,
+        outcome: &str,
+    ) -> Result<bool, StoreError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO gateway_event (event_id, received_at, kind, downstream_key, outcome)
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (event_id) DO NOTHING",
+            )
+            .and_then(|mut s| s.execute((event_id, at.to_string(), kind, downstream_key, outcome)))
+            .map(|n| n == 1)
+            .map_err(backend)
+    }
+
     fn payouts_in(&mut self, state: PayoutState, limit: i64) -> Result<Vec<PayoutRow>, StoreError> {
         self.payouts_where("state = ?1 ORDER BY created_at, payout_id LIMIT ?2", &[&state.name(), &limit])
     }

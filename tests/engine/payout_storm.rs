@@ -695,3 +695,66 @@ fn a_first_version_payout_table_is_migrated_with_its_rows() {
         assert_eq!(d[0].now, PayoutState::NeedsAttention, "{backend:?}: {d:?}");
     }
 }
+
+#[test]
+fn a_paid_payout_whose_money_comes_back_is_credited_back_once_and_its_post_still_replays_201() {
+    let policy = Policy::embedded();
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let row = day.begin(0, 0, 100).unwrap().unwrap();
+        day.finish(&row, Call::Paid(Some("po_1".into())));
+        let first = answer(&mut day, 0, 0, 100).unwrap().response;
+        assert_eq!(first.status, 201, "{backend:?}");
+        // the bank returns it two days later; the reconciler learns it by a lookup
+        let gateway =
+            scripted(Call::Paid(None), Lookup::Failed { reason: "returned: account_closed".into() });
+        *gateway.lookup.lock().unwrap() = Lookup::Paid(None);
+        let quiet = reconcile_for(&mut day, &gateway, 7 * 60); // still paid: no decision
+        assert!(quiet.is_empty(), "{backend:?}: {quiet:?}");
+        *gateway.lookup.lock().unwrap() = Lookup::Failed { reason: "returned: account_closed".into() };
+        day.now += 36 * 3600;
+        let back = reconcile_for(&mut day, &gateway, 1);
+        assert_eq!(back.len(), 1, "{backend:?}: {back:?}");
+        assert_eq!(
+            (back[0].was, back[0].now),
+            (PayoutState::Completed, PayoutState::Returned),
+            "{backend:?}"
+        );
+        assert_eq!(day.store.audit().unwrap().money(), OPENING * 2, "{backend:?}: credited back");
+        // once: later runs, and the window's end, change nothing
+        day.now += 7 * 3600;
+        assert!(reconcile_for(&mut day, &gateway, 1).is_empty(), "{backend:?}");
+        assert_eq!(day.store.audit().unwrap().money(), OPENING * 2, "{backend:?}");
+        // the POST replays what it answered; GET shows the return
+        let again = answer(&mut day, 0, 0, 100).unwrap().response;
+        assert_eq!((again.status, &again.body), (201, &first.body), "{backend:?}");
+        let p = &rows(&mut *day.store, policy)[0];
+        let shown: serde_json::Value = serde_json::from_str(&payout::to_json(p)).unwrap();
+        assert_eq!(
+            (shown["state"].as_str(), shown["reason"].as_str()),
+            (Some("returned"), Some("returned: account_closed"))
+        );
+        let (_, events) = payout::events(&mut *day.store, p.id, policy).unwrap().unwrap();
+        let last = events.last().unwrap();
+        assert_eq!(
+            (last.was, last.now),
+            (PayoutState::Completed, PayoutState::Returned),
+            "{backend:?}: {events:?}"
+        );
+    }
+}
+
+#[test]
+fn a_payout_paid_before_the_return_window_is_not_looked_up_again() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let row = day.begin(0, 0, 100).unwrap().unwrap();
+        day.finish(&row, Call::Paid(None));
+        day.now += 4 * 24 * 3600; // past the 3-day window
+        let gateway = scripted(Call::Paid(None), Lookup::Failed { reason: "returned".into() });
+        assert!(reconcile_for(&mut day, &gateway, 1).is_empty(), "{backend:?}");
+        assert_eq!(day.store.audit().unwrap().money() + 100, OPENING * 2, "{backend:?}");
+    }
+}

@@ -30,6 +30,7 @@ fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
         gateway: None,
         reconcile_every: std::time::Duration::from_secs(30),
         max_payouts_in_flight: 64,
+        events_secret: None,
     };
     let clock: idem::service::executor::Clock = Arc::new(idem::clock::Timestamp::now);
     let service =

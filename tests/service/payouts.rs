@@ -676,3 +676,84 @@ fn a_gateway_url_that_cannot_be_called_is_refused_before_any_money_is_held() {
         .unwrap();
     assert_eq!(tables, 0, "the database was touched");
 }
+
+/// A provider event, signed with `secret` at `t` (Unix seconds; `None`: now).
+fn event(s: &Serve, secret: &[u8], body: &serde_json::Value, t: Option<i64>) -> Http {
+    let body = body.to_string();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let signature = idem::payout::sign(secret, body.as_bytes(), t.unwrap_or(now));
+    let req = Serve::agent()
+        .post(format!("{}/v1/gateway-events", s.url))
+        .header("Idem-Signature", signature)
+        .header("Content-Type", "application/json");
+    read(req.send(body.as_str()))
+}
+
+fn payout_event(id: &str, kind: &str, key: &str, amount: i64) -> serde_json::Value {
+    serde_json::json!({"id": id, "type": kind, "data": {"key": key, "id": "po_9", "amount": amount, "currency": "KRW", "reason": "bank_return"}})
+}
+
+#[test]
+fn provider_events_are_signed_applied_once_and_credit_a_return_back() {
+    provider_events(false);
+}
+
+#[test]
+fn on_postgres_provider_events_are_signed_applied_once_and_credit_a_return_back() {
+    provider_events(true);
+}
+
+fn provider_events(pg: bool) {
+    let Some((_dir, db)) = bank_on(pg) else { return };
+    let gw = Gateway::start(&[]);
+    let secret = b"whsec_test";
+    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test"]);
+    let paid = pay(&s, "p-1", &payout("bob", 700));
+    assert_eq!(paid.status, 201);
+    let key = payouts(&db)[0].2.clone();
+    // unsigned, forged, stale, or for another body: refused, nothing changes
+    let returned = payout_event("evt_1", "payout.returned", &key, 700);
+    assert_eq!(event(&s, b"wrong", &returned, None).status, 401);
+    assert_eq!(event(&s, secret, &returned, Some(1_000_000_000)).status, 401, "a stale signature");
+    let unsigned =
+        read(Serve::agent().post(format!("{}/v1/gateway-events", s.url)).send(returned.to_string().as_str()));
+    assert_eq!(unsigned.status, 401);
+    assert_eq!(balance(&db, "A"), START - 700);
+    // the return: credited back once, however often the event comes
+    let first = event(&s, secret, &returned, None);
+    assert_eq!((first.status, first.json()["duplicate"].as_bool()), (200, Some(false)), "{}", first.body);
+    for _ in 0..2 {
+        assert_eq!(event(&s, secret, &returned, None).json()["duplicate"], true);
+    }
+    assert_eq!(balance(&db, "A"), START, "the return was credited back once");
+    let other_id = payout_event("evt_2", "payout.reversed", &key, 700);
+    assert!(event(&s, secret, &other_id, None).json()["outcome"].as_str().unwrap().contains("nothing to do"));
+    assert_eq!(balance(&db, "A"), START, "a second event of the same return credited again");
+    // the POST replays its 201; GET shows the return
+    let again = pay(&s, "p-1", &payout("bob", 700));
+    assert_eq!((again.status, &again.body), (201, &paid.body));
+    let shown = read(
+        Serve::agent()
+            .get(format!("{}{}", s.url, paid.header("location").unwrap()))
+            .header("Authorization", "Bearer tok")
+            .call(),
+    );
+    assert_eq!(shown.json()["state"], "returned", "{}", shown.body);
+    // an event for no payout, or with another amount, moves no money: a person's
+    let stray = event(&s, secret, &payout_event("evt_3", "payout.returned", "no-such-key", 700), None);
+    assert!(stray.json()["outcome"].as_str().unwrap().starts_with("needs a person"), "{}", stray.body);
+    assert_eq!(pay(&s, "p-2", &payout("bob", 300)).status, 201);
+    let key2 = payouts(&db)[1].2.clone();
+    let wrong = event(&s, secret, &payout_event("evt_4", "payout.returned", &key2, 3000), None);
+    assert!(wrong.json()["outcome"].as_str().unwrap().starts_with("needs a person"), "{}", wrong.body);
+    assert_eq!(balance(&db, "A"), START - 300);
+    // reordered: a payout whose answer was lost is returned, then its paid event arrives
+    let lossy = Gateway::start(&["--drop-answer", "100"]);
+    let s2 = serve(&db, &lossy.url, &["--gateway-events-secret", "whsec_test"]);
+    assert_eq!(pay(&s2, "p-3", &payout("bob", 50)).status, 202);
+    let key3 = payouts(&db)[2].2.clone();
+    event(&s2, secret, &payout_event("evt_5", "payout.returned", &key3, 50), None);
+    event(&s2, secret, &payout_event("evt_6", "payout.paid", &key3, 50), None);
+    assert_eq!(payouts(&db)[2].1, "failed", "the money came back: paid-then-returned is not paid");
+    assert_eq!(balance(&db, "A"), START - 300, "p-3's hold released once");
+}

@@ -1,0 +1,213 @@
+//! Provider events (`POST /v1/gateway-events`): what a payout provider
+//! pushes when a payout is paid, fails, or comes back after it was paid.
+//! Each is signed (HMAC-SHA256 over `"{t}.{body}"`, header
+//! `Idem-Signature: t=<unix seconds>,v1=<hex>`, as Stripe signs webhooks),
+//! refused when stale, compared in constant time, and applied once by its
+//! id, in one transaction with the payout's change and its audit row.
+
+use super::{Call, credit_back, gateway_text, settle};
+use crate::clock::Timestamp;
+use crate::policy::Policy;
+use crate::store::{self, Durability, End, PayoutState, Store, StoreError};
+use hmac::{Hmac, KeyInit, Mac};
+use serde_json::Value;
+use sha2::Sha256;
+
+/// How far an event's signed time may be from ours.
+pub const TOLERANCE_SECONDS: i64 = 300;
+
+/// The header that carries the signature.
+pub const SIGNATURE_HEADER: &str = "idem-signature";
+
+/// Why an event was not taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// No signature, a wrong one, or a stale time: 401.
+    Unsigned(&'static str),
+    /// A body that is not an event: 400.
+    Malformed(String),
+}
+
+/// Checks `header` (`t=…,v1=…`) against `body` signed with `secret`, at
+/// `now` (Unix seconds).
+pub fn verify(secret: &[u8], header: Option<&str>, body: &[u8], now: i64) -> Result<(), Refused> {
+    let header = header.ok_or(Refused::Unsigned("no Idem-Signature header"))?;
+    let (mut t, mut v1) = (None, None);
+    for part in header.split(',') {
+        match part.trim().split_once('=') {
+            Some(("t", value)) => t = value.parse::<i64>().ok(),
+            Some(("v1", value)) => v1 = hex(value),
+            _ => {}
+        }
+    }
+    let (Some(t), Some(v1)) = (t, v1) else {
+        return Err(Refused::Unsigned("Idem-Signature needs t= and v1="));
+    };
+    if (now - t).abs() > TOLERANCE_SECONDS {
+        return Err(Refused::Unsigned("the signature's time is more than 5 minutes from ours"));
+    }
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).map_err(|_| Refused::Unsigned("no secret"))?;
+    mac.update(format!("{t}.").as_bytes());
+    mac.update(body);
+    mac.verify_slice(&v1).map_err(|_| Refused::Unsigned("the signature does not match"))
+}
+
+/// The signature header for `body` at `t` (the provider's side, and tests').
+pub fn sign(secret: &[u8], body: &[u8], t: i64) -> String {
+    let mut mac =
+        Hmac::<Sha256>::new_from_slice(secret).unwrap_or_else(|_| Hmac::new_from_slice(b"").unwrap());
+    mac.update(format!("{t}.").as_bytes());
+    mac.update(body);
+    let tag: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    format!("t={t},v1={tag}")
+}
+
+fn hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok()).collect()
+}
+
+/// One provider event: `{"id", "type", "data": {"key", "id", "amount",
+/// "currency", "reason"}}`, `key` being the downstream key idem sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub id: String,
+    pub kind: String,
+    pub downstream_key: String,
+    pub provider_id: Option<String>,
+    pub amount: Option<i64>,
+    pub currency: Option<String>,
+    pub reason: Option<String>,
+}
+
+impl Event {
+    pub fn parse(body: &[u8]) -> Result<Event, Refused> {
+        let bad = |why: &str| Refused::Malformed(why.to_owned());
+        let v: Value = serde_json::from_slice(body).map_err(|_| bad("the body is not JSON"))?;
+        let text = |v: &Value, member: &str| v.get(member).and_then(Value::as_str).map(str::to_owned);
+        let data = v.get("data").ok_or_else(|| bad("no data"))?;
+        let event = Event {
+            id: text(&v, "id").ok_or_else(|| bad("no id"))?,
+            kind: text(&v, "type").ok_or_else(|| bad("no type"))?,
+            downstream_key: text(data, "key").ok_or_else(|| bad("no data.key"))?,
+            provider_id: text(data, "id"),
+            amount: data.get("amount").and_then(Value::as_i64),
+            currency: text(data, "currency"),
+            reason: text(data, "reason"),
+        };
+        let fits = |s: &str| !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control);
+        if !fits(&event.id) || !fits(&event.kind) || !fits(&event.downstream_key) {
+            return Err(bad("id, type and data.key must be 1-255 characters without control characters"));
+        }
+        Ok(event)
+    }
+}
+
+/// Applies `event` once: `Ok(None)` if its id was seen before, else what
+/// it did. An event for no payout of idem's, or with another amount or
+/// currency, changes no money: it is recorded as needing a person (and an
+/// open payout it names goes to one).
+pub fn apply<S: Store + ?Sized>(
+    store: &mut S,
+    event: &Event,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<Option<String>, StoreError> {
+    let actor = format!("event:{}", gateway_text(&event.id));
+    store::atomically(store, Durability::Durable, policy, |tx| {
+        let outcome = match tx.payout_by_downstream_key(&event.downstream_key)? {
+            None => "needs a person: no payout under this key".to_owned(),
+            Some(seen) => {
+                // the key before the payout, in the order every writer locks them
+                tx.lock_key(&seen.key)?;
+                let Some(mut p) = tx.payout(seen.id)? else { return Err(StoreError::Conflict) };
+                let mismatch = event.amount.is_some_and(|a| a != p.amount)
+                    || event.currency.as_ref().is_some_and(|c| *c != p.currency);
+                let reason = gateway_text(event.reason.as_deref().unwrap_or(&event.kind));
+                let open = !p.state.settled();
+                let call = match (event.kind.as_str(), p.state) {
+                    _ if mismatch && open => {
+                        Some(Call::Terminal("an event with another amount or currency".into()))
+                    }
+                    _ if mismatch => None,
+                    ("payout.paid", _) if open => Some(Call::Paid(event.provider_id.clone())),
+                    ("payout.failed" | "payout.canceled", _) if open => {
+                        Some(Call::Refused { status: 422, reason: reason.clone() })
+                    }
+                    ("payout.returned" | "payout.reversed", _) if open => {
+                        Some(Call::Refused { status: 422, reason: format!("{}: {reason}", event.kind) })
+                    }
+                    _ => None,
+                };
+                let back = matches!(
+                    (event.kind.as_str(), p.state),
+                    ("payout.failed" | "payout.returned" | "payout.reversed", PayoutState::Completed)
+                ) && !mismatch;
+                if call.is_some() || back {
+                    let before = std::mem::replace(&mut p.holder, actor.clone());
+                    if !tx.update_payout(&p, &before)? {
+                        return Err(StoreError::Conflict);
+                    }
+                }
+                let id = p.id;
+                match (call, back) {
+                    (Some(call), _) => {
+                        format!("payout {id}: {}", settle(tx, p, call, now, now)?.state.name())
+                    }
+                    (None, true) => {
+                        let why = format!("{}: {reason}", event.kind);
+                        format!("payout {id}: {}", credit_back(tx, p, &why, now)?.state.name())
+                    }
+                    (None, false) if mismatch => {
+                        format!(
+                            "needs a person: payout {} is {} and the event's amount or currency differs",
+                            p.id,
+                            p.state.name()
+                        )
+                    }
+                    (None, false) => format!("payout {} is {}: nothing to do", p.id, p.state.name()),
+                }
+            }
+        };
+        let fresh = tx.insert_gateway_event(&event.id, now, &event.kind, &event.downstream_key, &outcome)?;
+        Ok(match fresh {
+            true => End::Commit(Some(outcome)),
+            false => End::Rollback(None), // seen before: what it did stands, this changes nothing
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signature_holds_only_for_its_body_its_secret_and_its_time() {
+        let (secret, body, t) = (b"whsec", br#"{"id":"evt_1"}"#, 1_700_000_000);
+        let header = sign(secret, body, t);
+        assert_eq!(verify(secret, Some(&header), body, t + 10), Ok(()));
+        assert!(verify(secret, Some(&header), br#"{"id":"evt_2"}"#, t).is_err(), "another body");
+        assert!(verify(b"other", Some(&header), body, t).is_err(), "another secret");
+        assert!(verify(secret, Some(&header), body, t + TOLERANCE_SECONDS + 1).is_err(), "stale");
+        assert!(verify(secret, None, body, t).is_err());
+        assert!(verify(secret, Some("t=1700000000,v1=zz"), body, t).is_err());
+        let forged = header.replace("v1=", "v1=00");
+        assert!(verify(secret, Some(&forged), body, t).is_err());
+    }
+
+    #[test]
+    fn an_event_needs_its_id_type_and_key() {
+        let ok = br#"{"id":"evt_1","type":"payout.returned","data":{"key":"k","amount":5,"currency":"KRW"}}"#;
+        assert_eq!(Event::parse(ok).unwrap().amount, Some(5));
+        for bad in [
+            &b"nope"[..],
+            br#"{"type":"payout.paid","data":{"key":"k"}}"#,
+            br#"{"id":"e","type":"t"}"#,
+            br#"{"id":"e\u0000","type":"t","data":{"key":"k"}}"#,
+        ] {
+            assert!(Event::parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+}
