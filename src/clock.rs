@@ -83,6 +83,11 @@ impl Timestamp {
         self.0 - after.0 >= Duration::seconds(seconds)
     }
 
+    /// Whole seconds from `earlier` to this (negative if it is later).
+    pub fn seconds_since(self, earlier: Timestamp) -> i64 {
+        (self.0 - earlier.0).whole_seconds()
+    }
+
     fn truncated(t: OffsetDateTime) -> Self {
         let micros = t.microsecond();
         Self(t.replace_nanosecond(micros * 1_000).unwrap_or(t))

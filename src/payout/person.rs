@@ -6,7 +6,9 @@
 use super::{Call, settle};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::store::{self, Durability, End, PayoutEvent, PayoutRow, PayoutState, Store, StoreError};
+use crate::store::{
+    self, Durability, End, PayoutEvent, PayoutRow, PayoutStat, PayoutState, Store, StoreError,
+};
 
 /// What a person found out at the provider.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,4 +102,9 @@ pub fn events<S: Store + ?Sized>(
         let Some(p) = tx.peek_payout(id)? else { return Ok(End::Rollback(None)) };
         Ok(End::Rollback(Some((p, tx.payout_events(id)?))))
     })
+}
+
+/// How many payouts are in each state, the oldest of each, and their sends.
+pub fn stats<S: Store + ?Sized>(store: &mut S, policy: &Policy) -> Result<Vec<PayoutStat>, StoreError> {
+    store::atomically(store, Durability::Lazy, policy, |tx| Ok(End::Rollback(tx.payout_stats()?)))
 }

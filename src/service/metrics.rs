@@ -1,6 +1,8 @@
 //! What `/metrics` exposes, in the Prometheus text format: requests by
 //! route and status, replays, requests in flight, and a latency histogram.
 
+use crate::clock::Timestamp;
+use crate::store::{PayoutStat, PayoutState};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -20,6 +22,8 @@ pub struct Metrics {
     /// One count per bucket, then the overflow (+Inf).
     latency: [AtomicU64; BUCKETS.len() + 1],
     latency_sum_micros: AtomicU64,
+    /// The payouts as the reconciler last counted them, and when.
+    payouts: Mutex<Option<(Timestamp, Vec<PayoutStat>)>>,
 }
 
 impl Metrics {
@@ -51,6 +55,49 @@ impl Metrics {
         let bucket = BUCKETS.iter().position(|b| seconds <= *b).unwrap_or(BUCKETS.len());
         self.latency[bucket].fetch_add(1, Ordering::Relaxed);
         self.latency_sum_micros.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// The payouts per state, counted at `at` (by the reconciler, after each run).
+    pub fn payouts_counted(&self, at: Timestamp, stats: Vec<PayoutStat>) {
+        if let Ok(mut payouts) = self.payouts.lock() {
+            *payouts = Some((at, stats));
+        }
+    }
+
+    fn render_payouts(&self, out: &mut String) {
+        let Ok(payouts) = self.payouts.lock() else { return };
+        let Some((at, stats)) = payouts.as_ref() else { return };
+        let of = |state: PayoutState| stats.iter().find(|s| s.state == state);
+        out.push_str("# HELP idem_payouts Payouts per state, as the reconciler last counted them.\n# TYPE idem_payouts gauge\n");
+        for state in PayoutState::ALL {
+            let _ = writeln!(
+                out,
+                "idem_payouts{{state=\"{}\"}} {}",
+                state.name(),
+                of(state).map_or(0, |s| s.count)
+            );
+        }
+        out.push_str(
+            "# HELP idem_payout_oldest_age_seconds Age of the oldest payout still waiting, per state (0: none).\n\
+             # TYPE idem_payout_oldest_age_seconds gauge\n",
+        );
+        for state in [PayoutState::InProgress, PayoutState::Unknown, PayoutState::NeedsAttention] {
+            let age = of(state).map_or(0, |s| at.seconds_since(s.oldest).max(0));
+            let _ = writeln!(out, "idem_payout_oldest_age_seconds{{state=\"{}\"}} {age}", state.name());
+        }
+        out.push_str(
+            "# HELP idem_payout_sends Sends to the gateway of the payouts in a state: in all, and the most of one.\n\
+             # TYPE idem_payout_sends gauge\n",
+        );
+        for s in stats {
+            let _ = writeln!(out, "idem_payout_sends{{state=\"{}\",of=\"all\"}} {}", s.state.name(), s.sends);
+            let _ = writeln!(
+                out,
+                "idem_payout_sends{{state=\"{}\",of=\"most\"}} {}",
+                s.state.name(),
+                s.most_sends
+            );
+        }
     }
 
     /// The Prometheus text exposition; `log_dropped` is the log's count of
@@ -96,6 +143,7 @@ impl Metrics {
             out,
             "idem_request_duration_seconds_sum {sum}\nidem_request_duration_seconds_count {cumulative}\n"
         );
+        self.render_payouts(&mut out);
         out
     }
 }

@@ -246,6 +246,9 @@ fn reconcile_in_background(
     app: Arc<http::App>,
 ) -> std::io::Result<()> {
     std::thread::Builder::new().name("idem-reconcile".into()).spawn(move || {
+        if let Ok(stats) = crate::payout::stats(&mut *store, policy) {
+            app.metrics.payouts_counted(clock(), stats);
+        }
         loop {
             std::thread::sleep(every);
             let token = match crate::protocol::fresh_token() {
@@ -267,6 +270,9 @@ fn reconcile_in_background(
                     }
                 }
                 Err(e) => line(serde_json::json!({"error": e.to_string()})),
+            }
+            if let Ok(stats) = crate::payout::stats(&mut *store, policy) {
+                app.metrics.payouts_counted(clock(), stats);
             }
         }
     })?;

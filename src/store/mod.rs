@@ -508,6 +508,31 @@ impl PayoutText {
     }
 }
 
+/// The payouts in one state, for the metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutStat {
+    pub state: PayoutState,
+    pub count: i64,
+    pub oldest: Timestamp,
+    pub sends: i64,
+    pub most_sends: i64,
+}
+
+/// [`PayoutStat`]s, in SQL both stores speak.
+pub(crate) const PAYOUT_STATS: &str = "SELECT state, COUNT(*), MIN(created_at), SUM(sends), MAX(sends) FROM payout GROUP BY state ORDER BY state";
+
+pub(crate) fn payout_stat(
+    state: &str,
+    count: i64,
+    oldest: &str,
+    sends: i64,
+    most_sends: i64,
+) -> Result<PayoutStat, StoreError> {
+    let oldest = Timestamp::parse(oldest)
+        .map_err(|e| StoreError::Backend(format!("corrupt payout row: {e}").into()))?;
+    Ok(PayoutStat { state: PayoutState::parse(state)?, count, oldest, sends, most_sends })
+}
+
 /// One change of a payout's state, as its audit trail keeps it: who, when,
 /// from what to what, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -872,6 +897,11 @@ pub trait Tx {
         _downstream_key: &str,
         _outcome: &str,
     ) -> Result<bool, StoreError> {
+        Err(no_payouts())
+    }
+    /// Per state: how many payouts, the oldest's creation, their sends in
+    /// all and the most of one.
+    fn payout_stats(&mut self) -> Result<Vec<PayoutStat>, StoreError> {
         Err(no_payouts())
     }
     /// Up to `limit` payouts in `state`, oldest first.

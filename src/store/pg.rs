@@ -31,8 +31,8 @@
 
 use super::{
     Account, Audit, CREATED_HEAD, Claim, Durability, Executed, Execution, KeyRecord, KeyRow, KeyState,
-    NewTransfer, PURGEABLE, PayoutEvent, PayoutRow, PayoutState, PayoutText, Plan, Premise, Reads, Seen,
-    Store, StoreError, Stored, Tx, audit_sql,
+    NewTransfer, PURGEABLE, PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Plan, Premise,
+    Reads, Seen, Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -1347,6 +1347,13 @@ impl Tx for PgTx<'_> {
             "state = 'completed' AND lease_until <= $1 AND updated_at >= $2 ORDER BY updated_at, payout_id LIMIT $3",
             &[&checked_before.to_string(), &paid_since.to_string(), &limit],
         )
+    }
+
+    fn payout_stats(&mut self) -> Result<Vec<PayoutStat>, StoreError> {
+        let sql =
+            super::PAYOUT_STATS.replace("SUM(sends), MAX(sends)", "SUM(sends)::bigint, MAX(sends)::bigint");
+        let rows = self.client.query(&sql, &[]).map_err(pg)?;
+        rows.iter().map(|r| super::payout_stat(r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))).collect()
     }
 
     fn payout_by_downstream_key(&mut self, key: &str) -> Result<Option<PayoutRow>, StoreError> {

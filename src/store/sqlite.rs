@@ -17,8 +17,8 @@
 
 use super::{
     Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PAYOUT_V1_COLUMNS, PURGEABLE,
-    PayoutEvent, PayoutRow, PayoutState, PayoutText, RECORD_COLUMNS, Reads, Store, StoreError, Stored, Tx,
-    audit_sql,
+    PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, RECORD_COLUMNS, Reads, Store, StoreError,
+    Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -870,6 +870,15 @@ impl Tx for SqliteTx<'_> {
             "state = 'completed' AND lease_until <= ?1 AND updated_at >= ?2 ORDER BY updated_at, payout_id LIMIT ?3",
             &[&checked_before.to_string(), &paid_since.to_string(), &limit],
         )
+    }
+
+    fn payout_stats(&mut self) -> Result<Vec<PayoutStat>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(super::PAYOUT_STATS).map_err(backend)?;
+        let rows: Vec<(String, i64, String, i64, i64)> = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+            .and_then(|rows| rows.collect())
+            .map_err(backend)?;
+        rows.iter().map(|(s, n, o, sends, most)| super::payout_stat(s, *n, o, *sends, *most)).collect()
     }
 
     fn payout_by_downstream_key(&mut self, key: &str) -> Result<Option<PayoutRow>, StoreError> {

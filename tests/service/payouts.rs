@@ -757,3 +757,35 @@ fn provider_events(pg: bool) {
     assert_eq!(payouts(&db)[2].1, "failed", "the money came back: paid-then-returned is not paid");
     assert_eq!(balance(&db, "A"), START - 300, "p-3's hold released once");
 }
+
+#[test]
+fn the_metrics_count_payouts_per_state_their_oldest_age_and_their_sends() {
+    let (_dir, db) = bank();
+    let lossy = Gateway::start(&["--lose-request", "100"]);
+    let s = Serve::start(
+        &db,
+        &[("tok", "shop")],
+        &["--gateway", &lossy.url, "--gateway-timeout", "2s", "--reconcile-every", "400ms"],
+        &[],
+    );
+    assert_eq!(pay(&s, "p-1", &payout("bob", 10)).status, 202);
+    assert_eq!(pay(&s, "p-2", &payout("bob", 20)).status, 202);
+    // the reconciler runs, resends each once (lost again), and counts
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let text = read(Serve::agent().get(format!("{}/metrics", s.url)).call()).body;
+        if text.contains("idem_payout_sends{state=\"unknown\",of=\"most\"} 2") || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    for line in [
+        "idem_payouts{state=\"unknown\"} 2",
+        "idem_payouts{state=\"completed\"} 0",
+        "idem_payout_sends{state=\"unknown\",of=\"all\"} 4",
+        "idem_payout_sends{state=\"unknown\",of=\"most\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    assert!(metrics.contains("idem_payout_oldest_age_seconds{state=\"unknown\"} "), "{metrics}");
+}
