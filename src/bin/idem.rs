@@ -348,6 +348,23 @@ enum Command {
         /// Require Authorization: Bearer TOKEN (or IDEM_GATEWAY_TOKEN).
         #[arg(long, env = "IDEM_GATEWAY_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// Percent answered 403 forbidden, nothing recorded (no resend can fix it).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        refuse_4xx: u64,
+        /// Percent refused (402) with a poisoned reason: a NUL, line breaks, 2 000 characters.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        poison: u64,
+        /// Percent of paid payouts returned --return-after later (the money comes back).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        returns: u64,
+        #[arg(long, default_value = "2s", value_parser = clock::parse_duration)]
+        return_after: std::time::Duration,
+        /// Percent of events (to the endpoint POST /webhook_endpoints registers) never sent.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        event_loss: u64,
+        /// Percent of events sent twice.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+        event_dup: u64,
     },
     /// Send one transfer over HTTP, retrying until a final answer or the budget runs out.
     ///
@@ -682,9 +699,25 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             key_window,
             limit,
             token,
+            refuse_4xx,
+            poison,
+            returns,
+            return_after,
+            event_loss,
+            event_dup,
         } => {
-            let faults = idem::harness::gateway::Faults { lose_request, drop_answer, error_5xx, slow };
-            if faults.lose_request + faults.drop_answer + faults.error_5xx + faults.slow > 100 {
+            let faults = idem::harness::gateway::Faults {
+                lose_request,
+                drop_answer,
+                error_5xx,
+                slow,
+                refuse_4xx,
+                poison,
+                returns,
+                event_loss,
+                event_dup,
+            };
+            if lose_request + drop_answer + error_5xx + slow + refuse_4xx + poison > 100 {
                 return Err(Failure("the fault percentages add up to more than 100".into()));
             }
             let listener = std::net::TcpListener::bind(&listen)
@@ -700,6 +733,7 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 key_window,
                 limit,
                 token,
+                return_after,
             };
             // the ledger is opened before the URL is printed: a caller that
             // read the URL can pay at once
@@ -833,8 +867,12 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 think,
                 odds: idem::harness::proxy::Odds::default(),
                 gateway: payouts.then(|| {
+                    let faults = [
+                        ["--lose-request", "5", "--drop-answer", "10", "--error-5xx", "5", "--slow", "5"],
+                        ["--refuse-4xx", "3", "--poison", "3", "--returns", "10", "--return-after", "1s"],
+                    ];
                     let faults =
-                        ["--lose-request", "5", "--drop-answer", "10", "--error-5xx", "5", "--slow", "5"];
+                        [&faults.concat()[..], &["--event-loss", "10", "--event-dup", "20"]].concat();
                     let seed = seed.to_string();
                     [&[me.as_str(), "gateway", "--slow-for", "2s", "--seed", &seed][..], &faults[..]]
                         .concat()
@@ -875,13 +913,18 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
             }
             if let Some(p) = &s.payouts {
                 println!(
-                    "payouts: {} intended, {} completed, {} failed, {} left for a person; made twice {}, \
+                    "payouts: {} intended, {} completed, {} failed, {} returned after paid ({} at the gateway), \
+                     {} left for a person; sends per payout median {} max {}; made twice {}, \
                      paid twice at the gateway {}, at the gateway without an intent {}, told paid but not paid {}, \
                      disagreements {}; {} settled by a reconciliation",
                     p.intended,
                     p.completed,
                     p.failed,
+                    p.returned,
+                    p.returned_at_gateway,
                     p.left_for_a_person.len(),
+                    p.sends_median,
+                    p.sends_max,
                     p.made_twice,
                     p.paid_twice_at_gateway,
                     p.at_gateway_without_intent,

@@ -157,6 +157,14 @@ pub struct PayoutVerdict {
     pub intended: usize,
     pub completed: usize,
     pub failed: usize,
+    /// Paid, then the money came back (learnt by an event or a lookup) and
+    /// was credited back.
+    pub returned: usize,
+    /// Payouts the gateway returned after it paid them.
+    pub returned_at_gateway: usize,
+    /// Sends to the gateway per payout: the median and the most.
+    pub sends_median: i64,
+    pub sends_max: i64,
     /// Intents for which idem made more than one payout row (each with its
     /// own downstream key: a second payout).
     pub made_twice: usize,
@@ -171,6 +179,8 @@ pub struct PayoutVerdict {
     pub disagreements: usize,
     /// Payouts not settled after the final reconciliation, each with why.
     pub left_for_a_person: Vec<String>,
+    /// Of those, the ones that say no reason a person is needed.
+    pub left_without_reason: usize,
     /// Rows of the gateway's ledger (one per downstream key it saw).
     pub gateway_ledger_rows: usize,
     /// Payouts settled by a reconciliation (the services' own, or the
@@ -185,6 +195,8 @@ impl PayoutVerdict {
             && self.at_gateway_without_intent == 0
             && self.told_but_not_paid == 0
             && self.disagreements == 0
+            && self.left_without_reason == 0
+            && self.sends_max <= crate::payout::Limits::default().max_sends
     }
 }
 
@@ -278,6 +290,26 @@ fn claims_left(db: &Db, policy: &Policy) -> Result<usize, ChaosError> {
     })?)
 }
 
+/// What the gateway's events are signed with, between chaos's own processes.
+const EVENTS_SECRET: &str = "chaos-events-secret";
+
+impl GatewayProcess {
+    /// Registers `server` as where the gateway's events go (the server
+    /// itself, not its fault proxy: events have faults of their own).
+    fn send_events_to(&self, server: SocketAddr) -> Result<(), ChaosError> {
+        let body =
+            serde_json::json!({"url": format!("http://{server}"), "secret": EVENTS_SECRET}).to_string();
+        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        match agent.post(format!("{}/webhook_endpoints", self.url)).send(body.as_str()) {
+            Ok(r) if r.status().is_success() => Ok(()),
+            Ok(r) => {
+                Err(ChaosError(format!("the gateway refused the webhook endpoint: HTTP {}", r.status())))
+            }
+            Err(e) => Err(ChaosError(format!("cannot register the webhook endpoint: {e}"))),
+        }
+    }
+}
+
 /// A running `idem gateway` and its ledger file.
 struct GatewayProcess {
     child: Child,
@@ -333,8 +365,13 @@ fn settle_payouts(
         url: gateway.url.clone(),
         token: None,
         timeout: Duration::from_secs(2),
-        // the day's reconciliations run ahead of the clock: no waits
-        limits: payout::Limits { backoff: Duration::ZERO, ..payout::Limits::default() },
+        // the day's reconciliations run ahead of the clock: no waits, and
+        // every paid payout looked up for a return once more
+        limits: payout::Limits {
+            backoff: Duration::ZERO,
+            return_check: Duration::from_millis(1),
+            ..payout::Limits::default()
+        },
     };
     let mut store = store::open(db, policy, Usage::LongLived)?;
     payout::prepare(&mut *store, policy)?;
@@ -343,6 +380,8 @@ fn settle_payouts(
     // took can be treated as over.
     let ahead = || crate::clock::Timestamp::now().plus_seconds(60);
     let deadline = Instant::now() + Duration::from_secs(30);
+    // the gateway's returns come a second or two after a payout is paid
+    std::thread::sleep(Duration::from_secs(3));
     let settles = |d: &payout::Decision| d.now.settled();
     let log = std::fs::read_to_string(log).unwrap_or_default();
     let settled_before = log
@@ -377,22 +416,29 @@ fn settle_payouts(
         *rows_per_intent.entry(r.amount).or_default() += 1;
         let at_gateway: Vec<_> = paid.iter().filter(|g| g.key == r.downstream_key).collect();
         let gateway_paid = at_gateway.iter().any(|g| g.status == "paid");
+        let gateway_returned = at_gateway.iter().any(|g| g.status == "returned");
         match r.state.as_str() {
             "completed" => v.completed += 1,
             "failed" => v.failed += 1,
-            _ => v.left_for_a_person.push(format!(
-                "payout {} ({}): {}",
-                r.id,
-                r.state,
-                r.note.as_deref().unwrap_or("no note")
-            )),
+            "returned" => v.returned += 1,
+            _ => {
+                let note = r.note.as_deref().unwrap_or("no note");
+                v.left_without_reason += usize::from(!note.starts_with("needs a person"));
+                v.left_for_a_person.push(format!("payout {} ({}): {note}", r.id, r.state));
+            }
         }
-        if (r.state == "completed") != gateway_paid && (r.state == "completed" || r.state == "failed") {
-            v.disagreements += 1;
-        }
+        // settled, idem and the gateway agree: paid is completed; returned is
+        // returned (or failed, if idem never saw it paid); else failed
+        let agrees = match r.state.as_str() {
+            "completed" => gateway_paid,
+            "returned" => gateway_returned,
+            "failed" => !gateway_paid,
+            _ => true,
+        };
+        v.disagreements += usize::from(!agrees);
         if let Some(i) = by_amount.get(&r.amount)
             && i.verdict == "done"
-            && !gateway_paid
+            && !(gateway_paid || gateway_returned)
         {
             v.told_but_not_paid += 1;
         }
@@ -407,6 +453,11 @@ fn settle_payouts(
     v.at_gateway_without_intent =
         paid.iter().filter(|g| !rows.iter().any(|r| r.downstream_key == g.key)).count();
     v.gateway_ledger_rows = paid.len();
+    v.returned_at_gateway = paid.iter().filter(|g| g.status == "returned").count();
+    let mut sends: Vec<i64> = rows.iter().map(|r| r.sends).collect();
+    sends.sort_unstable();
+    v.sends_median = sends.get(sends.len() / 2).copied().unwrap_or(0);
+    v.sends_max = sends.last().copied().unwrap_or(0);
     v.settled_by_reconciliation = settled_before + settled_at_the_end;
     Ok(v)
 }
@@ -463,9 +514,18 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
         None => None,
     };
     let extra: Vec<String> = match &gateway {
-        Some(gw) => ["--gateway", &gw.url, "--gateway-timeout", "1s", "--reconcile-every", "1s"]
-            .map(String::from)
-            .to_vec(),
+        Some(gw) => [
+            "--gateway",
+            &gw.url,
+            "--gateway-timeout",
+            "1s",
+            "--reconcile-every",
+            "1s",
+            "--gateway-events-secret",
+            EVENTS_SECRET,
+        ]
+        .map(String::from)
+        .to_vec(),
         None => Vec::new(),
     };
     let payouts = gateway.is_some();
@@ -477,6 +537,9 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
             .map_err(|e| ChaosError(format!("starting the fault proxy: {e}")))?;
         servers.push(server);
         proxies.push(proxy);
+    }
+    if let (Some(gw), Some(first)) = (&gateway, servers.first()) {
+        gw.send_events_to(first.address)?;
     }
     let total = config.clients * config.transfers;
     let settled = Arc::new(AtomicUsize::new(0));
@@ -576,6 +639,9 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                 released += release_claims(&db, policy)?;
                 *server = start_server(&config.serve, &db, &clients_file, &log, &extra)?;
                 proxies[kills % config.instances].set_upstream(server.address);
+                if let Some(gw) = gateway.as_ref().filter(|_| kills % config.instances == 0) {
+                    gw.send_events_to(server.address)?;
+                }
                 kills += 1;
             }
             (Fault::RestartDb, Some(restart), _) => {
@@ -685,8 +751,9 @@ fn verdict(
     }
     // a payout's money left its account unless the gateway refused it:
     // paid out, or held while not settled
-    let out: i64 = payouts.iter().filter(|p| p.state != "failed").map(|p| p.amount).sum();
-    for p in payouts.iter().filter(|p| p.state != "failed") {
+    let gone = |p: &&bank::PayoutLine| p.state != "failed" && p.state != "returned";
+    let out: i64 = payouts.iter().filter(gone).map(|p| p.amount).sum();
+    for p in payouts.iter().filter(gone) {
         *want.entry(p.src.clone()).or_insert(0) -= p.amount;
     }
     let mut certainty: Vec<u64> =
@@ -832,14 +899,19 @@ fn report(s: &Summary) -> String {
     ));
     if let Some(p) = &s.payouts {
         md.push_str(&format!(
-            "\n**Payouts** ({}): {} intended, {} completed, {} failed (the gateway refused: the hold released). \
-             Made twice: {}. Paid twice at the gateway: {}. Paid at the gateway with no idem intent: {}. \
+            "\n**Payouts** ({}): {} intended, {} completed, {} failed (the gateway refused: the hold released), \
+             {} returned after they were paid (credited back; {} returned at the gateway). Sends per payout: \
+             median {}, most {}. Made twice: {}. Paid twice at the gateway: {}. Paid at the gateway with no idem intent: {}. \
              A client told paid, the gateway did not pay: {}. idem and the gateway disagree: {}. \
              Rows in the gateway's ledger: {}. Settled by a reconciliation, not by their request: {}.\n",
             if p.exactly_once() { "exactly once" } else { "NOT exactly once" },
             p.intended,
             p.completed,
             p.failed,
+            p.returned,
+            p.returned_at_gateway,
+            p.sends_median,
+            p.sends_max,
             p.made_twice,
             p.paid_twice_at_gateway,
             p.at_gateway_without_intent,

@@ -25,6 +25,14 @@
 //! Business refusals are definitive and replayed: a beneficiary whose name
 //! starts with `closed-` is 402 `account_closed`; an amount over the limit
 //! is 422 `amount_over_limit`.
+//!
+//! As real providers, it can also: return a paid payout later (`returned`,
+//! as a bank sends money back), refuse a request with a 403 that no resend
+//! fixes (nothing recorded), answer a refusal whose reason is poison (a
+//! NUL, line breaks, 2 000 characters), and push signed events (`payout.paid`,
+//! `payout.failed`, `payout.returned`) to the endpoint registered with
+//! `POST /webhook_endpoints`, with their own faults: lost, duplicated, and
+//! reordered (each sent after a random delay).
 
 use crate::harness::HarnessError;
 use crate::rng::Rng;
@@ -46,6 +54,15 @@ pub struct Faults {
     pub drop_answer: u64,
     pub error_5xx: u64,
     pub slow: u64,
+    /// Answered 403, nothing recorded.
+    pub refuse_4xx: u64,
+    /// Refused (402) with a poisoned reason.
+    pub poison: u64,
+    /// Of the payouts paid, the percent returned `return_after` later.
+    pub returns: u64,
+    /// Of the events, the percent never sent, and the percent sent twice.
+    pub event_loss: u64,
+    pub event_dup: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -64,6 +81,8 @@ pub struct Options {
     pub limit: i64,
     /// When set, requests must carry `Authorization: Bearer <token>`.
     pub token: Option<String>,
+    /// How long after it was paid a returned payout comes back.
+    pub return_after: Duration,
 }
 
 const SCHEMA: &str = "
@@ -74,7 +93,7 @@ CREATE TABLE IF NOT EXISTS payout (
     beneficiary TEXT    NOT NULL,
     amount      INTEGER NOT NULL CHECK (amount > 0),
     currency    TEXT    NOT NULL,
-    status      TEXT    NOT NULL CHECK (status IN ('pending', 'paid', 'failed')),
+    status      TEXT    NOT NULL CHECK (status IN ('pending', 'paid', 'failed', 'returned')),
     reason      TEXT,
     created_ms  INTEGER NOT NULL,
     settled_ms  INTEGER
@@ -161,6 +180,8 @@ struct Gateway {
     options: Options,
     ledger: Mutex<Connection>,
     rng: Mutex<Rng>,
+    /// Where events go, and the secret they are signed with.
+    webhook: Mutex<Option<(String, Vec<u8>)>>,
 }
 
 /// What the gateway does with one payout request, drawn from the seed.
@@ -171,6 +192,8 @@ enum Fate {
     DropAnswer,
     Error5xx,
     Slow,
+    Refuse4xx,
+    Poison,
 }
 
 impl Gateway {
@@ -183,6 +206,8 @@ impl Gateway {
             (f.drop_answer, Fate::DropAnswer),
             (f.error_5xx, Fate::Error5xx),
             (f.slow, Fate::Slow),
+            (f.refuse_4xx, Fate::Refuse4xx),
+            (f.poison, Fate::Poison),
         ] {
             edge += odds;
             if roll < edge {
@@ -190,6 +215,11 @@ impl Gateway {
             }
         }
         Fate::Pass
+    }
+
+    /// Whether a draw of `percent` comes up.
+    fn draw(&self, percent: u64) -> bool {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner()).below(100) < percent
     }
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -242,7 +272,7 @@ fn answer(p: &Payout) -> Reply {
     let status = match (p.status.as_str(), p.reason.as_deref()) {
         ("paid", _) => StatusCode::CREATED,
         ("pending", _) => StatusCode::CONFLICT,
-        (_, Some("account_closed")) => StatusCode::PAYMENT_REQUIRED,
+        (_, Some("account_closed")) | (_, Some(POISON)) => StatusCode::PAYMENT_REQUIRED,
         _ => StatusCode::UNPROCESSABLE_ENTITY,
     };
     reply(status, &p.json())
@@ -295,6 +325,7 @@ async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> 
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => Ok(reply(StatusCode::OK, &json!({"status": "ok"}))),
         (Method::POST, "/payouts") => pay(gw, req).await,
+        (Method::POST, "/webhook_endpoints") => Ok(register(&gw, req).await),
         (Method::GET, p) if p.starts_with("/payouts/") => Ok(lookup(&gw, &p["/payouts/".len()..])),
         _ => Ok(error(StatusCode::NOT_FOUND, "no_such_route", "no such route")),
     }
@@ -339,7 +370,16 @@ async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
     if fate == Fate::LoseRequest {
         return Err(Cut);
     }
-    let refusal = if beneficiary.starts_with("closed-") {
+    if fate == Fate::Refuse4xx {
+        return Ok(error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "this account may not send payouts (a seeded fault)",
+        ));
+    }
+    let refusal = if fate == Fate::Poison {
+        Some(POISON)
+    } else if beneficiary.starts_with("closed-") {
         Some("account_closed")
     } else if amount > gw.options.limit {
         Some("amount_over_limit")
@@ -361,13 +401,26 @@ async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
         }
         Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string())),
     };
+    if fresh && payout.status != "pending" {
+        emit(&gw, &payout);
+        if payout.status == "paid" && gw.draw(gw.options.faults.returns) {
+            return_later(gw.clone(), payout.id);
+        }
+    }
     let payout = if fresh && fate == Fate::Slow {
         // Settled on a task of its own: a caller that stops waiting must not
         // leave the payout pending for good (a provider settles it anyway).
         let (later, id) = (gw.clone(), payout.id);
         let settling = tokio::spawn(async move {
             tokio::time::sleep(later.options.slow_for).await;
-            settle(&later.conn(), id, refusal).map_err(|e| e.to_string())
+            let settled = settle(&later.conn(), id, refusal).map_err(|e| e.to_string());
+            if let Ok(p) = &settled {
+                emit(&later, p);
+                if p.status == "paid" && later.draw(later.options.faults.returns) {
+                    return_later(later.clone(), p.id);
+                }
+            }
+            settled
         });
         match settling.await {
             Ok(Ok(p)) => p,
@@ -445,11 +498,93 @@ fn settle(conn: &Connection, id: i64, refusal: Option<&str>) -> rusqlite::Result
     )
 }
 
+/// A refusal's reason that broke a caller once: a NUL (PostgreSQL stores
+/// none), line breaks, and far more text than anyone keeps.
+const POISON: &str = "account_closed\u{0}\r\nsee https://provider.example/errors/\u{1b}[31m and 2000 more characters: xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx";
+
+/// `POST /webhook_endpoints` `{"url", "secret"}`: where events go from now on.
+async fn register(gw: &Gateway, req: Request<Incoming>) -> Reply {
+    let Ok(body) = Limited::new(req.into_body(), MAX_BODY).collect().await.map(|b| b.to_bytes()) else {
+        return error(StatusCode::BAD_REQUEST, "invalid_request", "body unreadable or over 16 KiB");
+    };
+    let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+    let (Some(url), Some(secret)) = (v["url"].as_str(), v["secret"].as_str()) else {
+        return error(StatusCode::BAD_REQUEST, "invalid_request", "give url and secret");
+    };
+    *gw.webhook.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((url.to_owned(), secret.as_bytes().to_vec()));
+    reply(StatusCode::CREATED, &json!({"url": url}))
+}
+
+/// Returns a paid payout `return_after` from now: the money comes back.
+fn return_later(gw: Arc<Gateway>, id: i64) {
+    tokio::spawn(async move {
+        tokio::time::sleep(gw.options.return_after).await;
+        let returned = gw.conn().query_row(
+            &format!(
+                "UPDATE payout SET status = 'returned', reason = 'bank_return', settled_ms = ?2
+                 WHERE id = ?1 AND status = 'paid' RETURNING {COLUMNS}"
+            ),
+            params![id, now_ms()],
+            payout,
+        );
+        if let Ok(p) = returned {
+            emit(&gw, &p);
+        }
+    });
+}
+
+/// Sends the event of `p`'s state to the registered endpoint, signed, after
+/// a random delay (so events may arrive out of order); some are lost, some
+/// sent twice. A delivery that fails is tried twice more.
+fn emit(gw: &Arc<Gateway>, p: &Payout) {
+    let Some((url, secret)) = gw.webhook.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
+    if gw.draw(gw.options.faults.event_loss) {
+        return;
+    }
+    let copies = if gw.draw(gw.options.faults.event_dup) { 2 } else { 1 };
+    let body = json!({"id": format!("evt_{}_{}", p.id, p.status), "type": format!("payout.{}", p.status), "data": p.json()})
+        .to_string();
+    for _ in 0..copies {
+        let delay = Duration::from_millis(gw.rng.lock().unwrap_or_else(|e| e.into_inner()).below(300));
+        let (url, secret, body) = (url.clone(), secret.clone(), body.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = tokio::task::spawn_blocking(move || deliver(&url, &secret, &body)).await;
+        });
+    }
+}
+
+fn deliver(url: &str, secret: &[u8], body: &str) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(2)))
+        .build()
+        .into();
+    for attempt in 0..3 {
+        let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+        let sent = agent
+            .post(format!("{}/v1/gateway-events", url.trim_end_matches('/')))
+            .header("Idem-Signature", crate::payout::sign(secret, body.as_bytes(), t))
+            .header("Content-Type", "application/json")
+            .send(body);
+        if sent.is_ok_and(|r| r.status().is_success()) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200 * (attempt + 1)));
+    }
+}
+
 /// Serves the gateway on `listener` until the process ends. Every decision
 /// is committed before its answer, so killing it loses no payout.
 pub fn serve(listener: std::net::TcpListener, options: Options) -> Result<(), HarnessError> {
     let conn = open(&options.db)?;
-    let gw = Arc::new(Gateway { rng: Mutex::new(Rng::new(options.seed)), ledger: Mutex::new(conn), options });
+    let gw = Arc::new(Gateway {
+        rng: Mutex::new(Rng::new(options.seed)),
+        ledger: Mutex::new(conn),
+        webhook: Mutex::new(None),
+        options,
+    });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

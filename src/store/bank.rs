@@ -173,12 +173,14 @@ pub struct PayoutLine {
     pub state: String,
     pub downstream_key: String,
     pub note: Option<String>,
+    /// Sends to the gateway.
+    pub sends: i64,
 }
 
 /// Every payout, oldest first; none if the table was never created.
 pub fn payouts(db: &Db) -> Result<Vec<PayoutLine>, StoreError> {
-    const SQL: &str = "SELECT payout_id, CAST(src AS TEXT), amount, state, downstream_key, note
-                       FROM payout ORDER BY payout_id";
+    const SQL: &str = "SELECT payout_id, CAST(src AS TEXT), amount, state, downstream_key, note,
+                              CAST(sends AS BIGINT) FROM payout ORDER BY payout_id";
     match db {
         Db::Postgres(spec) => {
             let mut client = pg::client(spec, Policy::embedded())?;
@@ -197,6 +199,7 @@ pub fn payouts(db: &Db) -> Result<Vec<PayoutLine>, StoreError> {
                     state: r.get(3),
                     downstream_key: r.get(4),
                     note: r.get(5),
+                    sends: r.get(6),
                 })
                 .collect())
         }
@@ -220,6 +223,7 @@ pub fn payouts(db: &Db) -> Result<Vec<PayoutLine>, StoreError> {
                         state: r.get(3)?,
                         downstream_key: r.get(4)?,
                         note: r.get(5)?,
+                        sends: r.get(6)?,
                     })
                 })?;
                 rows.collect()

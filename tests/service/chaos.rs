@@ -79,8 +79,23 @@ fn a_lossy_day_over_three_instances_on_one_file_pays_every_transfer_exactly_once
 
 /// `idem gateway` with the faults `idem chaos --payouts` uses.
 fn lossy_gateway() -> Vec<String> {
-    let faults =
-        ["--lose-request", "5", "--drop-answer", "10", "--error-5xx", "5", "--slow", "5", "--slow-for", "2s"];
+    let faults = [
+        &[
+            "--lose-request",
+            "5",
+            "--drop-answer",
+            "10",
+            "--error-5xx",
+            "5",
+            "--slow",
+            "5",
+            "--slow-for",
+            "2s",
+        ][..],
+        &["--refuse-4xx", "3", "--poison", "3", "--returns", "10", "--return-after", "1s"],
+        &["--event-loss", "10", "--event-dup", "20"],
+    ]
+    .concat();
     [&[env!("CARGO_BIN_EXE_idem"), "gateway"][..], &faults[..]]
         .concat()
         .into_iter()
@@ -97,9 +112,11 @@ fn payouts_day(db: Option<String>) {
     assert!(s.passed(), "{s:?}");
     let p = s.payouts.as_ref().expect("a payout verdict");
     assert_eq!(p.intended, 6 * 6, "every fourth of 25 intents, for 6 clients: {p:?}");
-    assert!(p.left_for_a_person.is_empty(), "{p:?}");
-    assert_eq!(p.completed, p.intended, "no payout is refused on this day: {p:?}");
-    assert!(p.gateway_ledger_rows == p.intended && s.server_kills == 2, "{s:?}");
+    let accounted = p.completed + p.failed + p.returned + p.left_for_a_person.len();
+    assert_eq!(accounted, p.intended, "each intent one payout, settled or for a person: {p:?}");
+    // only an answer no resend can fix (the 403s) is left for a person
+    assert!(p.left_for_a_person.iter().all(|why| why.contains("HTTP 403")), "{p:?}");
+    assert!(s.server_kills == 2, "{s:?}");
     assert!(p.settled_by_reconciliation > 0, "no payout met a fault: {p:?}");
 }
 
