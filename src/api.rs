@@ -13,7 +13,7 @@
 //! kept across the gateway's call.
 
 use crate::clock::Timestamp;
-use crate::payout::{self, Begun, HttpGateway};
+use crate::payout::{self, HttpGateway};
 use crate::policy::Policy;
 use crate::protocol::{self, Claimed, Ctx, Flow, Outcome, Point, Response};
 use crate::reason::Reason;
@@ -199,39 +199,54 @@ fn pay_out(
             std::process::exit(EXIT_CRASHED.into());
         }
     };
-    let open = || store::open(db, ctx.policy, Usage::OneRequest);
-    let begun = open().and_then(|mut store| {
+    // The payout table first (created on first use); and, to crash after
+    // the claim alone, the claim (the intent's step takes it otherwise).
+    let prepared = store::open(db, ctx.policy, Usage::OneRequest).and_then(|mut store| {
         payout::prepare(&mut store, ctx.policy)?;
         if crash_at == Some(CrashAt::AfterClaim)
             && protocol::claim_key(&mut store, &req.key, &req.fingerprint, ctx)? == Claimed::Mine
         {
             crash(CrashAt::AfterClaim);
         }
-        payout::begin(&mut store, &req, ctx, gateway.lease())
+        Ok(())
     });
-    let row = match begun {
-        Ok(Begun::Answer(answer)) => return print(&answer.response.to_json()),
-        Ok(Begun::Call(row)) => row,
-        Err(e) => return fail(EXIT_DATABASE, &e.to_string()),
-    };
-    crash(CrashAt::AfterIntent);
-    let call = payout::Gateway::send(gateway, &row);
-    // for a payout, the last moment before the result's commit is after the call
-    crash(CrashAt::AfterCall);
-    crash(CrashAt::BeforeCommit);
-    let now = fixed.unwrap_or_else(Timestamp::now);
-    match open().and_then(|mut store| payout::finish(&mut store, &row, call, now, ctx.policy)) {
-        Ok(p) => {
-            crash(CrashAt::AfterCommit);
-            print(&payout::answer_of(&p).response.to_json())
+    if let Err(e) = prepared {
+        return fail(EXIT_DATABASE, &e.to_string());
+    }
+    let now = move || fixed.unwrap_or_else(Timestamp::now);
+    let mut stop = |b: payout::Boundary| match b {
+        payout::Boundary::AfterIntent => crash(CrashAt::AfterIntent),
+        // for a payout, the last moment before the result's commit is after the call
+        payout::Boundary::AfterCall => {
+            crash(CrashAt::AfterCall);
+            crash(CrashAt::BeforeCommit);
         }
-        Err(e) => fail(
-            EXIT_DATABASE,
-            &format!(
-                "payout {}: its result could not be recorded ({e}); `idem reconcile` settles it",
-                row.id
-            ),
-        ),
+        payout::Boundary::AfterResult => crash(CrashAt::AfterCommit),
+    };
+    // the steps outlive this call's borrow: idem_api's policy is the embedded one
+    let policy = crate::policy::Policy::embedded();
+    let mut steps = Opened { db: db.clone(), policy };
+    match payout::pay(&mut steps, gateway, req, ctx.token.to_owned(), &now, policy, &mut stop) {
+        Ok(answer) => print(&answer.response.to_json()),
+        Err(e) => fail(EXIT_DATABASE, &e.to_string()),
+    }
+}
+
+/// A payout's steps for a process that serves one request: the database is
+/// opened for each step and closed after it, so no connection waits on the
+/// gateway.
+struct Opened {
+    db: Db,
+    policy: &'static crate::policy::Policy,
+}
+
+impl payout::Steps for Opened {
+    fn step<R: Send + 'static>(
+        &mut self,
+        work: impl FnOnce(&mut dyn store::Store) -> Result<R, store::StoreError> + Send + 'static,
+    ) -> Result<R, store::StoreError> {
+        let mut store = store::open(&self.db, self.policy, Usage::OneRequest)?;
+        work(&mut *store)
     }
 }
 

@@ -640,11 +640,9 @@ fn run(command: Command, policy: &'static Policy) -> Result<ExitCode, Failure> {
                 return Ok(ExitCode::SUCCESS);
             }
             let gateway = gateway.http().ok_or_else(|| Failure("give --gateway URL (or --list)".into()))?;
-            let token = protocol::fresh_token().map_err(|e| Failure(format!("no randomness: {e}")))?;
             let fixed = fixed_now()?;
             let clock = move || fixed.unwrap_or_else(Timestamp::now);
-            let lease = gateway.lease();
-            for d in idem::payout::reconcile(&mut *store, &gateway, &token, &clock, lease, policy)? {
+            for d in idem::payout::reconcile(&mut *store, &gateway, &clock, policy)? {
                 println!("{}", d.to_json());
             }
         }

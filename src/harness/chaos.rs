@@ -375,7 +375,6 @@ fn settle_payouts(
     };
     let mut store = store::open(db, policy, Usage::LongLived)?;
     payout::prepare(&mut *store, policy)?;
-    let token = protocol::fresh_token().map_err(|e| ChaosError(format!("no randomness: {e}")))?;
     // Every server is stopped: no call is in flight, so the leases they
     // took can be treated as over.
     let ahead = || crate::clock::Timestamp::now().plus_seconds(60);
@@ -391,7 +390,7 @@ fn settle_payouts(
         .count();
     let mut settled_at_the_end = 0;
     loop {
-        let decisions = payout::reconcile(&mut *store, &http, &token, &ahead, http.lease(), policy)?;
+        let decisions = payout::reconcile(&mut *store, &http, &ahead, policy)?;
         settled_at_the_end += decisions.iter().filter(|d| settles(d)).count();
         let open = payout::open(&mut *store, ahead(), policy)?;
         let for_a_person =

@@ -45,6 +45,10 @@ pub trait Gateway: Send + Sync {
     /// the payout (amount, currency, beneficiary).
     fn lookup(&self, payout: &PayoutRow) -> Lookup;
     fn limits(&self) -> &Limits;
+    /// How long a caller holds a payout (a request's call, or a
+    /// reconciler's lookup and send): past it, it is presumed dead and the
+    /// payout is taken. Longer than any one call may take.
+    fn lease(&self) -> Duration;
 }
 
 /// What a reconciler keeps to when it resends.
@@ -132,13 +136,6 @@ impl std::fmt::Debug for HttpGateway {
 }
 
 impl HttpGateway {
-    /// How long a caller holds a payout (a request's call, or a
-    /// reconciler's lookup and send): past it, it is presumed dead and the
-    /// payout is taken.
-    pub fn lease(&self) -> Duration {
-        self.timeout * 2
-    }
-
     fn agent(&self) -> ureq::Agent {
         ureq::Agent::config_builder()
             .http_status_as_error(false)
@@ -271,6 +268,10 @@ impl Gateway for HttpGateway {
 
     fn limits(&self) -> &Limits {
         &self.limits
+    }
+
+    fn lease(&self) -> Duration {
+        self.timeout * 2
     }
 }
 

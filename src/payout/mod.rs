@@ -258,6 +258,64 @@ fn intent(
     Ok(End::Commit(Begun::Call(Box::new(row))))
 }
 
+/// Where a front may stop a payout on purpose, to prove that what it left
+/// is recovered: after the intent is committed, after the gateway's call,
+/// after the result is committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Boundary {
+    AfterIntent,
+    AfterCall,
+    AfterResult,
+}
+
+/// How a front reaches its database for one step of a payout: on a
+/// writer's thread (`idem serve`), or by opening it for the step (`idem_api`,
+/// which holds no connection across the call). Each step is its own
+/// transaction; nothing is held between them.
+pub trait Steps {
+    fn step<R: Send + 'static>(
+        &mut self,
+        work: impl FnOnce(&mut dyn Store) -> Result<R, StoreError> + Send + 'static,
+    ) -> Result<R, StoreError>;
+}
+
+/// A payout, start to end, the one way both fronts make it: claim and
+/// intent (a step), the gateway's call with nothing held, the result (a
+/// step). `stop` sees each [`Boundary`] (a front's crash points). A result
+/// that cannot be written leaves the payout in progress, its money held,
+/// until a reconciler settles it, and is answered 202.
+pub fn pay(
+    steps: &mut impl Steps,
+    gateway: &dyn Gateway,
+    req: PayoutRequest,
+    token: String,
+    now: &(dyn Fn() -> Timestamp + Send + Sync),
+    policy: &'static Policy,
+    stop: &mut dyn FnMut(Boundary),
+) -> Result<Answer, StoreError> {
+    let (at, lease) = (now(), gateway.lease());
+    let begun = steps.step(move |store| begin(store, &req, Ctx { policy, now: at, token: &token }, lease))?;
+    let row = match begun {
+        Begun::Answer(answer) => return Ok(answer),
+        Begun::Call(row) => row,
+    };
+    stop(Boundary::AfterIntent);
+    let call = gateway.send(&row);
+    stop(Boundary::AfterCall);
+    let at = now();
+    let held = (*row).clone();
+    match steps.step(move |store| finish(store, &row, call, at, policy)) {
+        Ok(p) => {
+            stop(Boundary::AfterResult);
+            Ok(answer_of(&p))
+        }
+        // The payout exists and its money is held, whatever the call did: the
+        // answer is where it stands (202), never an error that says nothing
+        // was done. A reconciler records the result.
+        Err(_) => Ok(answer_of(&held)),
+    }
+}
+
 /// Step 3: records what the request's call came to, if `row`'s holder
 /// still holds the payout; returns the payout as it stands now
 /// ([`answer_of`] it). An unknown outcome may be looked up at once.

@@ -46,16 +46,17 @@ fn seconds(d: Duration) -> i64 {
     i64::try_from(d.as_secs()).unwrap_or(i64::MAX)
 }
 
-/// One pass over the payouts due. `token` names this reconciler; `now` is
-/// read per payout; `lease` is how long it holds one (its lookup and send).
+/// One pass over the payouts due, by a reconciler of its own (a fresh
+/// token), each payout held for the gateway's lease; `now` is read per payout.
 pub fn reconcile<S: Store + ?Sized>(
     store: &mut S,
     gateway: &dyn Gateway,
-    token: &str,
     now: &dyn Fn() -> Timestamp,
-    lease: Duration,
     policy: &Policy,
 ) -> Result<Vec<Decision>, StoreError> {
+    let token = crate::protocol::fresh_token()
+        .map_err(|e| StoreError::Backend(format!("no randomness for a reconciler's token: {e}").into()))?;
+    let (token, lease) = (&*format!("reconciler:{token}"), gateway.lease());
     let due = store::atomically(store, Durability::Lazy, policy, |tx| {
         Ok(End::Rollback(tx.payouts_open(now(), false)?))
     })?;

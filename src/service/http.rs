@@ -177,7 +177,7 @@ fn log(app: &App, method: &Method, path: &str, reply: &Reply, note: &Note, took:
     app.log.line(line);
 }
 
-async fn dispatch(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
+async fn dispatch(app: &Arc<App>, req: Request<Incoming>, note: &mut Note) -> Reply {
     let path = req.uri().path().to_owned();
     // HEAD is GET without the body; hyper leaves the body out.
     let method = match req.method() {
@@ -235,7 +235,7 @@ pub(super) fn unauthorized(note: &mut Note) -> Reply {
 /// Answers a transfer after reading away what is left of its body (up to a
 /// bound): closing a connection with unread bytes makes the kernel reset it,
 /// and the client may never see the answer that explains the refusal.
-async fn transfer(app: &App, req: Request<Incoming>, note: &mut Note) -> Reply {
+async fn transfer(app: &Arc<App>, req: Request<Incoming>, note: &mut Note) -> Reply {
     let (parts, body) = req.into_parts();
     let mut body = Some(body);
     let reply = refuse_or_transfer(app, Request::from_parts(parts, ()), &mut body, note).await;
@@ -264,7 +264,7 @@ async fn drain(mut body: Incoming) {
 }
 
 async fn refuse_or_transfer(
-    app: &App,
+    app: &Arc<App>,
     req: Request<()>,
     body: &mut Option<Incoming>,
     note: &mut Note,

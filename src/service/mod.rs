@@ -251,11 +251,6 @@ fn reconcile_in_background(
         }
         loop {
             std::thread::sleep(every);
-            let token = match crate::protocol::fresh_token() {
-                Ok(token) => token,
-                Err(_) => continue,
-            };
-            let lease = gateway.lease();
             let line = |fields: serde_json::Value| {
                 let mut v = serde_json::json!({"ts": clock().to_string(), "event": "reconcile"});
                 if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {
@@ -263,7 +258,7 @@ fn reconcile_in_background(
                 }
                 app.log.line(v.to_string());
             };
-            match crate::payout::reconcile(&mut *store, &gateway, &token, &*clock, lease, policy) {
+            match crate::payout::reconcile(&mut *store, &gateway, &*clock, policy) {
                 Ok(decisions) => {
                     for d in decisions {
                         line(serde_json::from_str(&d.to_json()).unwrap_or_default());

@@ -8,7 +8,7 @@ use super::http::{
     App, Note, Reply, authenticate, busy, failed, on_writer, problem, respond, store_error, text,
     unauthorized,
 };
-use crate::payout::{self, Begun, HttpGateway, PAYOUTS};
+use crate::payout::{self, HttpGateway, PAYOUTS};
 use crate::request::{self, ScopedKey};
 use crate::store::StoreError;
 use hyper::StatusCode;
@@ -77,7 +77,7 @@ impl Drop for Slot<'_> {
 }
 
 /// `POST /v1/payouts`.
-pub(super) async fn make(app: &App, key: ScopedKey, body: &[u8], note: &mut Note) -> Reply {
+pub(super) async fn make(app: &Arc<App>, key: ScopedKey, body: &[u8], note: &mut Note) -> Reply {
     let Some(desk) = &app.payouts else {
         return problem(
             StatusCode::NOT_FOUND,
@@ -94,35 +94,40 @@ pub(super) async fn make(app: &App, key: ScopedKey, body: &[u8], note: &mut Note
         }
     };
     let Some(_slot) = desk.budget.take(&req.key.client_id) else { return busy(app, note) };
-    let (gateway, clock, policy) = (desk.gateway.clone(), desk.clock.clone(), app.policy);
-    let lease = gateway.lease();
-    let now = clock.clone();
-    let begun = on_writer(app, move |store| {
-        let token = crate::protocol::fresh_token()
-            .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
-        let ctx = crate::protocol::Ctx { policy, now: now(), token: &token };
-        payout::begin(store, &req, ctx, lease)
+    let token = match crate::protocol::fresh_token() {
+        Ok(token) => token,
+        Err(e) => return store_error(app, &StoreError::Backend(format!("no randomness: {e}").into()), note),
+    };
+    // The conductor runs on a blocking thread: its steps wait on the writer,
+    // its call on the gateway, and neither holds a runtime worker.
+    let (app_, gateway, clock, policy) = (app.clone(), desk.gateway.clone(), desk.clock.clone(), app.policy);
+    let paid = tokio::task::spawn_blocking(move || {
+        let mut steps = OnWriter(app_);
+        payout::pay(&mut steps, &*gateway, req, token, &*clock, policy, &mut |_| {})
     })
     .await;
-    let row = match begun {
-        None => return busy(app, note),
-        Some(Err(e)) => return store_error(app, &e, note),
-        Some(Ok(Begun::Answer(answer))) => return respond_payout(answer, note),
-        Some(Ok(Begun::Call(row))) => row,
-    };
-    let call = {
-        let row = row.clone();
-        tokio::task::spawn_blocking(move || payout::Gateway::send(&*gateway, &row))
-            .await
-            .unwrap_or_else(|e| payout::Call::Unknown(format!("the call did not end: {e}")))
-    };
-    let finished = on_writer(app, move |store| payout::finish(store, &row, call, clock(), policy)).await;
-    match finished {
-        Some(Ok(p)) => respond_payout(payout::answer_of(&p), note),
-        // The result is not recorded: the payout stays in progress until
-        // the reconciler asks the gateway; the client polls or retries.
-        Some(Err(e)) => store_error(app, &e, note),
-        None => busy(app, note),
+    match paid {
+        Ok(Ok(answer)) => respond_payout(answer, note),
+        // A result not recorded leaves the payout in progress until the
+        // reconciler asks the gateway; the client polls or retries.
+        Ok(Err(StoreError::Busy)) => busy(app, note),
+        Ok(Err(e)) => store_error(app, &e, note),
+        Err(_) => failed(note),
+    }
+}
+
+/// A payout's steps on the service's writer, waited for from a blocking
+/// thread.
+struct OnWriter(Arc<App>);
+
+impl payout::Steps for OnWriter {
+    fn step<R: Send + 'static>(
+        &mut self,
+        work: impl FnOnce(&mut dyn crate::store::Store) -> Result<R, StoreError> + Send + 'static,
+    ) -> Result<R, StoreError> {
+        let handle = tokio::runtime::Handle::current();
+        // the writer's queue is closed (draining) or full: nothing was done
+        handle.block_on(on_writer(&self.0, work)).unwrap_or(Err(StoreError::Busy))
     }
 }
 

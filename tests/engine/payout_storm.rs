@@ -117,6 +117,9 @@ impl Gateway for ModelGateway {
     fn limits(&self) -> &Limits {
         &self.limits
     }
+    fn lease(&self) -> Duration {
+        LEASE
+    }
 }
 
 fn request(client: u8, key: u8, amount: i64) -> PayoutRequest {
@@ -225,10 +228,8 @@ impl Day<'_> {
 
     fn reconcile(&mut self, fate: Fate, ahead: i64) {
         *self.gateway.fate.lock().unwrap() = fate;
-        let token = self.ctx_token();
         let now = self.start.plus_seconds(self.now + ahead);
-        payout::reconcile(&mut *self.store, &self.gateway, &token, &|| now, LEASE, Policy::embedded())
-            .unwrap();
+        payout::reconcile(&mut *self.store, &self.gateway, &|| now, Policy::embedded()).unwrap();
     }
 
     /// The invariants, from idem's tables and the gateway's ledger.
@@ -529,6 +530,9 @@ impl Gateway for Scripted {
     fn limits(&self) -> &Limits {
         &self.limits
     }
+    fn lease(&self) -> Duration {
+        LEASE
+    }
 }
 
 fn scripted(send: Call, lookup: Lookup) -> Scripted {
@@ -547,10 +551,7 @@ fn reconcile_for(day: &mut Day<'_>, gateway: &Scripted, minutes: i64) -> Vec<pay
     for _ in 0..minutes {
         day.now += 60;
         let now = day.now();
-        let token = day.ctx_token();
-        all.extend(
-            payout::reconcile(&mut *day.store, gateway, &token, &|| now, LEASE, Policy::embedded()).unwrap(),
-        );
+        all.extend(payout::reconcile(&mut *day.store, gateway, &|| now, Policy::embedded()).unwrap());
     }
     all
 }
@@ -691,7 +692,7 @@ fn a_first_version_payout_table_is_migrated_with_its_rows() {
         // the new state is now storable
         let gateway = scripted(Call::Paid(None), Lookup::Terminal("on_hold".into()));
         let now = Timestamp::parse("2026-12-01T01:00:00Z").unwrap();
-        let d = payout::reconcile(&mut *store, &gateway, "r", &|| now, LEASE, policy).unwrap();
+        let d = payout::reconcile(&mut *store, &gateway, &|| now, policy).unwrap();
         assert_eq!(d[0].now, PayoutState::NeedsAttention, "{backend:?}: {d:?}");
     }
 }
