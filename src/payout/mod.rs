@@ -232,7 +232,7 @@ fn intent(
     if src.balance < p.amount {
         return refuse(tx, Refusal::InsufficientFunds);
     }
-    tx.add_to_balance(&src.id, -p.amount)?;
+    shift(tx, &src.id, -p.amount)?;
     let mut row = PayoutRow {
         id: 0,
         key: req.key.clone(),
@@ -440,8 +440,7 @@ fn settle(
             "paid".to_owned()
         }
         Call::Refused { status, reason } => {
-            tx.lock_account(&p.src)?;
-            tx.add_to_balance(&p.src, p.amount)?;
+            shift(tx, &p.src, p.amount)?;
             (p.state, p.status, p.note) = (PayoutState::Failed, Some(status), Some(gateway_text(&reason)));
             format!("refused ({status}): the hold is released")
         }
@@ -499,8 +498,7 @@ fn credit_back(
     if p.state != PayoutState::Completed {
         return Ok(p);
     }
-    tx.lock_account(&p.src)?;
-    tx.add_to_balance(&p.src, p.amount)?;
+    shift(tx, &p.src, p.amount)?;
     let seen = p.holder.clone();
     (p.state, p.note, p.updated_at) = (PayoutState::Returned, Some(gateway_text(why)), now);
     if !tx.update_payout(&p, &seen)? {
@@ -516,6 +514,19 @@ fn credit_back(
         why,
     })?;
     Ok(p)
+}
+
+/// Moves `delta` into account `id` (a hold, its release, a credit back),
+/// locked, with the transfers' guard: the stored balance after must be
+/// exactly the one computed, or nothing is written.
+fn shift(tx: &mut dyn Tx, id: &crate::request::AcctId, delta: i64) -> Result<(), StoreError> {
+    let Some(account) = tx.lock_account(id)? else {
+        return Err(StoreError::Backend(format!("account {:?} is gone", id.to_string()).into()));
+    };
+    match tx.add_to_balance(id, delta)? {
+        got if Some(got) == account.balance.checked_add(delta) => Ok(()),
+        _ => Err(store::inexact(id)),
+    }
 }
 
 /// The payout `id` if `client_id` made it.
