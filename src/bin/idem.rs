@@ -97,6 +97,14 @@ enum PayoutsAction {
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
     },
+    /// Provider events that moved no money and need a person (for no payout
+    /// of ours, or with another amount or currency), one JSON line each.
+    Strays {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+    },
     /// One payout and its audit trail (who changed its state, when, why), as JSON.
     Show {
         #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
@@ -560,6 +568,15 @@ fn payouts(action: PayoutsAction, policy: &'static Policy) -> Result<ExitCode, F
         PayoutsAction::List { db, state, limit } => {
             for p in payout::listed(&mut *open(&db)?, state, limit, policy)? {
                 println!("{}", payout_line(&p));
+            }
+        }
+        PayoutsAction::Strays { db, limit } => {
+            for e in payout::stray_events(&mut *open(&db)?, limit, policy)? {
+                println!(
+                    "{}",
+                    json!({"event_id": e.event_id, "received_at": e.received_at, "type": e.kind,
+                           "downstream_key": e.downstream_key, "outcome": e.outcome})
+                );
             }
         }
         PayoutsAction::Show { db, id } => {

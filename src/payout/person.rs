@@ -108,3 +108,14 @@ pub fn events<S: Store + ?Sized>(
 pub fn stats<S: Store + ?Sized>(store: &mut S, policy: &Policy) -> Result<Vec<PayoutStat>, StoreError> {
     store::atomically(store, Durability::Lazy, policy, |tx| Ok(End::Rollback(tx.payout_stats()?)))
 }
+
+/// Up to `limit` provider events that moved no money and need a person.
+pub fn stray_events<S: Store + ?Sized>(
+    store: &mut S,
+    limit: i64,
+    policy: &Policy,
+) -> Result<Vec<crate::store::GatewayEventRow>, StoreError> {
+    store::atomically(store, Durability::Lazy, policy, |tx| {
+        Ok(End::Rollback(tx.gateway_events_for_a_person(limit)?))
+    })
+}

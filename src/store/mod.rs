@@ -508,6 +508,21 @@ impl PayoutText {
     }
 }
 
+/// A provider event as `gateway_event` keeps it: its id, when it came, its
+/// type, the downstream key it names, and what it did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayEventRow {
+    pub event_id: String,
+    pub received_at: String,
+    pub kind: String,
+    pub downstream_key: String,
+    pub outcome: String,
+}
+
+/// The events a person must look at, in SQL both stores speak.
+pub(crate) const EVENTS_FOR_A_PERSON: &str = "SELECT event_id, received_at, kind, downstream_key, outcome
+     FROM gateway_event WHERE outcome LIKE 'needs a person%' ORDER BY received_at, event_id LIMIT ";
+
 /// The payouts in one state, for the metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PayoutStat {
@@ -902,6 +917,11 @@ pub trait Tx {
     /// Per state: how many payouts, the oldest's creation, their sends in
     /// all and the most of one.
     fn payout_stats(&mut self) -> Result<Vec<PayoutStat>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Up to `limit` provider events that moved no money and need a person
+    /// (no payout of ours, another amount), oldest first.
+    fn gateway_events_for_a_person(&mut self, _limit: i64) -> Result<Vec<GatewayEventRow>, StoreError> {
         Err(no_payouts())
     }
     /// Up to `limit` payouts in `state`, oldest first.

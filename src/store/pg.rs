@@ -1356,6 +1356,21 @@ impl Tx for PgTx<'_> {
         rows.iter().map(|r| super::payout_stat(r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))).collect()
     }
 
+    fn gateway_events_for_a_person(&mut self, limit: i64) -> Result<Vec<super::GatewayEventRow>, StoreError> {
+        let sql = format!("{}$1", super::EVENTS_FOR_A_PERSON);
+        let rows = self.client.query(&sql, &[&limit]).map_err(pg)?;
+        Ok(rows
+            .iter()
+            .map(|r| super::GatewayEventRow {
+                event_id: r.get(0),
+                received_at: r.get(1),
+                kind: r.get(2),
+                downstream_key: r.get(3),
+                outcome: r.get(4),
+            })
+            .collect())
+    }
+
     fn payout_by_downstream_key(&mut self, key: &str) -> Result<Option<PayoutRow>, StoreError> {
         Ok(self.payouts_where("downstream_key = $1 FOR UPDATE", &[&key])?.into_iter().next())
     }

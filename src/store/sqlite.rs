@@ -881,6 +881,21 @@ impl Tx for SqliteTx<'_> {
         rows.iter().map(|(s, n, o, sends, most)| super::payout_stat(s, *n, o, *sends, *most)).collect()
     }
 
+    fn gateway_events_for_a_person(&mut self, limit: i64) -> Result<Vec<super::GatewayEventRow>, StoreError> {
+        let sql = format!("{}?1", super::EVENTS_FOR_A_PERSON);
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let rows = stmt.query_map([limit], |r| {
+            Ok(super::GatewayEventRow {
+                event_id: r.get(0)?,
+                received_at: r.get(1)?,
+                kind: r.get(2)?,
+                downstream_key: r.get(3)?,
+                outcome: r.get(4)?,
+            })
+        });
+        rows.and_then(|rows| rows.collect()).map_err(backend)
+    }
+
     fn payout_by_downstream_key(&mut self, key: &str) -> Result<Option<PayoutRow>, StoreError> {
         Ok(self.payouts_where("downstream_key = ?1", &[&key])?.into_iter().next())
     }

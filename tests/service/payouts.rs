@@ -746,6 +746,10 @@ fn provider_events(pg: bool) {
     let key2 = payouts(&db)[1].2.clone();
     let wrong = event(&s, secret, &payout_event("evt_4", "payout.returned", &key2, 3000), None);
     assert!(wrong.json()["outcome"].as_str().unwrap().starts_with("needs a person"), "{}", wrong.body);
+    // both wait in the person's queue
+    let (ok, strays, _) = payouts_cmd(&db, &["strays"]);
+    let ids: Vec<&str> = strays.iter().map(|e| e["event_id"].as_str().unwrap()).collect();
+    assert!(ok && ids == ["evt_3", "evt_4"], "{strays:?}");
     assert_eq!(balance(&db, "A"), START - 300);
     // reordered: a payout whose answer was lost is returned, then its paid event arrives
     let lossy = Gateway::start(&["--drop-answer", "100"]);
