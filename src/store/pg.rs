@@ -177,9 +177,103 @@ pub(super) const STATEMENT_TIMEOUT_MS: u32 = 15_000;
 /// A plain connection to the database `spec` names, with a connect timeout
 /// of the busy budget and the network timeouts above, each unless `spec`
 /// sets its own. The error never quotes `spec`.
+///
+/// A server that accepts the connection and then says nothing (paused, its
+/// disk stuck) would hold the start-up forever: `connect_timeout` covers
+/// only the socket's connect. So each host of `spec` is tried in turn with
+/// the whole start-up bounded by that timeout, and the next host is tried
+/// past it. An attempt left behind ends with its socket.
 pub(super) fn client(spec: &str, policy: &Policy) -> Result<Client, StoreError> {
-    let config = Config::from(configure(spec, policy)?);
-    config.connect(NoTls).map_err(|e| redacted("cannot connect to PostgreSQL", &e, spec))
+    let config = configure(spec, policy)?;
+    let deadline = startup_deadline(&config);
+    let mut last = None;
+    for one in each_host(&config) {
+        let (sent, answer) = std::sync::mpsc::channel();
+        let attempt = std::thread::Builder::new()
+            .name("idem-pg-connect".into())
+            .spawn(move || drop(sent.send(Config::from(one).connect(NoTls))));
+        if let Err(e) = attempt {
+            return Err(StoreError::Backend(format!("cannot start a connection attempt: {e}").into()));
+        }
+        last = Some(match answer.recv_timeout(deadline) {
+            Ok(Ok(client)) => return Ok(client),
+            Ok(Err(e)) => redacted("cannot connect to PostgreSQL", &e, spec),
+            Err(_) => silent(deadline),
+        });
+    }
+    Err(last.unwrap_or_else(|| StoreError::Backend("--db names no host".into())))
+}
+
+/// What a host that accepted the connection but never answered is.
+pub(super) fn silent(deadline: Duration) -> StoreError {
+    StoreError::Unavailable(format!(
+        "PostgreSQL accepted the connection but did not finish its start-up within {} ms (paused, or far too busy)",
+        deadline.as_millis()
+    ))
+}
+
+/// How long one host's whole start-up may take: the connect timeout.
+pub(super) fn startup_deadline(config: &tokio_postgres::Config) -> Duration {
+    config.get_connect_timeout().copied().unwrap_or(Duration::from_secs(5))
+}
+
+/// `config` once per host it names, in its order, each with that host only
+/// (and its port and address): everything else as given.
+pub(super) fn each_host(config: &tokio_postgres::Config) -> Vec<tokio_postgres::Config> {
+    use tokio_postgres::config::Host;
+    let (ports, addrs) = (config.get_ports(), config.get_hostaddrs());
+    let mut all = Vec::new();
+    for (i, host) in config.get_hosts().iter().enumerate() {
+        let mut one = tokio_postgres::Config::new();
+        match host {
+            Host::Tcp(name) => one.host(name),
+            Host::Unix(path) => one.host_path(path),
+        };
+        if let Some(port) = ports.get(i).or(ports.first()) {
+            one.port(*port);
+        }
+        if let Some(addr) = addrs.get(i) {
+            one.hostaddr(*addr);
+        }
+        if let Some(user) = config.get_user() {
+            one.user(user);
+        }
+        if let Some(password) = config.get_password() {
+            one.password(password);
+        }
+        if let Some(dbname) = config.get_dbname() {
+            one.dbname(dbname);
+        }
+        if let Some(options) = config.get_options() {
+            one.options(options);
+        }
+        if let Some(name) = config.get_application_name() {
+            one.application_name(name);
+        }
+        if let Some(timeout) = config.get_connect_timeout() {
+            one.connect_timeout(*timeout);
+        }
+        if let Some(timeout) = config.get_tcp_user_timeout() {
+            one.tcp_user_timeout(*timeout);
+        }
+        if let Some(interval) = config.get_keepalives_interval() {
+            one.keepalives_interval(interval);
+        }
+        if let Some(retries) = config.get_keepalives_retries() {
+            one.keepalives_retries(retries);
+        }
+        one.ssl_mode(config.get_ssl_mode())
+            .keepalives(config.get_keepalives())
+            .keepalives_idle(config.get_keepalives_idle())
+            .target_session_attrs(config.get_target_session_attrs())
+            .channel_binding(config.get_channel_binding());
+        all.push(one);
+    }
+    // no host given: the driver's own default (a local socket)
+    if all.is_empty() {
+        all.push(config.clone());
+    }
+    all
 }
 
 /// The configuration of [`client`], for either driver.

@@ -46,10 +46,13 @@ impl Manager {
     /// most the busy budget (then 503 `busy`).
     pub fn pool(self, size: usize) -> Result<Pool, StoreError> {
         let wait = Duration::from_millis(u64::from(self.policy.busy_timeout_ms));
+        // a new connection may try every host, each for its start-up deadline
+        let hosts = u32::try_from(pg::each_host(&self.config).len()).unwrap_or(u32::MAX);
+        let create = wait.max(pg::startup_deadline(&self.config).saturating_mul(hosts) + Duration::from_secs(1));
         Pool::builder(self)
             .max_size(size.max(1))
             .wait_timeout(Some(wait))
-            .create_timeout(Some(wait))
+            .create_timeout(Some(create))
             .runtime(deadpool::Runtime::Tokio1)
             .build()
             .map_err(|e| StoreError::Backend(format!("cannot build the connection pool: {e}").into()))
@@ -66,7 +69,22 @@ impl managed::Manager for Manager {
                 StoreError::Backend(why) => StoreError::Unavailable(why.to_string()),
                 other => other,
             };
-        let (client, connection) = self.config.connect(NoTls).await.map_err(unavailable)?;
+        // each host in turn, its whole start-up bounded (a paused server
+        // accepts the connection and then says nothing): see `pg::client`
+        let deadline = pg::startup_deadline(&self.config);
+        let mut last = StoreError::Unavailable("--db names no host".into());
+        let mut connected = None;
+        for one in pg::each_host(&self.config) {
+            match tokio::time::timeout(deadline, one.connect(NoTls)).await {
+                Ok(Ok(pair)) => {
+                    connected = Some(pair);
+                    break;
+                }
+                Ok(Err(e)) => last = unavailable(e),
+                Err(_) => last = pg::silent(deadline),
+            }
+        }
+        let Some((client, connection)) = connected else { return Err(last) };
         tokio::spawn(async move {
             // ends when the connection closes; the client sees that as errors
             let _ = connection.await;

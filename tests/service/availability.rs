@@ -474,3 +474,66 @@ fn a_shared_memory_file_that_cannot_be_written_is_refused_at_start() {
     assert_eq!(out.status.code(), Some(5), "{err}");
     assert!(out.stdout.is_empty() && err.contains("cannot be written"), "{err}");
 }
+
+/// A PostgreSQL host as its clients see it while paused (SIGSTOP, a stuck
+/// disk, a VM migrating): the kernel completes the connection, nobody ever
+/// answers. The listener is real; it only never speaks.
+fn silent_host() -> (std::net::TcpListener, u16) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    (listener, port)
+}
+
+#[test]
+fn a_database_host_that_accepts_and_never_answers_is_given_up_at_its_connect_timeout_and_the_next_host_serves()
+ {
+    if crate::common::pg::server().is_none() {
+        return;
+    }
+    let bank = Bank::on(Backend::Postgres, &mut rng(), 2, false);
+    let (_silent, port) = silent_host();
+    // alone: the start gives up at its connect timeout and exits 5 (database
+    // unavailable); before, it waited for the host for ever, printing nothing
+    let clients = bank.dir.path().join("silent-clients.json");
+    std::fs::write(&clients, format!(r#"{{"{}": "{}"}}"#, SHOP.0, SHOP.1)).unwrap();
+    let started = Instant::now();
+    let mut child = std::process::Command::new(crate::server::IDEM)
+        .args(["serve", "--listen", "127.0.0.1:0", "--clients"])
+        .arg(&clients)
+        .args([
+            "--db",
+            &format!("host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=2"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("idem serve still starting after 30 s against a host that never answers");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(5), "{:?} after {:?}", status, started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+    // listed first, before the live host: the start and every transfer use the next one
+    let spec = bank.spec().replacen("host=", "host=127.0.0.1,", 1).replacen(
+        "port=5432",
+        &format!("port={port},5432"),
+        1,
+    );
+    let spec = std::path::PathBuf::from(format!("{spec} connect_timeout=2"));
+    let started = Instant::now();
+    let serve = Serve::start(&spec, &[SHOP], &["--pool", "2"], &[]);
+    let body =
+        format!(r#"{{"src":{},"dst":{},"amount":1,"currency":"KRW"}}"#, bank.accounts[0], bank.accounts[1]);
+    for i in 0..4 {
+        let t = serve.post(TOKEN, Some(&format!("\"silent-{i}\"")), &body);
+        assert_eq!(t.status, 201, "{}", t.body);
+    }
+    assert!(started.elapsed() < Duration::from_secs(40), "took {:?}", started.elapsed());
+}
