@@ -48,7 +48,8 @@ impl Manager {
         let wait = Duration::from_millis(u64::from(self.policy.busy_timeout_ms));
         // a new connection may try every host, each for its start-up deadline
         let hosts = u32::try_from(pg::each_host(&self.config).len()).unwrap_or(u32::MAX);
-        let create = wait.max(pg::startup_deadline(&self.config).saturating_mul(hosts) + Duration::from_secs(1));
+        let create =
+            wait.max(pg::startup_deadline(&self.config).saturating_mul(hosts) + Duration::from_secs(1));
         Pool::builder(self)
             .max_size(size.max(1))
             .wait_timeout(Some(wait))
