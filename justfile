@@ -71,3 +71,18 @@ pg action="start":
 # What CI runs, from this checkout.
 ci:
     bash .ci/run
+
+# A primary paused (SIGSTOP) past its leader TTL while idem serve runs: the
+# service must move to the new primary and lose nothing acknowledged. Known
+# to fail in ~1 of 3 runs on the cluster's side (issue 35); runs N times.
+failover-pause runs="3":
+    #!/usr/bin/env bash
+    set -uo pipefail
+    failed=0
+    log=$(mktemp)
+    for i in $(seq {{runs}}); do
+      cargo test --release --test service a_running_service_moves -- --ignored --nocapture >"$log" 2>&1 ||
+        failed=$((failed + 1))
+      grep -E "resumed|lost|test result" "$log"
+    done
+    echo "failed $failed of {{runs}}"

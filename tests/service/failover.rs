@@ -456,6 +456,101 @@ fn a_commit_still_waiting_for_its_standby_when_the_primary_died_is_paid_once_by_
     drop(serve);
 }
 
+/// Ignored in CI: it fails in about 1 run of 3 on this machine, and the
+/// failure is the cluster's, not idem's (issue 35). A primary paused past
+/// its leader key's TTL comes back as leader on its old timeline: the new
+/// primary is demoted, both standbys are cloned again from the old one,
+/// and the commits the new primary acknowledged (5 transfers here, each
+/// acknowledged only once its synchronous standby had it) are gone. Needs
+/// fencing that `tools/pg-ha` does not have yet (a watchdog, a 3-member
+/// etcd). Run it with `just failover-pause`.
+#[test]
+#[ignore = "the cluster loses acknowledged commits after a pause in ~1 of 3 runs (issue 35): just failover-pause"]
+fn a_running_service_moves_to_the_new_primary_while_the_old_one_is_paused_and_loses_nothing() {
+    // The review's repro: a primary frozen with SIGSTOP for 40 s; a standby
+    // took writes 12 s in, yet the running service answered nothing until
+    // the old node thawed (its connections, and every new one, waited on a
+    // server that accepts and never answers).
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(cluster) = Cluster::start() else { return };
+    const START: i64 = 1_000_000;
+    let accounts: Vec<Account> =
+        (0..4).map(|i| Account { id: format!("a{i}"), holder: format!("h{i}"), balance: START }).collect();
+    bank::create(&Db::parse(&cluster.conninfo), &accounts).unwrap();
+    let serve = Serve::start(Path::new(&cluster.conninfo), &[("tok", "shop")], &["--pool", "2"], &[]);
+    let urls = std::slice::from_ref(&serve.url);
+    let seen = Seen::default();
+    let body = |i: i64| {
+        format!(r#"{{"src":"a{}","dst":"a{}","amount":{},"currency":"KRW"}}"#, i % 4, (i + 1) % 4, 100 + i)
+    };
+    let mut acked = Vec::new();
+    for i in 0..3 {
+        let (status, answer, ..) =
+            send_until_final(urls, 0, &format!("before-{i}"), &body(i), &seen).unwrap();
+        assert_eq!(status, 201, "{answer}");
+        acked.push((answer["transfer_id"].as_i64().unwrap(), 100 + i));
+    }
+    let old = cluster.ha(&["pause-primary"]);
+    let paused = Instant::now();
+    // while it stays paused, transfers keep coming; each is answered by the new primary
+    let mut resumed = None;
+    for i in 3..8 {
+        let (status, answer, ..) = send_until_final(urls, 0, &format!("during-{i}"), &body(i), &seen)
+            .unwrap_or_else(|| panic!("transfer {i} unanswered for 120 s with the old primary paused"));
+        assert_eq!(status, 201, "{answer}");
+        acked.push((answer["transfer_id"].as_i64().unwrap(), 100 + i));
+        resumed.get_or_insert(paused.elapsed());
+    }
+    let resumed = resumed.unwrap();
+    eprintln!(
+        "writes resumed {resumed:?} after the pause, the old primary still paused ({:?} in all)",
+        paused.elapsed()
+    );
+    assert!(resumed < Duration::from_secs(45), "writes resumed only {resumed:?} after the pause");
+    // thawed, the old primary finds its leader key gone, demotes itself and follows
+    cluster.ha(&["resume", &old]);
+    cluster.ha(&["wait-settled", "180"]);
+    let mut db = cluster.client();
+    let table = transfers_table(&mut db);
+    // what each node holds, for the failure's message
+    let nodes: Vec<String> = (1..=3u16)
+        .map(|n| {
+            let at = format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres connect_timeout=5",
+                cluster.port + n
+            );
+            match postgres::Client::connect(&at, postgres::NoTls) {
+                Ok(mut c) => {
+                    let standby: bool = c.query_one("SELECT pg_is_in_recovery()", &[]).unwrap().get(0);
+                    format!(
+                        "node{n} standby={standby} transfers={:?}",
+                        transfers_table(&mut c).keys().collect::<Vec<_>>()
+                    )
+                }
+                Err(e) => format!("node{n}: {e}"),
+            }
+        })
+        .collect();
+    for (id, amount) in &acked {
+        assert_eq!(
+            table.get(id).map(|t| t.2),
+            Some(*amount),
+            "acknowledged transfer {id} lost: acked {acked:?}\n{}\n{}",
+            nodes.join("\n"),
+            cluster.ha(&["status"])
+        );
+    }
+    assert_eq!(table.len(), acked.len(), "a transfer nobody was told of: {table:?}");
+    let total: i64 = db.query_one("SELECT sum(balance)::bigint FROM account", &[]).unwrap().get(0);
+    assert_eq!(total, 4 * START);
+    let port = cluster.port + old.parse::<u16>().unwrap();
+    let at_old = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=5");
+    let mut rejoined = postgres::Client::connect(&at_old, postgres::NoTls).unwrap();
+    let in_recovery: bool = rejoined.query_one("SELECT pg_is_in_recovery()", &[]).unwrap().get(0);
+    assert!(in_recovery, "the old primary is a standby after its pause");
+    drop(serve);
+}
+
 #[test]
 fn idem_chaos_over_three_instances_with_a_failover_mid_day_pays_every_transfer_exactly_once() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
