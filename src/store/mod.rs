@@ -899,7 +899,8 @@ pub trait Tx {
     ) -> Result<Vec<PayoutRow>, StoreError> {
         Err(no_payouts())
     }
-    /// The payout the gateway knows by `downstream_key`, locked.
+    /// The payout the gateway knows by `downstream_key`, as last committed,
+    /// not locked (whoever writes it locks its key, then [`Tx::payout`]).
     fn payout_by_downstream_key(&mut self, _key: &str) -> Result<Option<PayoutRow>, StoreError> {
         Err(no_payouts())
     }

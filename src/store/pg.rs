@@ -1466,7 +1466,8 @@ impl Tx for PgTx<'_> {
     }
 
     fn payout_by_downstream_key(&mut self, key: &str) -> Result<Option<PayoutRow>, StoreError> {
-        Ok(self.payouts_where("downstream_key = $1 FOR UPDATE", &[&key])?.into_iter().next())
+        // not locked: the caller locks the key first, then the payout by id
+        Ok(self.payouts_where("downstream_key = $1", &[&key])?.into_iter().next())
     }
 
     fn insert_gateway_event(
