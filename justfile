@@ -74,7 +74,7 @@ ci:
 
 # A primary paused (SIGSTOP) past its leader TTL while idem serve runs: the
 # service must move to the new primary and lose nothing acknowledged. Known
-# to fail in ~1 of 3 runs on the cluster's side (issue 35); runs N times.
+# to fail in most runs, on the cluster's side (issue 35); runs N times.
 failover-pause runs="3":
     #!/usr/bin/env bash
     set -uo pipefail
