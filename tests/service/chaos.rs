@@ -37,6 +37,7 @@ fn idem_serve() -> Vec<String> {
 
 #[test]
 fn a_lossy_day_with_server_kills_pays_every_transfer_exactly_once() {
+    let _heavy = crate::server::heavy();
     let dir = tempfile::tempdir().unwrap();
     let s = run(config(dir.path(), None, idem_serve()), Policy::embedded()).unwrap();
     eprintln!("{}", std::fs::read_to_string(dir.path().join("chaos_report.md")).unwrap());
@@ -51,6 +52,7 @@ fn a_lossy_day_with_server_kills_pays_every_transfer_exactly_once() {
 
 #[test]
 fn a_lossy_day_on_postgres_with_a_database_restart_pays_every_transfer_exactly_once() {
+    let _heavy = crate::server::heavy();
     let Some(server) = crate::common::pg::own_server() else { return };
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), Some(server.fresh_schema(false)), idem_serve());
@@ -67,6 +69,7 @@ fn a_lossy_day_on_postgres_with_a_database_restart_pays_every_transfer_exactly_o
 
 #[test]
 fn a_lossy_day_over_three_instances_on_one_file_pays_every_transfer_exactly_once() {
+    let _heavy = crate::server::heavy();
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), None, idem_serve());
     (cfg.instances, cfg.kills) = (3, 0);
@@ -104,6 +107,7 @@ fn lossy_gateway() -> Vec<String> {
 }
 
 fn payouts_day(db: Option<String>) {
+    let _heavy = crate::server::heavy();
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), db, idem_serve());
     cfg.gateway = Some(lossy_gateway());

@@ -20,9 +20,6 @@ use std::time::{Duration, Instant};
 
 const HA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/pg-ha");
 
-/// One cluster at a time: two at once on two cores stretch every timing.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
 struct Cluster {
     root: tempfile::TempDir,
     port: u16,
@@ -219,7 +216,7 @@ fn transfers_table(client: &mut postgres::Client) -> BTreeMap<i64, (String, Stri
 
 #[test]
 fn three_services_lose_nothing_acknowledged_when_the_primary_is_killed() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _heavy = crate::server::heavy();
     let Some(cluster) = Cluster::start() else { return };
     const START: i64 = 1_000_000;
     let accounts: Vec<Account> =
@@ -352,7 +349,10 @@ fn three_services_lose_nothing_acknowledged_when_the_primary_is_killed() {
     std::thread::sleep(Duration::from_millis(500));
     cluster.ha(&["kill-primary"]);
     drop(lock);
-    assert_eq!(first.join().unwrap().ok(), Some(503), "an execution on a dead connection is 503");
+    // The execution met the dead connection: 503, or, when the service's own
+    // retry reached the new primary within the request's budget, its 201.
+    let first = first.join().unwrap().ok();
+    assert!(matches!(first, Some(503 | 201)), "an execution on a dead connection: {first:?}");
     cluster.ha(&["wait-primary", "60"]);
     let retried = Instant::now();
     let seen = Seen::default();
@@ -373,7 +373,7 @@ fn three_services_lose_nothing_acknowledged_when_the_primary_is_killed() {
 /// primary; and the old primary, rejoining, drops it (pg_rewind).
 #[test]
 fn a_commit_still_waiting_for_its_standby_when_the_primary_died_is_paid_once_by_its_retry() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _heavy = crate::server::heavy();
     let Some(cluster) = Cluster::start() else { return };
     let accounts: Vec<Account> = ["a0", "a1"]
         .iter()
@@ -471,7 +471,7 @@ fn a_running_service_moves_to_the_new_primary_while_the_old_one_is_paused_and_lo
     // took writes 12 s in, yet the running service answered nothing until
     // the old node thawed (its connections, and every new one, waited on a
     // server that accepts and never answers).
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _heavy = crate::server::heavy();
     let Some(cluster) = Cluster::start() else { return };
     const START: i64 = 1_000_000;
     let accounts: Vec<Account> =
@@ -553,7 +553,7 @@ fn a_running_service_moves_to_the_new_primary_while_the_old_one_is_paused_and_lo
 
 #[test]
 fn idem_chaos_over_three_instances_with_a_failover_mid_day_pays_every_transfer_exactly_once() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _heavy = crate::server::heavy();
     let Some(cluster) = Cluster::start() else { return };
     let out = tempfile::tempdir().unwrap();
     let run = Command::new(env!("CARGO_BIN_EXE_idem"))

@@ -12,6 +12,17 @@ use std::time::Duration;
 
 pub const IDEM: &str = env!("CARGO_BIN_EXE_idem");
 
+/// The tests that load the whole machine (a replicated cluster failing
+/// over, a chaos day): one at a time, so that on two cores none stretches
+/// the timings another one measures (a Patroni loop that overruns its
+/// lease under load elects no leader at all).
+pub static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Takes [`HEAVY`] for the rest of the calling test.
+pub fn heavy() -> std::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub struct Serve {
     child: Option<Child>,
     pub url: String,
