@@ -9,6 +9,11 @@
 //! and proves nothing was paid twice.
 //!
 //! The engine:
+
+// Every unsafe block says why it is sound (a `// SAFETY:` comment), and an
+// unsafe fn's body is no unsafe block by default.
+#![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
+
 pub mod canonical; // RFC 8785 canonical JSON and the SHA-256 fingerprint
 pub mod clock; // RFC 3339 instants in one sortable text form
 pub mod ledger; // whether a transfer may go out, and the balances that decision rests on

@@ -667,6 +667,8 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     }
     let day_ended = Instant::now();
     for server in &mut servers {
+        // SAFETY: kill(2) takes plain integers; the pid is our own child's,
+        // not yet waited for, so it cannot name another process.
         unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
         let _ = server.child.wait();
     }
