@@ -97,10 +97,7 @@ pub struct Try {
 pub fn new_key() -> Result<String, getrandom::Error> {
     let mut b = [0u8; 16];
     getrandom::fill(&mut b)?;
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    Ok(format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..]))
+    Ok(crate::rng::uuid(b, 4))
 }
 
 /// Checks that `key` can be sent as an `Idempotency-Key` sf-string: 1 to

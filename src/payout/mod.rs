@@ -124,12 +124,8 @@ pub fn answer_of(p: &PayoutRow) -> Answer {
 /// 4-36 characters). Derived from idem's token, never from the client's
 /// key: two clients' keys may collide, two claim tokens may not.
 pub fn downstream_key(token: &str) -> String {
-    let mut b: [u8; 16] =
-        Sha256::digest(format!("idem payout {token}").as_bytes())[..16].try_into().unwrap_or([0; 16]);
-    b[6] = (b[6] & 0x0f) | 0x80; // version 8
-    b[8] = (b[8] & 0x3f) | 0x80; // the RFC's variant
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
+    let digest = Sha256::digest(format!("idem payout {token}").as_bytes());
+    crate::rng::uuid(digest[..16].try_into().unwrap_or([0; 16]), 8)
 }
 
 fn stored(response: &Response) -> Stored {
@@ -386,26 +382,6 @@ fn take<S: Store + ?Sized>(
             true => End::Commit(Some(p)),
             false => End::Rollback(None),
         })
-    })
-}
-
-/// Sets a payout its holder `p.holder` holds aside for a person, with why:
-/// its result could not be written, and it must not stop the others.
-fn set_aside<S: Store + ?Sized>(
-    store: &mut S,
-    p: &PayoutRow,
-    why: &str,
-    now: Timestamp,
-    policy: &Policy,
-) -> Result<PayoutRow, StoreError> {
-    store::atomically(store, Durability::Durable, policy, |tx| {
-        let Some(current) = tx.payout(p.id)? else {
-            return Err(StoreError::Backend(format!("payout {} vanished", p.id).into()));
-        };
-        if current.holder != p.holder || current.state.settled() {
-            return Ok(End::Rollback(current));
-        }
-        settle(tx, current, Call::Terminal(why.to_owned()), now, now).map(End::Commit)
     })
 }
 

@@ -9,7 +9,7 @@
 //! whose result cannot be stored is set aside for a person with why, and
 //! the run goes on with the rest.
 
-use super::{Call, Gateway, Lookup, credit_back, record, set_aside, take};
+use super::{Call, Gateway, Lookup, credit_back, record, take};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::store::{self, Durability, End, PayoutRow, PayoutState, Store, StoreError};
@@ -74,7 +74,9 @@ pub fn reconcile<S: Store + ?Sized>(
             // Availability is the run's problem, not this payout's: stop.
             Err(e @ (StoreError::Unavailable(_) | StoreError::Busy)) => return Err(e),
             Err(e) => {
-                match set_aside(store, &p, &format!("the result could not be stored: {e}"), now(), policy) {
+                // set aside for a person, with why: one payout must not stop the others
+                let aside = Call::Terminal(format!("the result could not be stored: {e}"));
+                match record(store, &p, aside, now(), now(), policy) {
                     Ok(after) => {
                         (after, format!("{decision}; its result could not be stored ({e}): set aside"))
                     }

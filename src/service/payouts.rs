@@ -185,14 +185,11 @@ const MAX_EVENT_BODY: usize = 64 * 1024;
 /// provider stops resending); 401 unsigned or stale; 400 not an event.
 pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>, note: &mut Note) -> Reply {
     use http_body_util::{BodyExt, Limited};
-    let Some(secret) = app.payouts.as_ref().and_then(|d| d.events_secret.clone()) else {
+    let Some((secret, clock)) =
+        app.payouts.as_ref().and_then(|d| Some((d.events_secret.clone()?, d.clock.clone())))
+    else {
         return problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note);
     };
-    let clock = app
-        .payouts
-        .as_ref()
-        .map(|d| d.clock.clone())
-        .unwrap_or_else(|| Arc::new(crate::clock::Timestamp::now));
     let signature =
         req.headers().get(payout::SIGNATURE_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let body = match Limited::new(req.into_body(), MAX_EVENT_BODY).collect().await {

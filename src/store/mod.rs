@@ -534,7 +534,9 @@ pub struct PayoutStat {
 }
 
 /// [`PayoutStat`]s, in SQL both stores speak.
-pub(crate) const PAYOUT_STATS: &str = "SELECT state, COUNT(*), MIN(created_at), SUM(sends), MAX(sends) FROM payout GROUP BY state ORDER BY state";
+pub(crate) const PAYOUT_STATS: &str =
+    "SELECT state, COUNT(*), MIN(created_at), CAST(SUM(sends) AS BIGINT), CAST(MAX(sends) AS BIGINT)
+     FROM payout GROUP BY state ORDER BY state";
 
 pub(crate) fn payout_stat(
     state: &str,

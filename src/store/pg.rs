@@ -1444,9 +1444,7 @@ impl Tx for PgTx<'_> {
     }
 
     fn payout_stats(&mut self) -> Result<Vec<PayoutStat>, StoreError> {
-        let sql =
-            super::PAYOUT_STATS.replace("SUM(sends), MAX(sends)", "SUM(sends)::bigint, MAX(sends)::bigint");
-        let rows = self.client.query(&sql, &[]).map_err(pg)?;
+        let rows = self.client.query(super::PAYOUT_STATS, &[]).map_err(pg)?;
         rows.iter().map(|r| super::payout_stat(r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))).collect()
     }
 
