@@ -2,7 +2,7 @@
 //! a PostgreSQL that is a network hop away, against what PostgreSQL itself
 //! allows for the same work in one round trip, measured in the same run.
 //!
-//! The hop is `idem::harness::hop`: a TCP proxy that holds every chunk, in
+//! The hop is `idem::outside::hop`: a TCP proxy that holds every chunk, in
 //! each direction, for half the round trip before passing it on (the
 //! machine has no `tc netem`). At 0, 0.5, 1 and 2 ms round trip, for a hot account pair
 //! (every transfer between the same two accounts) and for 100 accounts:
@@ -24,7 +24,7 @@
 
 mod support;
 
-use idem::harness::hop::Hop;
+use idem::outside::hop::Hop;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};

@@ -1,12 +1,14 @@
 //! `idem_api`: the lab's engine contract as a command. The `idem_api`
-//! binary is this module's [`main`]; `idem api` runs the same, so the harness
-//! can race real engine processes from one binary.
+//! binary runs this module's [`run`] and says what it returns; `idem api`
+//! runs the same, so the harness can race real engine processes from one
+//! binary. The environment, the printing and the exit are the binaries'.
 //!
 //! One request file in, one JSON response out. Exit codes: 0 a response was
-//! printed (whatever its status); 2 the command line does not parse; 3 the
-//! request file cannot be read; 4 a simulated crash (`--crash-after-claim`);
-//! 5 the database cannot be used (missing, read-only, corrupt, no `account`
-//! table, another schema version).
+//! printed (whatever its status); 1 the response could not be written, or
+//! no randomness for a claim token; 2 the command line (or `IDEM_NOW`) does
+//! not parse; 3 the request file cannot be read; 4 a simulated crash
+//! (`--crash-after-claim`); 5 the database cannot be used (missing,
+//! read-only, corrupt, no `account` table, another schema version).
 //!
 //! With `--gateway` the request is a payout (see [`crate::payout`]): the
 //! same three steps as `POST /v1/payouts`, and no database connection is
@@ -16,18 +18,17 @@ use crate::clock::Timestamp;
 use crate::payout::{self, HttpGateway};
 use crate::policy::Policy;
 use crate::protocol::{self, Claimed, Ctx, Flow, Outcome, Point, Response};
-use crate::reason::Reason;
 use crate::request;
 use crate::store::{self, Db, Usage};
 use clap::{Parser, ValueEnum};
 use std::ffi::OsString;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::time::Duration;
 
+/// The exit code of a simulated crash.
+pub const EXIT_CRASHED: u8 = 4;
 const EXIT_REQUEST_UNREADABLE: u8 = 3;
-const EXIT_CRASHED: u8 = 4;
 const EXIT_DATABASE: u8 = 5;
 
 /// Moves money exactly once per idempotency key.
@@ -85,92 +86,136 @@ enum CrashAt {
     AfterCall,
 }
 
-/// Runs the contract on a command line (`args[0]` is the program name).
-pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
-    let args = Args::parse_from(args);
+/// What the process is given from outside: the clock tests fix (`IDEM_NOW`),
+/// and how to crash (the binary's: exit at once, no destructors, no
+/// rollback, exactly as if the power had been cut).
+pub struct Edge {
+    pub now: Option<Timestamp>,
+    pub crash: fn(&str) -> !,
+}
+
+/// What the process says: a line for stdout (the response), lines for
+/// stderr, and its exit code.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Said {
+    pub stdout: Option<String>,
+    pub stderr: Vec<String>,
+    pub code: u8,
+}
+
+impl Said {
+    fn answer(line: String) -> Said {
+        Said { stdout: Some(line), ..Said::default() }
+    }
+
+    fn fail(code: u8, message: impl Into<String>) -> Said {
+        Said { stderr: vec![message.into()], code, ..Said::default() }
+    }
+}
+
+/// Runs the contract on a command line (`args[0]` is the program name);
+/// a command line that does not parse is clap's error, for the binary to
+/// print (exit 2, or 0 for --help).
+pub fn run(args: impl IntoIterator<Item = OsString>, edge: Edge) -> Result<Said, clap::Error> {
+    let args = Args::try_parse_from(args)?;
     let policy = Policy::embedded();
-    let fixed = match std::env::var("IDEM_NOW") {
-        Ok(text) => match Timestamp::parse(&text) {
-            Ok(t) => Some(t),
-            Err(e) => return fail(2, &format!("IDEM_NOW: {e}")),
-        },
-        Err(_) => None,
-    };
-    let now = fixed.unwrap_or_else(Timestamp::now);
+    let now = edge.now.unwrap_or_else(Timestamp::now);
+    let db = Db::parse(&args.db);
     if let Some(before) = args.purge_before {
-        if before > now.plus_seconds(-policy.retention_seconds()) {
-            eprintln!(
-                "idem_api: warning: {before} lies inside the {}-hour retention window: \
-                 a retry of a purged key will pay again (`idem purge` deletes only expired keys)",
-                policy.retention_hours
-            );
-        }
-        let purged = store::open(&Db::parse(&args.db), policy, Usage::OneRequest)
-            .and_then(|mut s| protocol::purge(&mut s, before, policy));
-        return match purged {
-            Ok(n) => print(&format!("{{\"purged\": {n}}}")),
-            Err(e) => fail(EXIT_DATABASE, &e.to_string()),
-        };
+        return Ok(purge(&db, before, now, policy));
     }
     let Some(path) = args.request else {
-        return fail(2, "--request is required");
+        return Ok(Said::fail(2, "--request is required"));
     };
     let bytes = match read_capped(&path, policy.max_request_bytes) {
         Ok(bytes) => bytes,
         Err(e) => {
-            return fail(EXIT_REQUEST_UNREADABLE, &format!("cannot read {}: {e}", path.display()));
+            return Ok(Said::fail(EXIT_REQUEST_UNREADABLE, format!("cannot read {}: {e}", path.display())));
         }
     };
     let token = match protocol::fresh_token() {
         Ok(token) => token,
-        Err(e) => return fail(1, &format!("no randomness for a claim token: {e}")),
+        Err(e) => return Ok(Said::fail(1, format!("no randomness for a claim token: {e}"))),
     };
     let ctx = Ctx { policy, now, token: &token };
-    if let Some(url) = args.gateway {
-        let gateway = HttpGateway {
-            url,
-            token: args.gateway_token,
-            timeout: args.gateway_timeout,
-            // a reconciler's concern, not a request's
-            limits: crate::payout::Limits::default(),
-        };
-        let crash_at = args.crash_at.or(args.crash_after_claim.then_some(CrashAt::AfterClaim));
-        return pay_out(&Db::parse(&args.db), &bytes, &gateway, ctx, fixed, crash_at);
-    }
-    if matches!(args.crash_at, Some(CrashAt::AfterIntent | CrashAt::AfterCall)) {
-        return fail(2, "--crash-at after-intent and after-call are points of a payout (--gateway)");
-    }
-    let req = match request::parse(&bytes, policy) {
-        Ok(req) => req,
-        Err(e) => {
-            return print(
-                &Response::refusal(policy.on_invalid_request, Reason::Invalid(e.to_string())).to_json(),
-            );
+    let crash_at = args.crash_at.or(args.crash_after_claim.then_some(CrashAt::AfterClaim));
+    let crash = Crash { at: crash_at, edge: &edge };
+    Ok(match args.gateway {
+        Some(url) => {
+            // the limits are a reconciler's concern, not a request's
+            let limits = crate::payout::Limits::default();
+            let gateway =
+                HttpGateway { url, token: args.gateway_token, timeout: args.gateway_timeout, limits };
+            pay_out(&db, &bytes, &gateway, ctx, crash)
         }
+        None => transfer(&db, &bytes, ctx, crash),
+    })
+}
+
+/// Where to crash, and how.
+struct Crash<'a> {
+    at: Option<CrashAt>,
+    edge: &'a Edge,
+}
+
+impl Crash<'_> {
+    fn here(&self, at: CrashAt) {
+        if self.at == Some(at) {
+            (self.edge.crash)(&format!("simulated crash at {at:?}"));
+        }
+    }
+}
+
+fn purge(db: &Db, before: Timestamp, now: Timestamp, policy: &'static Policy) -> Said {
+    let purged =
+        store::open(db, policy, Usage::OneRequest).and_then(|mut s| protocol::purge(&mut s, before, policy));
+    let mut said = match purged {
+        Ok(n) => Said::answer(format!("{{\"purged\": {n}}}")),
+        Err(e) => Said::fail(EXIT_DATABASE, e.to_string()),
     };
-    let mut store = match store::open(&Db::parse(&args.db), policy, Usage::OneRequest) {
+    if before > now.plus_seconds(-policy.retention_seconds()) {
+        said.stderr.insert(
+            0,
+            format!(
+                "warning: {before} lies inside the {}-hour retention window: \
+             a retry of a purged key will pay again (`idem purge` deletes only expired keys)",
+                policy.retention_hours
+            ),
+        );
+    }
+    said
+}
+
+fn transfer(db: &Db, bytes: &[u8], ctx: Ctx, crash: Crash) -> Said {
+    let policy = ctx.policy;
+    if matches!(crash.at, Some(CrashAt::AfterIntent | CrashAt::AfterCall)) {
+        return Said::fail(2, "--crash-at after-intent and after-call are points of a payout (--gateway)");
+    }
+    let req = match request::parse(bytes, policy) {
+        Ok(req) => req,
+        Err(e) => return Said::answer(Response::refusal(policy.on_invalid_request, e.reason()).to_json()),
+    };
+    let mut store = match store::open(db, policy, Usage::OneRequest) {
         Ok(store) => store,
-        Err(e) => return fail(EXIT_DATABASE, &e.to_string()),
+        Err(e) => return Said::fail(EXIT_DATABASE, e.to_string()),
     };
-    let crash_at = match (args.crash_at, args.crash_after_claim) {
-        (Some(CrashAt::AfterClaim), _) | (None, true) => Some(Point::AfterClaim),
-        (Some(CrashAt::BeforeCommit), _) => Some(Point::BeforeCommit),
-        (Some(CrashAt::AfterCommit), _) => Some(Point::AfterCommit),
-        (Some(CrashAt::AfterIntent | CrashAt::AfterCall), _) | (None, false) => None,
+    let point = |at: CrashAt| match at {
+        CrashAt::AfterClaim => Some(Point::AfterClaim),
+        CrashAt::BeforeCommit => Some(Point::BeforeCommit),
+        CrashAt::AfterCommit => Some(Point::AfterCommit),
+        CrashAt::AfterIntent | CrashAt::AfterCall => None,
     };
-    // A real crash: no destructors, no rollback, no goodbye. Whatever SQLite
-    // has not committed is gone, exactly as if the power had been cut.
+    let crash_at = crash.at.and_then(point);
     let mut faults = |p: Point| {
         if Some(p) == crash_at {
-            eprintln!("idem_api: simulated crash at {p:?}");
-            std::process::exit(EXIT_CRASHED.into());
+            (crash.edge.crash)(&format!("simulated crash at {p:?}"));
         }
         Flow::Continue
     };
     match protocol::handle(&mut store, &req, ctx, &mut faults) {
-        Ok(Outcome::Respond(response)) => print(&response.to_json()),
-        Ok(Outcome::Crashed(p)) => fail(EXIT_CRASHED, &format!("simulated crash at {p:?}")),
-        Err(e) => fail(EXIT_DATABASE, &e.to_string()),
+        Ok(Outcome::Respond(response)) => Said::answer(response.to_json()),
+        Ok(Outcome::Crashed(p)) => Said::fail(EXIT_CRASHED, format!("simulated crash at {p:?}")),
+        Err(e) => Said::fail(EXIT_DATABASE, e.to_string()),
     }
 }
 
@@ -178,57 +223,44 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
 /// the result. A crash, or a result that cannot be recorded, leaves the
 /// payout in progress with its money held: a retry answers 202 from its
 /// row, and `idem reconcile` settles it by asking the gateway.
-fn pay_out(
-    db: &Db,
-    bytes: &[u8],
-    gateway: &HttpGateway,
-    ctx: Ctx,
-    fixed: Option<Timestamp>,
-    crash_at: Option<CrashAt>,
-) -> ExitCode {
+fn pay_out(db: &Db, bytes: &[u8], gateway: &HttpGateway, ctx: Ctx, crash: Crash) -> Said {
     let req = match request::parse_payout_file(bytes, ctx.policy) {
         Ok(req) => req,
         Err(e) => {
-            let refusal = Response::refusal(ctx.policy.on_invalid_request, Reason::Invalid(e.to_string()));
-            return print(&refusal.to_json());
-        }
-    };
-    let crash = |at: CrashAt| {
-        if crash_at == Some(at) {
-            eprintln!("idem_api: simulated crash at {at:?}");
-            std::process::exit(EXIT_CRASHED.into());
+            return Said::answer(Response::refusal(ctx.policy.on_invalid_request, e.reason()).to_json());
         }
     };
     // The payout table first (created on first use); and, to crash after
     // the claim alone, the claim (the intent's step takes it otherwise).
     let prepared = store::open(db, ctx.policy, Usage::OneRequest).and_then(|mut store| {
         payout::prepare(&mut store, ctx.policy)?;
-        if crash_at == Some(CrashAt::AfterClaim)
+        if crash.at == Some(CrashAt::AfterClaim)
             && protocol::claim_key(&mut store, &req.key, &req.fingerprint, ctx)? == Claimed::Mine
         {
-            crash(CrashAt::AfterClaim);
+            crash.here(CrashAt::AfterClaim);
         }
         Ok(())
     });
     if let Err(e) = prepared {
-        return fail(EXIT_DATABASE, &e.to_string());
+        return Said::fail(EXIT_DATABASE, e.to_string());
     }
+    let fixed = crash.edge.now;
     let now = move || fixed.unwrap_or_else(Timestamp::now);
     let mut stop = |b: payout::Boundary| match b {
-        payout::Boundary::AfterIntent => crash(CrashAt::AfterIntent),
+        payout::Boundary::AfterIntent => crash.here(CrashAt::AfterIntent),
         // for a payout, the last moment before the result's commit is after the call
         payout::Boundary::AfterCall => {
-            crash(CrashAt::AfterCall);
-            crash(CrashAt::BeforeCommit);
+            crash.here(CrashAt::AfterCall);
+            crash.here(CrashAt::BeforeCommit);
         }
-        payout::Boundary::AfterResult => crash(CrashAt::AfterCommit),
+        payout::Boundary::AfterResult => crash.here(CrashAt::AfterCommit),
     };
     // the steps outlive this call's borrow: idem_api's policy is the embedded one
     let policy = crate::policy::Policy::embedded();
     let mut steps = Opened { db: db.clone(), policy };
     match payout::pay(&mut steps, gateway, req, ctx.token.to_owned(), &now, policy, &mut stop) {
-        Ok(answer) => print(&answer.response.to_json()),
-        Err(e) => fail(EXIT_DATABASE, &e.to_string()),
+        Ok(answer) => Said::answer(answer.response.to_json()),
+        Err(e) => Said::fail(EXIT_DATABASE, e.to_string()),
     }
 }
 
@@ -262,17 +294,4 @@ fn read_capped(path: &Path, limit: usize) -> std::io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
     file.take(limit as u64 + 1).read_to_end(&mut bytes)?;
     Ok(bytes)
-}
-
-fn print(line: &str) -> ExitCode {
-    let mut out = std::io::stdout().lock();
-    match writeln!(out, "{line}").and_then(|()| out.flush()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(1, &format!("cannot write the response: {e}")),
-    }
-}
-
-fn fail(code: u8, message: &str) -> ExitCode {
-    eprintln!("idem_api: {message}");
-    ExitCode::from(code)
 }

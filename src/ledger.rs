@@ -27,9 +27,7 @@ impl Refusal {
         match self {
             Refusal::UnknownAccount => Reason::UnknownAccount,
             Refusal::InsufficientFunds => Reason::InsufficientFunds,
-            Refusal::SameAccount => {
-                Reason::Invalid("invalid_request: src and dst must be different accounts".into())
-            }
+            Refusal::SameAccount => Reason::invalid("src and dst must be different accounts"),
             Refusal::BalanceOverflow => Reason::BalanceOverflow,
         }
     }

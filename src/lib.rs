@@ -31,4 +31,6 @@ pub mod client; // the retrying client: one key, backoff with jitter, a deadline
 pub mod service; // idem serve: the same protocol behind HTTP
 
 // Around it:
-pub mod harness; // the day, scenarios and races that prove the engine
+pub mod check; // idem check: the contract judged on anyone's implementation
+pub mod harness; // the day, scenarios, races and chaos that prove idem
+pub mod outside; // stand-ins for the outside world: a payout gateway, a lossy network, a slow hop

@@ -70,7 +70,7 @@ impl Response {
     /// bytes, never re-serialised, so a replay is identical but for `replay`.
     pub fn to_json(&self) -> String {
         let reason = match &self.reason {
-            Some(r) => serde_json::Value::from(r.as_str()).to_string(),
+            Some(r) => serde_json::Value::from(r.to_string()).to_string(),
             None => "null".into(),
         };
         format!(

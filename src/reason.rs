@@ -24,14 +24,27 @@ pub enum Reason {
     Busy,
     /// 503: the database could not take the request; nothing stored.
     Unavailable,
-    /// 400: the request is malformed; the text says how (`invalid_request: …`).
-    Invalid(String),
-    /// A reason read back from a key table that this build does not know.
+    /// 400: the request is malformed: its code ([`INVALID_REQUEST`]) and
+    /// what is wrong, in words for the client.
+    Invalid { code: &'static str, detail: String },
+    /// Any other reason, as text: a payout's refusal in the gateway's words
+    /// (`account_closed`), or a reason a key table holds that this build
+    /// does not know.
     Other(String),
 }
 
+/// The code of a malformed request's reason.
+pub const INVALID_REQUEST: &str = "invalid_request";
+
 impl Reason {
-    pub fn as_str(&self) -> &str {
+    /// A malformed request, `detail` saying how.
+    pub fn invalid(detail: impl Into<String>) -> Reason {
+        Reason::Invalid { code: INVALID_REQUEST, detail: detail.into() }
+    }
+
+    /// The reason's code: `invalid_request` of a malformed request, for
+    /// logs and problem bodies, which never carry the client's text.
+    pub fn code(&self) -> &str {
         match self {
             Reason::InProgress => "in_progress",
             Reason::FingerprintMismatch => "fingerprint_mismatch",
@@ -41,11 +54,20 @@ impl Reason {
             Reason::PayoutKeyUsed => "payout_key_used",
             Reason::Busy => "busy",
             Reason::Unavailable => "unavailable",
-            Reason::Invalid(text) | Reason::Other(text) => text,
+            Reason::Invalid { code, .. } => code,
+            Reason::Other(text) => text,
         }
     }
 
-    /// The reason as a key table holds it.
+    /// What a malformed request got wrong.
+    pub fn detail(&self) -> Option<&str> {
+        match self {
+            Reason::Invalid { detail, .. } => Some(detail),
+            _ => None,
+        }
+    }
+
+    /// The reason as a key table holds it (its [`Display`](fmt::Display)).
     pub fn parse(text: &str) -> Reason {
         match text {
             "in_progress" => Reason::InProgress,
@@ -56,22 +78,23 @@ impl Reason {
             "payout_key_used" => Reason::PayoutKeyUsed,
             "busy" => Reason::Busy,
             "unavailable" => Reason::Unavailable,
-            t if t == "invalid_request" || t.starts_with("invalid_request:") => Reason::Invalid(t.to_owned()),
-            t => Reason::Other(t.to_owned()),
+            INVALID_REQUEST => Reason::invalid(""),
+            t => match t.strip_prefix(INVALID_REQUEST).and_then(|rest| rest.strip_prefix(": ")) {
+                Some(detail) => Reason::invalid(detail),
+                None => Reason::Other(t.to_owned()),
+            },
         }
-    }
-
-    /// The reason's code alone (`invalid_request` of `invalid_request: …`),
-    /// for logs, which never carry the client's text.
-    pub fn code(&self) -> &str {
-        let text = self.as_str();
-        text.split(':').next().unwrap_or(text)
     }
 }
 
+/// The text the lab's answer and a key table carry: the code, and for a
+/// malformed request `code: detail`.
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        match self {
+            Reason::Invalid { code, detail } if !detail.is_empty() => write!(f, "{code}: {detail}"),
+            other => f.write_str(other.code()),
+        }
     }
 }
 
@@ -90,11 +113,17 @@ mod tests {
             Reason::PayoutKeyUsed,
             Reason::Busy,
             Reason::Unavailable,
-            Reason::Invalid("invalid_request: amount must be a positive integer".into()),
+            Reason::invalid("amount must be a positive integer"),
+            Reason::invalid(""),
             Reason::Other("a reason of another build".into()),
         ] {
-            assert_eq!(Reason::parse(r.as_str()), r);
+            assert_eq!(Reason::parse(&r.to_string()), r);
         }
-        assert_eq!(Reason::Invalid("invalid_request: x: y".into()).code(), "invalid_request");
+        let r = Reason::parse("invalid_request: x: y");
+        assert_eq!(
+            (r.code(), r.detail(), r.to_string().as_str()),
+            ("invalid_request", Some("x: y"), "invalid_request: x: y")
+        );
+        assert_eq!(Reason::parse("invalid_requests").code(), "invalid_requests");
     }
 }

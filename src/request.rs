@@ -8,6 +8,7 @@
 
 use crate::canonical::{Json, clip, fingerprint};
 use crate::policy::Policy;
+use crate::reason::Reason;
 use std::fmt;
 
 /// 2^53 − 1: the largest integer that every JSON parser, RFC 8785 and a
@@ -113,27 +114,43 @@ pub enum RequestError {
     Currency(String),
 }
 
+impl RequestError {
+    /// The refusal this error is: `invalid_request`, with its detail.
+    pub fn reason(&self) -> Reason {
+        Reason::invalid(Detail(self).to_string())
+    }
+}
+
+/// What is wrong, without the reason's code.
+struct Detail<'a>(&'a RequestError);
+
 impl fmt::Display for RequestError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("invalid_request: ")?;
-        match self {
-            Self::TooLarge { limit } => write!(f, "request is larger than {limit} bytes"),
-            Self::NotUtf8 => write!(f, "request is not valid UTF-8"),
-            Self::NotJson(why) => write!(f, "request is not valid JSON ({why})"),
-            Self::NotObject(what) => write!(f, "{what} must be a JSON object"),
-            Self::Missing(field) => write!(f, "missing field {field}"),
-            Self::UnknownField(field) => write!(f, "unknown field {field}"),
-            Self::WrongType { field, expected } => write!(f, "{field} must be {expected}"),
-            Self::Empty(field) => write!(f, "{field} must not be empty"),
-            Self::TooLong { field, limit } => {
+        write!(f, "{}: {}", crate::reason::INVALID_REQUEST, Detail(self))
+    }
+}
+
+impl fmt::Display for Detail<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use RequestError as E;
+        match self.0 {
+            E::TooLarge { limit } => write!(f, "request is larger than {limit} bytes"),
+            E::NotUtf8 => write!(f, "request is not valid UTF-8"),
+            E::NotJson(why) => write!(f, "request is not valid JSON ({why})"),
+            E::NotObject(what) => write!(f, "{what} must be a JSON object"),
+            E::Missing(field) => write!(f, "missing field {field}"),
+            E::UnknownField(field) => write!(f, "unknown field {field}"),
+            E::WrongType { field, expected } => write!(f, "{field} must be {expected}"),
+            E::Empty(field) => write!(f, "{field} must not be empty"),
+            E::TooLong { field, limit } => {
                 write!(f, "{field} must be at most {limit} characters")
             }
-            Self::Control(field) => write!(f, "{field} must not contain control characters"),
-            Self::Amount { max } => {
+            E::Control(field) => write!(f, "{field} must not contain control characters"),
+            E::Amount { max } => {
                 write!(f, "amount must be a positive integer no greater than {max}")
             }
-            Self::SameAccount => write!(f, "src and dst must be different accounts"),
-            Self::Currency(c) => write!(f, "unsupported currency {c:?}"),
+            E::SameAccount => write!(f, "src and dst must be different accounts"),
+            E::Currency(c) => write!(f, "unsupported currency {c:?}"),
         }
     }
 }

@@ -1,5 +1,8 @@
 //! `idem_api`: the lab's engine contract (see `idem::api`).
 
+#[path = "idem/api_edge.rs"]
+mod api_edge;
+
 fn main() -> std::process::ExitCode {
-    idem::api::main(std::env::args_os())
+    api_edge::main(std::env::args_os())
 }

@@ -1,5 +1,5 @@
 //! `idem chaos`: a day of many concurrent clients sending their transfers
-//! through a lossy network ([`super::proxy`]) to a real service, which is killed
+//! through a lossy network ([`crate::outside::proxy`]) to a real service, which is killed
 //! with SIGKILL and restarted mid-day (and, on PostgreSQL, the database
 //! restarted once, or a replicated one's primary killed: a failover). With
 //! several instances, each client tries them in turn. Then the verdict, from the database and the clients' own
@@ -12,10 +12,10 @@
 //! transfer row names the intent it came from. That is what lets the same
 //! verdict judge a deliberately broken server (see `tests/chaos.rs`).
 
-use super::HarnessError as ChaosError;
-use super::day::io_at;
-use super::proxy::{Odds, Proxy};
+use super::HarnessError;
+use super::files::io_at;
 use crate::client::{self, Endpoint, Verdict};
+use crate::outside::proxy::{Odds, Proxy};
 use crate::policy::Policy;
 use crate::protocol;
 use crate::rng::Rng;
@@ -54,8 +54,8 @@ pub struct Config {
     /// How many times the server is killed mid-day (evenly spaced); only
     /// with one instance, since the claims of the killed one are released
     /// by the operator's `idem recover`, which cannot tell them from the
-    /// live ones' claims.
-    pub kills: usize,
+    /// live ones' claims. `None`: 2 with one instance, else none.
+    pub kills: Option<usize>,
     /// Restarts the database once mid-day (PostgreSQL).
     pub restart_db: Option<Command>,
     /// Kills a replicated database's primary this many times, evenly spaced
@@ -249,8 +249,9 @@ fn start_server(
     clients: &Path,
     log: &Path,
     extra: &[String],
-) -> Result<Server, ChaosError> {
-    let (program, args) = serve.split_first().ok_or_else(|| ChaosError("empty --serve command".into()))?;
+) -> Result<Server, HarnessError> {
+    let (program, args) =
+        serve.split_first().ok_or_else(|| HarnessError::Stopped("empty --serve command".into()))?;
     let mut child = std::process::Command::new(program)
         .args(args)
         .arg("--db")
@@ -261,22 +262,22 @@ fn start_server(
         .stdout(Stdio::piped())
         .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(io_at(log))?)
         .spawn()
-        .map_err(|e| ChaosError(format!("cannot start {program}: {e}")))?;
+        .map_err(HarnessError::io(format!("cannot start {program}")))?;
     let mut line = String::new();
-    let stdout = child.stdout.take().ok_or_else(|| ChaosError("no stdout from the server".into()))?;
+    let stdout =
+        child.stdout.take().ok_or_else(|| HarnessError::Stopped("no stdout from the server".into()))?;
     BufReader::new(stdout)
         .read_line(&mut line)
-        .map_err(|e| ChaosError(format!("reading the server's first line: {e}")))?;
-    let address =
-        line.trim().strip_prefix("http://").and_then(|a| a.parse().ok()).ok_or_else(|| {
-            ChaosError(format!("the server's first line was {line:?}, not http://HOST:PORT"))
-        })?;
+        .map_err(HarnessError::io("reading the server's first line"))?;
+    let address = line.trim().strip_prefix("http://").and_then(|a| a.parse().ok()).ok_or_else(|| {
+        HarnessError::Stopped(format!("the server's first line was {line:?}, not http://HOST:PORT"))
+    })?;
     Ok(Server { child, address })
 }
 
 /// How many keys are claimed now, but for those of payouts not settled
 /// (their key stays claimed until they are: a retry is answered 202).
-fn claims_left(db: &Db, policy: &Policy) -> Result<usize, ChaosError> {
+fn claims_left(db: &Db, policy: &Policy) -> Result<usize, HarnessError> {
     let mut store = store::open(db, policy, Usage::LongLived)?;
     let open: Vec<_> = match bank::payouts(db)?.is_empty() {
         true => Vec::new(),
@@ -296,16 +297,17 @@ const EVENTS_SECRET: &str = "chaos-events-secret";
 impl GatewayProcess {
     /// Registers `server` as where the gateway's events go (the server
     /// itself, not its fault proxy: events have faults of their own).
-    fn send_events_to(&self, server: SocketAddr) -> Result<(), ChaosError> {
+    fn send_events_to(&self, server: SocketAddr) -> Result<(), HarnessError> {
         let body =
             serde_json::json!({"url": format!("http://{server}"), "secret": EVENTS_SECRET}).to_string();
         let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
         match agent.post(format!("{}/webhook_endpoints", self.url)).send(body.as_str()) {
             Ok(r) if r.status().is_success() => Ok(()),
-            Ok(r) => {
-                Err(ChaosError(format!("the gateway refused the webhook endpoint: HTTP {}", r.status())))
-            }
-            Err(e) => Err(ChaosError(format!("cannot register the webhook endpoint: {e}"))),
+            Ok(r) => Err(HarnessError::Stopped(format!(
+                "the gateway refused the webhook endpoint: HTTP {}",
+                r.status()
+            ))),
+            Err(e) => Err(HarnessError::Stopped(format!("cannot register the webhook endpoint: {e}"))),
         }
     }
 }
@@ -324,8 +326,9 @@ impl Drop for GatewayProcess {
     }
 }
 
-fn start_gateway(command: &[String], out: &Path) -> Result<GatewayProcess, ChaosError> {
-    let (program, args) = command.split_first().ok_or_else(|| ChaosError("empty gateway command".into()))?;
+fn start_gateway(command: &[String], out: &Path) -> Result<GatewayProcess, HarnessError> {
+    let (program, args) =
+        command.split_first().ok_or_else(|| HarnessError::Stopped("empty gateway command".into()))?;
     let ledger = out.join("gateway.db");
     bank::remove_files(&ledger)?;
     let log = out.join("gateway.log");
@@ -337,15 +340,16 @@ fn start_gateway(command: &[String], out: &Path) -> Result<GatewayProcess, Chaos
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log).map_err(io_at(&log))?)
         .spawn()
-        .map_err(|e| ChaosError(format!("cannot start {program}: {e}")))?;
+        .map_err(HarnessError::io(format!("cannot start {program}")))?;
     let mut line = String::new();
-    let stdout = child.stdout.take().ok_or_else(|| ChaosError("no stdout from the gateway".into()))?;
+    let stdout =
+        child.stdout.take().ok_or_else(|| HarnessError::Stopped("no stdout from the gateway".into()))?;
     BufReader::new(stdout)
         .read_line(&mut line)
-        .map_err(|e| ChaosError(format!("the gateway's first line: {e}")))?;
+        .map_err(HarnessError::io("reading the gateway's first line"))?;
     let url = line.trim().to_owned();
     if !url.starts_with("http://") {
-        return Err(ChaosError(format!("the gateway's first line was {line:?}, not its URL")));
+        return Err(HarnessError::Stopped(format!("the gateway's first line was {line:?}, not its URL")));
     }
     Ok(GatewayProcess { child, url, ledger })
 }
@@ -359,7 +363,7 @@ fn settle_payouts(
     intents: &[Intent],
     log: &Path,
     policy: &Policy,
-) -> Result<PayoutVerdict, ChaosError> {
+) -> Result<PayoutVerdict, HarnessError> {
     use crate::payout::{self, HttpGateway};
     let http = HttpGateway {
         url: gateway.url.clone(),
@@ -401,8 +405,8 @@ fn settle_payouts(
         std::thread::sleep(Duration::from_millis(250));
     }
     let rows = bank::payouts(db)?;
-    let conn = super::gateway::open(&gateway.ledger)?;
-    let paid = super::gateway::ledger(&conn)?;
+    let conn = crate::outside::gateway::open(&gateway.ledger)?;
+    let paid = crate::outside::gateway::ledger(&conn)?;
     drop(gateway);
     let mut v = PayoutVerdict {
         intended: intents.iter().filter(|i| i.kind == "payout").count(),
@@ -465,14 +469,14 @@ fn settle_payouts(
 /// killed, and no money moves without its completion, so none of them has
 /// moved any (the operator's `idem recover --release` once the lease is
 /// known to be over).
-fn release_claims(db: &Db, policy: &Policy) -> Result<usize, ChaosError> {
+fn release_claims(db: &Db, policy: &Policy) -> Result<usize, HarnessError> {
     let mut store = store::open(db, policy, Usage::LongLived)?;
     let later = crate::clock::Timestamp::now().plus_seconds(i64::from(policy.in_progress_lease_seconds));
     Ok(protocol::release_claims(&mut store, later, false, policy)?.len())
 }
 
 /// The day. Writes `chaos.json` and `chaos_report.md` into `config.out`.
-pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
+pub fn run(config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
     std::fs::create_dir_all(&config.out).map_err(io_at(&config.out))?;
     let db = match &config.db {
         Some(db) => db.clone(),
@@ -494,17 +498,18 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     let tokens: Vec<String> = (0..config.clients).map(|c| format!("tok-chaos-{}-{c}", config.seed)).collect();
     let map: BTreeMap<&str, String> =
         tokens.iter().enumerate().map(|(c, t)| (t.as_str(), format!("chaos-{c}"))).collect();
-    std::fs::write(&clients_file, serde_json::to_string(&map).map_err(|e| ChaosError(e.to_string()))?)
-        .map_err(io_at(&clients_file))?;
+    std::fs::write(&clients_file, serde_json::to_string(&map)?).map_err(io_at(&clients_file))?;
     let log = config.out.join("server.log");
     let _ = std::fs::remove_file(&log);
 
     if config.instances == 0 {
-        return Err(ChaosError("no instances to run".into()));
+        return Err(HarnessError::Stopped("no instances to run".into()));
     }
-    if config.instances > 1 && config.kills > 0 {
-        return Err(ChaosError(
-            "server kills need one instance: releasing a killed server's claims would release the live ones' too"
+    let planned_kills = config.kills.unwrap_or(if config.instances == 1 { 2 } else { 0 });
+    if config.instances > 1 && planned_kills > 0 {
+        return Err(HarnessError::Stopped(
+            "server kills need one instance: the claims a killed server leaves are released by \
+             `idem recover`, which cannot tell them from the live instances' claims"
                 .into(),
         ));
     }
@@ -533,7 +538,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     for i in 0..config.instances {
         let server = start_server(&config.serve, &db, &clients_file, &log, &extra)?;
         let proxy = Proxy::start(server.address, config.seed.wrapping_add(i as u64), config.odds)
-            .map_err(|e| ChaosError(format!("starting the fault proxy: {e}")))?;
+            .map_err(HarnessError::io("starting the fault proxy"))?;
         servers.push(server);
         proxies.push(proxy);
     }
@@ -621,7 +626,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
     let mut failed_over = Vec::new();
     let mut failovers_not_run = 0;
     let spaced = |n: usize, fault: fn() -> Fault| (1..=n).map(move |k| (total * k / (n + 1), fault()));
-    let mut faults: Vec<(usize, Fault)> = spaced(config.kills, || Fault::Kill)
+    let mut faults: Vec<(usize, Fault)> = spaced(planned_kills, || Fault::Kill)
         .chain(spaced(if config.failover.is_some() { config.failovers } else { 0 }, || Fault::Failover))
         .chain(spaced(usize::from(config.restart_db.is_some()), || Fault::RestartDb))
         .collect();
@@ -644,7 +649,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                 kills += 1;
             }
             (Fault::RestartDb, Some(restart), _) => {
-                restart().map_err(|e| ChaosError(format!("restarting the database: {e}")))?;
+                restart().map_err(|e| HarnessError::Stopped(format!("restarting the database: {e}")))?;
                 database_restarts += 1;
                 released += release_claims(&db, policy)?;
             }
@@ -655,15 +660,15 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
                 failovers_not_run += 1
             }
             (Fault::Failover, _, Some([kill, heal])) => {
-                kill().map_err(|e| ChaosError(format!("killing the primary: {e}")))?;
+                kill().map_err(|e| HarnessError::Stopped(format!("killing the primary: {e}")))?;
                 failed_over.push(Instant::now());
-                heal().map_err(|e| ChaosError(format!("after the failover: {e}")))?;
+                heal().map_err(|e| HarnessError::Stopped(format!("after the failover: {e}")))?;
             }
             _ => {}
         }
     }
     for w in workers {
-        w.join().map_err(|_| ChaosError("a client thread panicked".into()))?;
+        w.join().map_err(|_| HarnessError::Stopped("a client thread panicked".into()))?;
     }
     let day_ended = Instant::now();
     for server in &mut servers {
@@ -684,8 +689,8 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, ChaosError> {
         verdict(&db, &intents, &accounts, &proxies, [kills, database_restarts, released, claimed], &config)?;
     let summary = Summary { failovers, failovers_not_run, payouts: payout_verdict, ..summary };
     drop(proxies);
-    super::day::write_file(&config.out.join("chaos.json"), &super::day::to_json(&summary)?)?;
-    super::day::write_file(&config.out.join("chaos_report.md"), &report(&summary))?;
+    super::files::write_file(&config.out.join("chaos.json"), &super::files::to_json(&summary)?)?;
+    super::files::write_file(&config.out.join("chaos_report.md"), &report(&summary))?;
     Ok(summary)
 }
 
@@ -697,7 +702,7 @@ fn verdict(
     proxies: &[Proxy],
     [kills, database_restarts, released, claimed]: [usize; 4],
     config: &Config,
-) -> Result<Summary, ChaosError> {
+) -> Result<Summary, HarnessError> {
     let (transfers, balances) = bank::ledger(db)?;
     let payouts = bank::payouts(db)?;
     let by_amount: BTreeMap<i64, &Intent> = intents.iter().map(|i| (i.amount, i)).collect();
@@ -766,7 +771,7 @@ fn verdict(
             .copied()
             .unwrap_or(0)
     };
-    let load = |count: fn(&super::proxy::Counts) -> &std::sync::atomic::AtomicU64| {
+    let load = |count: fn(&crate::outside::proxy::Counts) -> &std::sync::atomic::AtomicU64| {
         proxies.iter().map(|p| count(&p.counts).load(Ordering::Relaxed)).sum::<u64>()
     };
     let attempts: Vec<u32> = intents.iter().map(|i| i.attempts).collect();

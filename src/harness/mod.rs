@@ -5,33 +5,79 @@
 //! under `tests/`.
 
 pub mod chaos;
-pub mod check;
 pub mod day;
-pub mod gateway;
-pub mod hop;
-pub mod proxy;
+pub mod files;
 pub mod race;
 pub mod scenario;
 
 use crate::protocol::{self, Claimed, Ctx, Engine, Flow, Outcome, Point, Response};
-use crate::reason::Reason;
 use crate::store::StoreError;
 
-/// An error of the harness (the day, chaos, the checks), with what it was doing.
+/// Why the harness stopped, with its cause.
 #[derive(Debug)]
-pub struct HarnessError(pub String);
+pub enum HarnessError {
+    /// A file the harness reads or writes, or a process it starts: what it
+    /// was doing, and the system's error.
+    Io { doing: String, source: std::io::Error },
+    /// A SQLite file the harness reads or writes itself (the day's log, a
+    /// gateway's ledger).
+    Sqlite(rusqlite::Error),
+    /// The engine's store, under the day or chaos.
+    Store(StoreError),
+    /// A report the harness writes as JSON.
+    Json(serde_json::Error),
+    /// What the harness found that stops it (a setup it refuses, a server
+    /// that did not start, a crash nobody asked for), in its own words.
+    Stopped(String),
+}
 
-impl std::fmt::Display for HarnessError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+impl HarnessError {
+    /// An `Io` error's constructor for `map_err`, saying what was being done.
+    pub fn io(doing: impl Into<String>) -> impl FnOnce(std::io::Error) -> HarnessError {
+        let doing = doing.into();
+        move |source| HarnessError::Io { doing, source }
     }
 }
 
-impl std::error::Error for HarnessError {}
+impl std::fmt::Display for HarnessError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HarnessError::Io { doing, source } => write!(f, "{doing}: {source}"),
+            HarnessError::Sqlite(e) => write!(f, "sqlite: {e}"),
+            HarnessError::Store(e) => write!(f, "store: {e}"),
+            HarnessError::Json(e) => write!(f, "json: {e}"),
+            HarnessError::Stopped(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for HarnessError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            HarnessError::Io { source, .. } => Some(source),
+            HarnessError::Sqlite(e) => Some(e),
+            HarnessError::Store(e) => Some(e),
+            HarnessError::Json(e) => Some(e),
+            HarnessError::Stopped(_) => None,
+        }
+    }
+}
 
 impl From<rusqlite::Error> for HarnessError {
     fn from(e: rusqlite::Error) -> Self {
-        HarnessError(format!("sqlite: {e}"))
+        HarnessError::Sqlite(e)
+    }
+}
+
+impl From<StoreError> for HarnessError {
+    fn from(e: StoreError) -> Self {
+        HarnessError::Store(e)
+    }
+}
+
+impl From<serde_json::Error> for HarnessError {
+    fn from(e: serde_json::Error) -> Self {
+        HarnessError::Json(e)
     }
 }
 
@@ -46,10 +92,7 @@ pub fn send<E: Engine + ?Sized>(
     let req = match engine.parse(raw.as_bytes(), ctx.policy) {
         Ok(req) => req,
         Err(e) => {
-            return Ok(Some(Response::refusal(
-                ctx.policy.on_invalid_request,
-                Reason::Invalid(e.to_string()),
-            )));
+            return Ok(Some(Response::refusal(ctx.policy.on_invalid_request, e.reason())));
         }
     };
     let mut faults = |p: Point| if Some(p) == crash { Flow::Crash } else { Flow::Continue };
@@ -70,7 +113,7 @@ pub fn together<E: Engine + ?Sized>(
     let mut staged = Vec::new();
     for (raw, ctx) in batch {
         staged.push(match engine.parse(raw.as_bytes(), ctx.policy) {
-            Err(e) => Err(Response::refusal(ctx.policy.on_invalid_request, Reason::Invalid(e.to_string()))),
+            Err(e) => Err(Response::refusal(ctx.policy.on_invalid_request, e.reason())),
             Ok(req) => {
                 let claimed = engine.claim(&req, *ctx);
                 Ok((req, claimed))

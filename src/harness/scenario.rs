@@ -359,7 +359,7 @@ impl Runner<'_> {
     fn check(&mut self, raw: &str, got: &Response, want: &Expect) -> Result<(), String> {
         let reason_ok = match (&want.reason, &got.reason) {
             (None, None) => true,
-            (Some(w), Some(g)) => g.as_str().starts_with(w.as_str()),
+            (Some(w), Some(g)) => g.to_string().starts_with(&w.to_string()),
             _ => false,
         };
         if got.status != want.status || got.replay != want.replay || !reason_ok {

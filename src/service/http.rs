@@ -281,10 +281,7 @@ async fn refuse_or_transfer(
     let scoped = ScopedKey { client_id: client, endpoint: TRANSFERS.into(), idem_key: key };
     let parsed = match request::parse_body(scoped, &body, app.policy) {
         Ok(parsed) => parsed,
-        Err(e) => {
-            let reason = e.to_string();
-            return problem(StatusCode::BAD_REQUEST, &reason, &reason, note);
-        }
+        Err(e) => return invalid(&e.reason(), note),
     };
     let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
     // A settled key (a replay, another body) is answered by a reader,
@@ -445,7 +442,7 @@ pub(super) fn respond(answer: Answer, note: &mut Note) -> Reply {
         (status, _) => {
             let Some(reason) = answer.reason else { return failed(note) };
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut reply = problem(status, reason.as_str(), detail_of(&reason), note);
+            let mut reply = problem(status, reason.code(), detail_of(&reason), note);
             if matches!(status, StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE) {
                 reply.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
@@ -470,9 +467,15 @@ fn detail_of(reason: &Reason) -> &str {
         }
         Reason::Busy => "The service is busy; retry shortly.",
         Reason::Unavailable => "The database cannot take requests now; retry shortly with the same key.",
-        // invalid_request: … carries its own explanation
-        Reason::Invalid(text) | Reason::Other(text) => text,
+        Reason::Invalid { detail, .. } => detail,
+        // a gateway's refusal, in its words
+        Reason::Other(text) => text,
     }
+}
+
+/// A malformed request's 400: its code as the reason, what is wrong as the detail.
+pub(super) fn invalid(reason: &Reason, note: &mut Note) -> Reply {
+    problem(StatusCode::BAD_REQUEST, reason.code(), reason.detail().unwrap_or_default(), note)
 }
 
 pub(super) fn busy(app: &App, note: &mut Note) -> Reply {

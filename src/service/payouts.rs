@@ -5,7 +5,7 @@
 
 use super::executor::{Clock, Job};
 use super::http::{
-    App, Note, Reply, authenticate, busy, failed, on_writer, problem, respond, store_error, text,
+    App, Note, Reply, authenticate, busy, failed, invalid, on_writer, problem, respond, store_error, text,
     unauthorized,
 };
 use crate::payout::{self, HttpGateway, PAYOUTS};
@@ -88,10 +88,7 @@ pub(super) async fn make(app: &Arc<App>, key: ScopedKey, body: &[u8], note: &mut
     };
     let req = match request::parse_payout(key, body, app.policy) {
         Ok(req) => req,
-        Err(e) => {
-            let reason = e.to_string();
-            return problem(StatusCode::BAD_REQUEST, &reason, &reason, note);
-        }
+        Err(e) => return invalid(&e.reason(), note),
     };
     let Some(_slot) = desk.budget.take(&req.key.client_id) else { return busy(app, note) };
     let token = match crate::protocol::fresh_token() {

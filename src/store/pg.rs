@@ -876,7 +876,7 @@ pub(super) struct PlanArgs<'a> {
     currency: &'a str,
     at: String,
     status: i32,
-    reason: Option<&'a str>,
+    reason: Option<String>,
     body: &'a str,
 }
 
@@ -904,7 +904,7 @@ impl<'a> PlanArgs<'a> {
             currency,
             at: x.at.to_string(),
             status: i32::from(status),
-            reason: reason.map(Reason::as_str),
+            reason: reason.map(Reason::to_string),
             body,
         })
     }
@@ -1217,7 +1217,7 @@ impl Tx for PgTx<'_> {
         at: Timestamp,
     ) -> Result<bool, StoreError> {
         let (status, at) = (i32::from(response.status), at.to_string());
-        let reason = response.reason.as_ref().map(Reason::as_str);
+        let reason = response.reason.as_ref().map(Reason::to_string);
         let changed = self
             .client
             .execute(

@@ -663,7 +663,7 @@ impl Tx for SqliteTx<'_> {
                     &key.endpoint,
                     &key.idem_key,
                     response.status,
-                    response.reason.as_ref().map(Reason::as_str),
+                    response.reason.as_ref().map(Reason::to_string),
                     &response.body,
                     response.transfer_id,
                     at.to_string(),

@@ -336,7 +336,7 @@ fn a_busy_execution_answers_503_and_frees_its_key() {
     let outcome = protocol::handle(&mut store, &req, ctx, &mut faults).unwrap();
     holder.unwrap().join().unwrap();
     let Outcome::Respond(r) = outcome else { panic!("{outcome:?}") };
-    assert_eq!((r.status, r.reason.as_ref().map(|r| r.as_str())), (policy.on_busy, Some("busy")));
+    assert_eq!((r.status, r.reason.as_ref().map(|r| r.code())), (policy.on_busy, Some("busy")));
     assert_eq!((bank.balances(), bank.transfers().len()), (before.clone(), 0));
     assert_eq!(keys(&bank), vec![], "the busy execution left its claim behind");
     let retry = bank.send_with(&text, &[("IDEM_NOW", &at(1))]);

@@ -54,7 +54,7 @@ fn kill_storm(backend: Backend) {
     // in. On loopback the claim and the execution, one statement each,
     // leave almost none, and the kills land before or after.
     let hop = (backend != Backend::Sqlite)
-        .then(|| idem::harness::hop::Hop::to_postgres(&bank.spec(), Duration::from_millis(2)).unwrap());
+        .then(|| idem::outside::hop::Hop::to_postgres(&bank.spec(), Duration::from_millis(2)).unwrap());
     let db = hop.as_ref().map_or_else(|| bank.spec(), |(_, through)| through.clone());
     let command = |file: &std::path::Path| {
         let mut cmd = std::process::Command::new(API);

@@ -53,7 +53,7 @@ fn a_balance_spent_after_the_claim_is_refused_at_the_execution() {
         let (first, second, after) = interleave(backend, &rows, spend("k-1", "B"), spend("k-2", "C"));
         assert_eq!(first.status, 201, "{backend:?}: {first:?}");
         assert_eq!(
-            (second.status, second.reason.as_ref().map(|r| r.as_str())),
+            (second.status, second.reason.as_ref().map(|r| r.code())),
             (402, Some("insufficient_funds")),
             "{backend:?}: the second spent money its claim saw but the first had taken: {second:?}"
         );

@@ -5,7 +5,7 @@
 //! caught paying twice.
 
 use idem::harness::chaos::{Config, run};
-use idem::harness::proxy::Odds;
+use idem::outside::proxy::Odds;
 use idem::policy::Policy;
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ fn config(out: &std::path::Path, db: Option<String>, serve: Vec<String>) -> Conf
         transfers: 25,
         serve,
         instances: 1,
-        kills: 2,
+        kills: Some(2),
         restart_db: None,
         failovers: 0,
         failover: None,
@@ -72,7 +72,7 @@ fn a_lossy_day_over_three_instances_on_one_file_pays_every_transfer_exactly_once
     let _heavy = crate::server::heavy();
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), None, idem_serve());
-    (cfg.instances, cfg.kills) = (3, 0);
+    (cfg.instances, cfg.kills) = (3, Some(0));
     let s = run(cfg, Policy::embedded()).unwrap();
     eprintln!("{}", std::fs::read_to_string(dir.path().join("chaos_report.md")).unwrap());
     assert!(s.passed(), "{s:?}");
@@ -149,7 +149,7 @@ fn the_verdict_catches_a_server_that_keeps_no_keys() {
     let dir = tempfile::tempdir().unwrap();
     let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/naive_server.py");
     let mut cfg = config(dir.path(), None, vec!["python3".into(), naive.into()]);
-    cfg.kills = 0;
+    cfg.kills = Some(0);
     let s = run(cfg, Policy::embedded()).unwrap();
     assert!(!s.exactly_once(), "{s:?}");
     assert!(s.transfers_paid_twice > 0, "{s:?}");

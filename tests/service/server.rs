@@ -295,8 +295,8 @@ impl Gateway {
 }
 
 pub fn ledger(db: &Path) -> Vec<(String, i64, String)> {
-    let conn = idem::harness::gateway::open(db).unwrap();
-    idem::harness::gateway::ledger(&conn).unwrap().into_iter().map(|p| (p.key, p.amount, p.status)).collect()
+    let conn = idem::outside::gateway::open(db).unwrap();
+    idem::outside::gateway::ledger(&conn).unwrap().into_iter().map(|p| (p.key, p.amount, p.status)).collect()
 }
 
 impl Drop for Gateway {

@@ -14,32 +14,9 @@ pub mod report;
 pub mod traffic;
 
 use super::HarnessError;
+use super::files::{io_at, open_existing, to_json, write_file};
 use crate::store::{Db, bank};
 use std::path::Path;
-
-/// An I/O error that names the path it happened on: "No such file or
-/// directory" alone leaves the reader guessing which file.
-pub fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> HarnessError + '_ {
-    move |e| HarnessError(format!("{}: {e}", path.display()))
-}
-
-impl From<crate::store::StoreError> for HarnessError {
-    fn from(e: crate::store::StoreError) -> Self {
-        HarnessError(format!("store: {e}"))
-    }
-}
-
-/// Writes `text` plus a final newline, replacing the file atomically: the
-/// text goes to a temporary file of its own beside `path` (a name no other
-/// writer shares), which is then renamed over it.
-pub fn write_file(path: &Path, text: &str) -> Result<(), HarnessError> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io_at(dir))?;
-    std::io::Write::write_all(&mut tmp, format!("{}\n", text.trim_end()).as_bytes())
-        .map_err(io_at(tmp.path()))?;
-    tmp.persist(path).map_err(|e| io_at(path)(e.error))?;
-    Ok(())
-}
 
 /// The files `prove` writes, in the order it writes them.
 pub const PROVE_FILES: [&str; 6] =
@@ -48,7 +25,10 @@ pub const PROVE_FILES: [&str; 6] =
 /// Creates `idem.db` at `path`; refuses to touch an existing file.
 pub fn generate_at(path: &Path) -> Result<(), HarnessError> {
     if path.exists() {
-        return Err(HarnessError(format!("{} exists; remove it or pick another path", path.display())));
+        return Err(HarnessError::Stopped(format!(
+            "{} exists; remove it or pick another path",
+            path.display()
+        )));
     }
     let mut conn = rusqlite::Connection::open(path)?;
     traffic::generate(&mut conn)
@@ -64,13 +44,6 @@ pub fn replay_at(
 ) -> Result<replay::Replayed, HarnessError> {
     let log = open_existing(log_path)?;
     replay::replay(&log, day, policy, racing)
-}
-
-/// Opens a database that must already exist (never creates an empty one).
-pub fn open_existing(path: &Path) -> Result<rusqlite::Connection, HarnessError> {
-    use rusqlite::OpenFlags;
-    rusqlite::Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-        .map_err(|e| HarnessError(format!("cannot open {}: {e}", path.display())))
 }
 
 /// The whole day into `dir`: the files of [`PROVE_FILES`], from scratch.
@@ -111,9 +84,4 @@ pub fn prove(
     write_file(&dir.join("policy.json"), crate::policy::TEXT)?;
     write_file(&dir.join("idem_report.md"), &report::markdown(&dup, &day, policy)?)?;
     Ok(day.result)
-}
-
-/// Pretty JSON for the files people read.
-pub fn to_json<T: serde::Serialize>(value: &T) -> Result<String, HarnessError> {
-    serde_json::to_string_pretty(value).map_err(|e| HarnessError(e.to_string()))
 }

@@ -11,8 +11,9 @@
 //! goes into its own line of the report; the counts of `result.json` are the
 //! seq-order replay's.
 
-use super::{HarnessError, io_at};
+use super::HarnessError;
 use crate::clock::Timestamp;
+use crate::harness::files::io_at;
 use crate::harness::{self, race};
 use crate::policy::Policy;
 use crate::protocol::Ctx;
@@ -102,7 +103,7 @@ pub fn replay(
     let mut rows = stmt.query([])?;
     while let Some(r) = rows.next()? {
         let at: String = r.get(1)?;
-        let at = Timestamp::parse(&at).map_err(|e| HarnessError(format!("req_log: {e}")))?;
+        let at = Timestamp::parse(&at).map_err(|e| HarnessError::Stopped(format!("req_log: {e}")))?;
         logged.push(Logged { seq: r.get(0)?, at, kind: r.get(2)?, raw: r.get(3)? });
     }
 
@@ -117,7 +118,7 @@ pub fn replay(
         let token = format!("seq-{}", entry.seq);
         let ctx = Ctx { policy, now: entry.at, token: &token };
         let response = harness::send(&mut store, &entry.raw, ctx, None)?
-            .ok_or_else(|| HarnessError(format!("seq {} crashed unasked", entry.seq)))?;
+            .ok_or_else(|| HarnessError::Stopped(format!("seq {} crashed unasked", entry.seq)))?;
         if let (Some(key), Some(id)) = (key_of(&entry.raw, policy), response.transfer_id) {
             paid.entry(key).or_default().insert(id);
         }
@@ -191,12 +192,12 @@ fn race_on_a_copy(
         race::release_together(&racing.engine, &racing.scratch.to_arg(), &files, &[("IDEM_NOW", now)]);
     dir.close().map_err(io_at(&std::env::temp_dir()))?;
     let mut answers = Vec::new();
-    for f in finished.map_err(|e| HarnessError(format!("racing {:?}: {e}", racing.engine)))? {
+    for f in finished.map_err(|e| HarnessError::Stopped(format!("racing {:?}: {e}", racing.engine)))? {
         let answer = serde_json::from_str::<serde_json::Value>(&f.stdout)
             .ok()
             .and_then(|v| Some((u16::try_from(v["status"].as_u64()?).ok()?, v["replay"].as_bool()?)))
             .ok_or_else(|| {
-                HarnessError(format!(
+                HarnessError::Stopped(format!(
                     "a racing process answered {:?} (exit {:?}): {}",
                     f.stdout,
                     f.code,

@@ -90,7 +90,7 @@ pub fn markdown(dup: &DupReport, replayed: &Replayed, policy: &Policy) -> Result
     let (day, answers) = (&replayed.result, &replayed.answers);
     let mut md = String::new();
     let w = &mut md;
-    let fmt = |e: std::fmt::Error| HarnessError(e.to_string());
+    let fmt = |e: std::fmt::Error| HarnessError::Stopped(e.to_string());
     writeln!(w, "# idem: one day of transfers, replayed\n").map_err(fmt)?;
     writeln!(
         w,

@@ -186,7 +186,7 @@ pub fn generate(conn: &mut Connection) -> Result<(), HarnessError> {
     for (i, holder) in HOLDERS.iter().enumerate() {
         tx.execute("INSERT INTO account VALUES (?1, ?2, ?3)", params![acct_id(i), holder, OPENING_BALANCE])?;
     }
-    let start = Timestamp::parse(DAY_START).map_err(|e| HarnessError(e.to_string()))?;
+    let start = Timestamp::parse(DAY_START).map_err(|e| HarnessError::Stopped(e.to_string()))?;
     let mut rng = Rng::new(0x1de3_2026_1130);
     for (i, a) in arrivals(&mut rng).iter().enumerate() {
         let seq = i as i64 + 1;

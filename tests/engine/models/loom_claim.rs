@@ -221,7 +221,7 @@ pub fn race_with<E: Engine + Send + 'static>(
             KeyState::InProgress { .. } => assert!(state.transfers.is_empty() && died == 1),
         }
         for r in answers.iter().flatten().filter(|r| r.status != 201) {
-            assert_eq!((r.status, r.reason.as_ref().map(|r| r.as_str())), (409, Some("in_progress")));
+            assert_eq!((r.status, r.reason.as_ref().map(|r| r.code())), (409, Some("in_progress")));
         }
         if died == 0 {
             assert_eq!(state.transfers.len(), 1, "nobody died, so somebody paid");

@@ -355,7 +355,7 @@ pub fn run_day_on(
                 prop_assert!(
                     got.reason
                         .as_ref()
-                        .map(|r| r.as_str())
+                        .map(|r| r.to_string())
                         .is_some_and(|r| r.starts_with("invalid_request: amount must be")),
                     "amount {}: {:?}",
                     amount,

@@ -34,7 +34,6 @@
 //! `POST /webhook_endpoints`, with their own faults: lost, duplicated, and
 //! reordered (each sent after a random delay).
 
-use crate::harness::HarnessError;
 use crate::rng::Rng;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
@@ -135,8 +134,8 @@ impl Payout {
 }
 
 /// Opens (creating if needed) a gateway ledger.
-pub fn open(path: &Path) -> Result<Connection, HarnessError> {
-    let conn = Connection::open(path).map_err(|e| HarnessError(format!("{}: {e}", path.display())))?;
+pub fn open(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = Connection::open(path)?;
     conn.busy_timeout(Duration::from_secs(5))?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "FULL")?;
@@ -145,7 +144,7 @@ pub fn open(path: &Path) -> Result<Connection, HarnessError> {
 }
 
 /// Every payout in the ledger, in the order they were made.
-pub fn ledger(conn: &Connection) -> Result<Vec<Payout>, HarnessError> {
+pub fn ledger(conn: &Connection) -> rusqlite::Result<Vec<Payout>> {
     let mut stmt = conn.prepare(&format!("SELECT {COLUMNS} FROM payout ORDER BY id"))?;
     let rows = stmt.query_map([], payout)?.collect::<Result<Vec<_>, _>>()?;
     Ok(rows)
@@ -577,23 +576,19 @@ fn deliver(url: &str, secret: &[u8], body: &str) {
 
 /// Serves the gateway on `listener` until the process ends. Every decision
 /// is committed before its answer, so killing it loses no payout.
-pub fn serve(listener: std::net::TcpListener, options: Options) -> Result<(), HarnessError> {
-    let conn = open(&options.db)?;
+pub fn serve(listener: std::net::TcpListener, options: Options) -> std::io::Result<()> {
+    let ledger_at = |e| std::io::Error::other(format!("the ledger {}: {e}", options.db.display()));
+    let conn = open(&options.db).map_err(ledger_at)?;
     let gw = Arc::new(Gateway {
         rng: Mutex::new(Rng::new(options.seed)),
         ledger: Mutex::new(conn),
         webhook: Mutex::new(None),
         options,
     });
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| HarnessError(format!("cannot start the runtime: {e}")))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(async move {
-        listener.set_nonblocking(true).map_err(|e| HarnessError(format!("listener: {e}")))?;
-        let listener = tokio::net::TcpListener::from_std(listener)
-            .map_err(|e| HarnessError(format!("listener: {e}")))?;
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 tokio::time::sleep(Duration::from_millis(10)).await;

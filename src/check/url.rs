@@ -9,7 +9,7 @@
 //! answer as HTTP says (a chunked body is decoded, not compared raw).
 
 use super::{Property, Trace, short};
-use crate::harness::proxy::{Odds, Proxy};
+use crate::outside::proxy::{Odds, Proxy};
 use crate::rng::Rng;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;

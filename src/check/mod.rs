@@ -96,26 +96,27 @@ pub fn judge<'a, T: ?Sized>(table: &'a [Property<T>], target: &T) -> Vec<(&'a Pr
         .collect()
 }
 
-/// Prints one line per property (PASS, FAIL, SKIP), and under each failure
-/// its contract sentence and the steps that show it; `true` unless one failed.
-pub fn report<T: ?Sized>(results: &[(&Property<T>, Verdict)]) -> bool {
+/// The report, one line per property (PASS, FAIL, SKIP), and under each
+/// failure its contract sentence and the steps that show it; then the tally.
+pub fn report<T: ?Sized>(results: &[(&Property<T>, Verdict)]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
     for (property, verdict) in results {
-        match verdict {
-            Verdict::Pass => println!("PASS  {}", property.name),
-            Verdict::Skip(why) => println!("SKIP  {} ({why})", property.name),
+        // writing to a String cannot fail
+        let _ = match verdict {
+            Verdict::Pass => writeln!(out, "PASS  {}", property.name),
+            Verdict::Skip(why) => writeln!(out, "SKIP  {} ({why})", property.name),
             Verdict::Fail(steps) => {
-                println!("FAIL  {}", property.name);
-                println!("        contract: {}", property.contract);
-                for step in steps {
-                    println!("        {step}");
-                }
+                let _ = writeln!(out, "FAIL  {}", property.name);
+                let _ = writeln!(out, "        contract: {}", property.contract);
+                steps.iter().try_for_each(|step| writeln!(out, "        {step}"))
             }
-        }
+        };
     }
     let failed = results.iter().filter(|(_, v)| v.failed()).count();
     let skipped = results.iter().filter(|(_, v)| matches!(v, Verdict::Skip(_))).count();
-    println!("{} passed, {failed} failed, {skipped} skipped", results.len() - failed - skipped);
-    failed == 0
+    let _ = writeln!(out, "{} passed, {failed} failed, {skipped} skipped", results.len() - failed - skipped);
+    out
 }
 
 /// `text` flattened to one line of at most 140 characters, for a step.

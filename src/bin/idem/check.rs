@@ -1,0 +1,84 @@
+//! `idem check`: the contract judged on anyone's implementation.
+
+use crate::common::{Failure, account_id, seed_or_clock};
+use idem::check::{self, engine as lab, url as http};
+use idem::harness::files::io_at;
+use std::path::PathBuf;
+
+/// Judge any implementation of the same job: one line per property, PASS, FAIL or SKIP.
+///
+/// --engine "CMD …": a program of the lab's contract (CMD --db DB
+/// --request REQ [--crash-after-claim], CMD --db DB --purge-before T),
+/// run on databases this check builds with its own random accounts,
+/// amounts and keys. CMD is split as a shell would (quote a path with a
+/// space); --engine-arg adds one argument as it is.
+///
+/// --url URL --token T [--token T2]: an HTTP service, judged by the IETF
+/// draft and DESIGN §2.
+///
+/// --profile FILE: what the implementation chose where the contract
+/// leaves it open (JSON; see docs/check.md). Without one, idem's choices
+/// for --url, and for --engine any stable 4xx of the right class.
+/// Each FAIL names the sentence of the contract it rests on and shows
+/// the steps. Exit 1 on any failure; --seed reproduces a run's plan
+/// (its keys are fresh each run).
+#[derive(clap::Args, Debug)]
+pub struct Check {
+    #[arg(long, value_name = "CMD", required_unless_present = "url", conflicts_with = "url")]
+    engine: Option<String>,
+    /// One more argument for the engine, taken as it is (repeatable).
+    #[arg(long, value_name = "ARG", requires = "engine", allow_hyphen_values = true)]
+    engine_arg: Vec<String>,
+    #[arg(long)]
+    url: Option<String>,
+    /// Bearer token(s): two of distinct clients check the scope.
+    #[arg(long, requires = "url")]
+    token: Vec<String>,
+    /// Two accounts the service holds, the first with funds to spare.
+    #[arg(long, default_value = "A", requires = "url")]
+    src: String,
+    #[arg(long, default_value = "B", requires = "url")]
+    dst: String,
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+pub fn check(
+    Check { engine, engine_arg, url, token, src, dst, profile, seed }: Check,
+) -> Result<(), Failure> {
+    let seed = seed_or_clock(seed);
+    let passed = match (engine, url) {
+        (Some(engine), _) => {
+            let command = lab::command(&engine, &engine_arg).map_err(Failure)?;
+            println!("idem check --engine {engine:?} --seed {seed}");
+            let target = lab::Engine { command, profile: read_profile(profile)?, seed };
+            report(&check::judge(&lab::PROPERTIES, &target))
+        }
+        (None, Some(url)) => {
+            println!("idem check --url {url} --seed {seed}");
+            let (src, dst) = (account_id(src), account_id(dst));
+            let target =
+                http::Target::new(&url, token, src, dst, read_profile(profile)?, seed).map_err(Failure)?;
+            report(&check::judge(&http::PROPERTIES, &target))
+        }
+        (None, None) => return Err(Failure("give --engine or --url".into())),
+    };
+    match passed {
+        true => Ok(()),
+        false => Err(Failure(format!("a property failed (rerun with --seed {seed})"))),
+    }
+}
+
+fn read_profile<P: serde::de::DeserializeOwned + Default>(file: Option<PathBuf>) -> Result<P, Failure> {
+    let Some(file) = file else { return Ok(P::default()) };
+    let text = std::fs::read_to_string(&file).map_err(io_at(&file))?;
+    serde_json::from_str(&text).map_err(|e| Failure(format!("{}: {e}", file.display())))
+}
+
+/// Prints one line per property (and a failure's steps); whether all passed.
+fn report<T: ?Sized>(results: &[(&check::Property<T>, check::Verdict)]) -> bool {
+    print!("{}", check::report(results));
+    results.iter().all(|(_, v)| !v.failed())
+}
