@@ -8,6 +8,7 @@ use super::executor::{Executor, Job};
 use super::health::Health;
 use super::log::Log;
 use super::metrics::Metrics;
+use super::problems;
 use crate::clock::Timestamp;
 use crate::payout::PAYOUTS;
 use crate::policy::Policy;
@@ -190,6 +191,13 @@ async fn dispatch(app: &Arc<App>, req: Request<Incoming>, note: &mut Note) -> Re
             text(StatusCode::OK, "text/plain; version=0.0.4", app.metrics.render(app.log.dropped()))
         }
         (&Method::GET, "/openapi.json") => text(StatusCode::OK, "application/json", OPENAPI.to_owned()),
+        (&Method::GET, "/problems") => text(StatusCode::OK, HTML, problems::page(None).unwrap_or_default()),
+        (&Method::GET, p) if p.starts_with("/problems/") => {
+            match problems::page(Some(&p["/problems/".len()..])) {
+                Some(page) => text(StatusCode::OK, HTML, page),
+                None => problem(StatusCode::NOT_FOUND, "not_found", "No such problem type.", note),
+            }
+        }
         (&Method::POST, TRANSFERS) => transfer(app, req, note).await,
         (&Method::POST, PAYOUTS) => transfer(app, req, note).await,
         (&Method::POST, "/v1/gateway-events") => super::payouts::event(app, req, note).await,
@@ -199,7 +207,8 @@ async fn dispatch(app: &Arc<App>, req: Request<Incoming>, note: &mut Note) -> Re
         (&Method::GET, p) if p.starts_with("/v1/transfers/") => {
             lookup(app, req.headers(), &p[14..], note).await
         }
-        (_, "/healthz" | "/metrics" | "/openapi.json") => not_allowed("GET, HEAD", note),
+        (_, "/healthz" | "/metrics" | "/openapi.json" | "/problems") => not_allowed("GET, HEAD", note),
+        (_, p) if p.starts_with("/problems/") => not_allowed("GET, HEAD", note),
         (_, TRANSFERS | PAYOUTS | "/v1/gateway-events") => not_allowed("POST", note),
         (_, p) if p.starts_with("/v1/transfers/") || p.starts_with("/v1/payouts/") => {
             not_allowed("GET, HEAD", note)
@@ -569,15 +578,23 @@ pub(super) fn text(status: StatusCode, content_type: &'static str, body: String)
     reply
 }
 
-/// An RFC 9457 problem with the `reason` extension member `idem_api` uses.
+const HTML: &str = "text/html; charset=utf-8";
+
+/// An RFC 9457 problem with the `reason` extension member `idem_api` uses;
+/// its `type` and its `Link` name the reason's page (see [`problems`]).
 pub(super) fn problem(status: StatusCode, reason: &str, detail: &str, note: &mut Note) -> Reply {
     note.reason.get_or_insert_with(|| reason.to_owned());
+    let uri = problems::uri(reason);
     let body = json!({
-        "type": "about:blank",
+        "type": uri,
         "title": status.canonical_reason().unwrap_or("Error"),
         "status": status.as_u16(),
         "detail": detail,
         "reason": reason,
     });
-    text(status, "application/problem+json", body.to_string())
+    let mut reply = text(status, "application/problem+json", body.to_string());
+    if let Ok(link) = HeaderValue::from_str(&format!("<{uri}>; rel=\"describedby\"")) {
+        reply.headers_mut().insert(header::LINK, link);
+    }
+    reply
 }

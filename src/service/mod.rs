@@ -15,6 +15,7 @@ pub mod http;
 pub mod log;
 pub mod metrics;
 mod payouts;
+pub mod problems;
 
 use crate::policy::Policy;
 use crate::store::StoreError;

@@ -3,7 +3,7 @@
 //! with `idem_api`, detached execution, a clean drain on SIGTERM).
 
 use crate::common::*;
-use crate::server::{Serve, body, documented, read};
+use crate::server::{Serve, body, documented, openapi, read};
 use serde_json::{Value, json};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -117,11 +117,15 @@ fn missing_or_malformed_keys_and_bodies_are_400_and_consume_nothing() {
             ),
             (json!({"src": s, "amount": 1, "currency": "KRW"}).to_string(), "missing field dst"),
         ] {
-            let r = serve.post(TOKEN, Some("\"kept\""), &text);
-            let reason = r.reason().unwrap_or_default();
+            let r = documented("post", "/v1/transfers", serve.post(TOKEN, Some("\"kept\""), &text));
+            let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
             assert!(
-                r.status == 400 && reason.starts_with("invalid_request: ") && reason.contains(want),
-                "{text}: {reason}"
+                r.status == 400
+                    && r.reason().as_deref() == Some("invalid_request")
+                    && detail.contains(want)
+                    && !detail.starts_with("invalid_request"),
+                "{text}: {}",
+                r.body
             );
         }
         let fresh = serve.post(TOKEN, Some("\"kept\""), &body(s, d, 1));
@@ -275,6 +279,35 @@ fn get_shows_a_transfer_to_its_owner_only_and_the_operational_endpoints_answer()
         assert_eq!((wrong.status, wrong.header("allow")), (405, Some("POST")));
         assert_no_secrets(&wrong, &bank);
     }
+}
+
+#[test]
+fn every_problem_type_links_to_its_own_page_which_the_service_serves() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let serve = start(&bank);
+    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
+    assert_eq!(serve.post(TOKEN, Some("k"), &body(s, d, 1)).status, 201);
+    // a 400 and a 422, as the draft asks: a link to documentation, followed
+    for answer in [serve.post(TOKEN, Some("k"), "{"), serve.post(TOKEN, Some("k"), &body(s, d, 2))] {
+        let answer = documented("post", "/v1/transfers", answer);
+        let page = serve.get(answer.json()["type"].as_str().unwrap(), None);
+        assert_eq!((page.status, page.header("content-type")), (200, Some("text/html; charset=utf-8")));
+        assert!(page.body.contains(&format!("reason: {}", answer.reason().unwrap())), "{}", page.body);
+    }
+    // every type the description lists has its page; the index lists them all
+    let index = serve.get("/problems", None).body;
+    let listed = openapi()["paths"]["/problems/{reason}"]["get"]["parameters"][0]["schema"]["enum"]
+        .as_array()
+        .unwrap();
+    assert!(listed.len() >= 20);
+    for reason in listed {
+        let reason = reason.as_str().unwrap();
+        let page = serve.get(&format!("/problems/{reason}"), None);
+        assert!(page.status == 200 && index.contains(&format!("id=\"{reason}\"")), "{reason}");
+    }
+    let none = serve.get("/problems/no_such_thing", None);
+    assert_eq!(none.status, 404);
 }
 
 #[test]

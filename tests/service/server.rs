@@ -137,6 +137,7 @@ impl Serve {
         let template = match path {
             p if p.starts_with("/v1/transfers/") => "/v1/transfers/{id}",
             p if p.starts_with("/v1/payouts/") => "/v1/payouts/{id}",
+            p if p.starts_with("/problems/") => "/problems/{reason}",
             p => p,
         };
         documented("get", template, read(req.call()))
@@ -233,6 +234,22 @@ pub fn documented(method: &str, path: &str, http: Http) -> Http {
             assert!(p[member].is_string(), "problem without {member}: {}", http.body);
         }
         assert_eq!(p["status"].as_u64(), Some(u64::from(http.status)));
+        // its type is the page of its reason (or of refusals in a gateway's
+        // words), documented, and linked as described-by
+        let kind = p["type"].as_str().unwrap_or_default().strip_prefix("/problems/").unwrap_or_default();
+        let known = openapi()["paths"]["/problems/{reason}"]["get"]["parameters"][0]["schema"]["enum"]
+            .as_array()
+            .is_some_and(|e| e.iter().any(|r| r == kind));
+        assert!(
+            known && (kind == p["reason"] || kind == "refused"),
+            "problem type {}: {}",
+            p["type"],
+            http.body
+        );
+        assert_eq!(
+            http.header("link"),
+            Some(format!("<{}>; rel=\"describedby\"", p["type"].as_str().unwrap_or_default()).as_str())
+        );
     }
     http
 }
