@@ -157,6 +157,10 @@ impl fmt::Display for Detail<'_> {
 
 impl std::error::Error for RequestError {}
 
+/// The endpoint of payouts (`POST /v1/payouts`): its keys make payouts,
+/// and the store keeps their open claims from the purge.
+pub const PAYOUTS: &str = "/v1/payouts";
+
 const TOP: [&str; 4] = ["client_id", "endpoint", "idem_key", "body"];
 const BODY: [&str; 4] = ["src", "dst", "amount", "currency"];
 

@@ -156,10 +156,7 @@ impl Bank {
         let ids: Vec<String> = (0..accounts).map(|i| format!("acct-{salt:x}-{i}")).collect();
         let balances: Vec<i64> = (0..accounts).map(|_| 10_000 + rng.below(990_000) as i64).collect();
         let conn = Connection::open(&db).map_err(|e| e.to_string())?;
-        conn.execute_batch(
-            "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL)",
-        )
-        .map_err(|e| e.to_string())?;
+        conn.execute_batch(crate::store::bank::ACCOUNT).map_err(|e| e.to_string())?;
         for (id, balance) in ids.iter().zip(&balances) {
             conn.execute("INSERT INTO account VALUES (?1, 'check', ?2)", (id, balance))
                 .map_err(|e| e.to_string())?;

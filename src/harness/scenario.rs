@@ -11,9 +11,7 @@ use crate::harness;
 use crate::policy::Policy;
 use crate::protocol::{Ctx, Engine, Point, Response};
 use crate::request::{self, AcctId, ScopedKey};
-use crate::store::sqlite::SqliteStore;
-use crate::store::{Audit, StoreError};
-use rusqlite::Connection;
+use crate::store::Audit;
 use serde_json::json;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::{self, Write};
@@ -225,7 +223,8 @@ fn parse_duration(text: &str) -> Option<i64> {
 
 /// Runs a scenario on a fresh in-memory SQLite database; returns the transcript.
 pub fn run(scenario: &Scenario, policy: &Policy) -> Result<String, Failure> {
-    let mut store = sqlite_bank(&scenario.accounts, policy).map_err(|e| fail(0, format!("setup: {e}")))?;
+    let mut store = crate::store::bank::in_memory(&scenario.accounts, policy)
+        .map_err(|e| fail(0, format!("setup: {e}")))?;
     run_on(scenario, policy, &mut store)
 }
 
@@ -249,21 +248,6 @@ pub fn run_on(scenario: &Scenario, policy: &Policy, engine: &mut dyn Engine) -> 
         }
     }
     Ok(runner.transcript)
-}
-
-/// An in-memory SQLite database holding `accounts` and nothing else.
-pub fn sqlite_bank(accounts: &[(AcctId, i64)], policy: &Policy) -> Result<SqliteStore, StoreError> {
-    let conn = Connection::open_in_memory()
-        .map_err(|e| StoreError::Backend(crate::store::Failure::caused_by("an in-memory database", e)))?;
-    let setup = || -> rusqlite::Result<()> {
-        conn.execute_batch("CREATE TABLE account (acct_id PRIMARY KEY, holder TEXT, balance INTEGER)")?;
-        for (id, balance) in accounts {
-            conn.execute("INSERT INTO account VALUES (?1, 'scenario', ?2)", (id, balance))?;
-        }
-        Ok(())
-    };
-    setup().map_err(|e| StoreError::Backend(crate::store::Failure::caused_by("an in-memory database", e)))?;
-    SqliteStore::from_connection(conn, policy)
 }
 
 struct Runner<'a> {

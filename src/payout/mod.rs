@@ -48,7 +48,7 @@ use sha2::{Digest, Sha256};
 use std::time::Duration;
 
 /// The route, and the endpoint part of a payout's key scope.
-pub const PAYOUTS: &str = "/v1/payouts";
+pub use crate::request::PAYOUTS;
 
 /// A payout's answer, and the payout it names.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -25,20 +25,13 @@ use crate::protocol::Steps;
 use crate::protocol::{self, Ctx, Flow, Outcome, Response};
 use crate::reason::Reason;
 use crate::request::{Request, ScopedKey};
-use crate::store::pg::PgStore;
-use crate::store::pg_pool::{Manager, PgConn, Pool};
-use crate::store::sqlite::SqliteStore;
-use crate::store::{Db, Reads, Store, StoreError};
-use deadpool::managed::PoolError;
+use crate::store::{GroupWriter, Pool, Reads, Store, StoreError, Workers};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
-
-/// Reader connections beside the SQLite writer.
-const READERS: usize = 2;
 
 /// What a worker can be asked to do.
 pub enum Job {
@@ -66,44 +59,6 @@ pub enum Job {
 
 /// Work for a writer's connection; it sends its own reply.
 pub type Work = Box<dyn FnOnce(&mut dyn Store) + Send>;
-
-/// The connections the service runs on.
-pub enum Stores {
-    Sqlite {
-        writer: SqliteStore,
-        readers: Vec<SqliteStore>,
-    },
-    /// Transfers run on `pool`, awaited; `writers` (payouts only) and
-    /// `readers` are synchronous connections with a thread each.
-    Postgres {
-        pool: Pool,
-        writers: Vec<PgStore>,
-        readers: Vec<PgStore>,
-    },
-}
-
-impl Stores {
-    /// Opens what `db` needs: a writer on SQLite; on PostgreSQL a pool of
-    /// `pool` connections for transfers and, when `payouts` are served,
-    /// `pool` writers for them; and readers beside them.
-    pub fn open(db: &Db, pool: usize, payouts: bool, policy: &'static Policy) -> Result<Stores, StoreError> {
-        let path = match db {
-            Db::Postgres(spec) => {
-                let connect =
-                    |n| (0..n).map(|_| PgStore::connect(spec, policy)).collect::<Result<Vec<_>, _>>();
-                let readers = connect(READERS)?;
-                let pool_of = Manager::new(spec, &readers[0], policy)?.pool(pool)?;
-                let writers = connect(if payouts { pool.max(1) } else { 0 })?;
-                return Ok(Stores::Postgres { pool: pool_of, writers, readers });
-            }
-            Db::Sqlite(path) => path,
-        };
-        let writer = SqliteStore::open(path, policy)?;
-        writer.check_writable()?;
-        let readers = (0..READERS).map(|_| SqliteStore::open(path, policy)).collect::<Result<_, _>>()?;
-        Ok(Stores::Sqlite { writer, readers })
-    }
-}
 
 /// The two moments of a group commit a hook can see: just before the
 /// group's commit, and just after it (before any answer is handed back).
@@ -142,10 +97,10 @@ fn spawn(name: String, work: impl FnOnce() + Send + 'static) -> std::io::Result<
 }
 
 impl Executor {
-    /// Starts the workers for `stores`, with queues of `capacity` jobs; on
-    /// SQLite a group commit carries at most `group_max` transfers.
+    /// Starts the workers for `stores`, with queues of `capacity` jobs; a
+    /// group commit carries at most `group_max` transfers.
     pub fn start(
-        stores: Stores,
+        stores: Workers,
         capacity: usize,
         group_max: usize,
         policy: &'static Policy,
@@ -158,18 +113,18 @@ impl Executor {
         let mut on_pool = None;
         let mut workers = Vec::new();
         let readers = match stores {
-            Stores::Sqlite { writer, readers } => {
+            Workers::Grouped { writer, readers } => {
                 let (clock, health) = (clock.clone(), health.clone());
                 workers.push(spawn("idem-writer".into(), move || {
                     write_in_groups(writer, &write_jobs, group_max.max(1), policy, &clock, &health, hook)
                 })?);
-                readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect::<Vec<_>>()
+                readers
             }
-            Stores::Postgres { pool, writers, readers } => {
+            Workers::Pooled { pool, writers, readers } => {
                 for (i, store) in writers.into_iter().enumerate() {
                     let (jobs, clock, health) = (write_jobs.clone(), clock.clone(), health.clone());
                     workers.push(spawn(format!("idem-store-{i}"), move || {
-                        one_at_a_time(Box::new(store), &jobs, policy, &clock, &health)
+                        one_at_a_time(store, &jobs, policy, &clock, &health)
                     })?);
                 }
                 on_pool = Some(OnPool {
@@ -180,7 +135,7 @@ impl Executor {
                     orphans: Arc::default(),
                     running: Arc::default(),
                 });
-                readers.into_iter().map(|r| Box::new(r) as Box<dyn Reads + Send>).collect()
+                readers
             }
         };
         for (i, reader) in readers.into_iter().enumerate() {
@@ -206,10 +161,7 @@ impl Executor {
     /// executions, perhaps in lock waits on a hot account): then a reader
     /// answers a replay at once.
     pub fn settles_first(&self) -> bool {
-        self.pool.as_ref().is_none_or(|on| {
-            let status = on.pool.status();
-            status.available == 0 && status.size >= status.max_size
-        })
+        self.pool.as_ref().is_none_or(|on| on.pool.saturated())
     }
 
     /// Whether transfers run on a pool ([`Executor::transfer_on_pool`], on
@@ -334,11 +286,9 @@ impl OnPool {
     async fn transfer(&self, req: &Request) -> Result<Outcome, StoreError> {
         let mut conn = match self.pool.get().await {
             Ok(conn) => conn,
-            Err(PoolError::Timeout(_)) => return protocol::unless_busy(Err(StoreError::Busy), self.policy),
-            Err(PoolError::Backend(e)) => return protocol::unless_busy(Err(e), self.policy),
-            Err(e) => return Err(StoreError::Backend(format!("connection pool: {e}").into())),
+            Err(e) => return protocol::unless_busy(Err(e), self.policy),
         };
-        self.release_orphans(&mut conn).await;
+        self.release_orphans(&mut *conn).await;
         let token = protocol::fresh_token()
             .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
         let ctx = Ctx { policy: self.policy, now: (self.clock)(), token: &token };
@@ -350,7 +300,7 @@ impl OnPool {
     }
 
     /// Releases the claims of [`OnPool::orphans`] while the database takes it.
-    async fn release_orphans(&self, conn: &mut PgConn) {
+    async fn release_orphans(&self, conn: &mut impl Steps) {
         loop {
             let next = self.orphans.lock().unwrap_or_else(|e| e.into_inner()).0.pop_front();
             let Some((key, token)) = next else { return };
@@ -430,7 +380,7 @@ fn one_at_a_time<S: Reads + ?Sized>(
 /// answers nothing; a crash after it answers nothing, and every retry
 /// replays. `tests/group_commit.rs` stops the writer at both points.
 fn write_in_groups(
-    mut store: SqliteStore,
+    mut store: Box<dyn GroupWriter>,
     jobs: &Mutex<Receiver<Job>>,
     group_max: usize,
     policy: &Policy,

@@ -292,7 +292,8 @@ impl Service {
         hook: Option<executor::GroupHook>,
     ) -> Result<Service, ServeError> {
         keep_freed_memory();
-        let stores = executor::Stores::open(&options.db, options.pool, options.gateway.is_some(), policy)?;
+        let stores =
+            crate::store::Workers::open(&options.db, options.pool, options.gateway.is_some(), policy)?;
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
         let executor =

@@ -4,8 +4,9 @@
 //! database; the day (`idem prove`), `idem chaos`, the benches and the tests
 //! build theirs with it.
 
-use super::{Db, Failure, StoreError, pg};
+use super::{Db, Failure, Reads, StoreError, pg};
 use crate::policy::Policy;
+use crate::request::AcctId;
 use rusqlite::Connection;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -31,12 +32,33 @@ fn sqlite(e: rusqlite::Error) -> StoreError {
     StoreError::Backend(Failure::caused_by(format!("sqlite: {e}"), e))
 }
 
+/// The `account` table, in the one text both databases take: the lab's
+/// `account(acct_id, holder, balance)`, the balance an integer of 64 bits.
+pub const ACCOUNT: &str =
+    "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance BIGINT NOT NULL)";
+
+/// The same table with `acct_id` of no declared type, so that each id
+/// keeps the type it was written with: a lab database may hold integer
+/// ids, and the scenarios hold both kinds (SQLite only).
+const ACCOUNT_ANY_ID: &str =
+    "CREATE TABLE account (acct_id PRIMARY KEY, holder TEXT NOT NULL, balance BIGINT NOT NULL)";
+
+/// An in-memory SQLite bank holding `accounts` and nothing else, for the
+/// scenarios and the storms; each id keeps its type (an integer id stays
+/// an integer).
+pub fn in_memory(accounts: &[(AcctId, i64)], policy: &Policy) -> Result<Box<dyn Reads + Send>, StoreError> {
+    let conn = Connection::open_in_memory().map_err(sqlite)?;
+    conn.execute_batch(ACCOUNT_ANY_ID).map_err(sqlite)?;
+    for (id, balance) in accounts {
+        conn.execute("INSERT INTO account VALUES (?1, 'bank', ?2)", (id, balance)).map_err(sqlite)?;
+    }
+    Ok(Box::new(super::sqlite::SqliteStore::from_connection(conn, policy)?))
+}
+
 /// Creates `account` holding `accounts` in `db`: a new SQLite file (which
 /// must not exist), or a PostgreSQL database (or schema) with no `account`,
 /// `transfer`, `idem_key` or `payout` yet.
 pub fn create(db: &Db, accounts: &[Account]) -> Result<(), StoreError> {
-    const TABLE: &str =
-        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance BIGINT NOT NULL)";
     match db {
         Db::Postgres(spec) => {
             let mut client = pg::client(spec, Policy::embedded())?;
@@ -54,7 +76,7 @@ pub fn create(db: &Db, accounts: &[Account]) -> Result<(), StoreError> {
                     "the bank needs an empty database, and this one has {tables}"
                 )));
             }
-            tx.batch_execute(TABLE).map_err(pg::pg)?;
+            tx.batch_execute(ACCOUNT).map_err(pg::pg)?;
             for a in accounts {
                 tx.execute("INSERT INTO account VALUES ($1, $2, $3)", &[&a.id, &a.holder, &a.balance])
                     .map_err(pg::pg)?;
@@ -70,7 +92,7 @@ pub fn create(db: &Db, accounts: &[Account]) -> Result<(), StoreError> {
             }
             let mut conn = Connection::open(path).map_err(sqlite)?;
             let tx = conn.transaction().map_err(sqlite)?;
-            tx.execute_batch(TABLE).map_err(sqlite)?;
+            tx.execute_batch(ACCOUNT).map_err(sqlite)?;
             for a in accounts {
                 tx.execute("INSERT INTO account VALUES (?1, ?2, ?3)", (&a.id, &a.holder, a.balance))
                     .map_err(sqlite)?;
@@ -94,16 +116,42 @@ pub fn settle(db: &Db) -> Result<(), StoreError> {
 /// Removes a bank: the SQLite file and its companions, or the tables.
 pub fn drop(db: &Db) -> Result<(), StoreError> {
     match db {
-        Db::Postgres(_) => execute(db, "DROP TABLE IF EXISTS payout, idem_key, transfer, account"),
+        Db::Postgres(spec) => pg::client(spec, Policy::embedded())?
+            .batch_execute("DROP TABLE IF EXISTS payout, idem_key, transfer, account")
+            .map_err(pg::pg),
         Db::Sqlite(path) => remove_files(path),
     }
 }
 
-/// Runs `sql` (statements without results) on `db`.
-pub fn execute(db: &Db, sql: &str) -> Result<(), StoreError> {
+/// A second bank's place beside `db`'s: on PostgreSQL the schema
+/// `idem_{name}` of the same database (created if absent), on SQLite the
+/// file `{name}.db` in the same directory. `name` is lowercase letters and
+/// underscores.
+pub fn beside(db: &Db, name: &str) -> Result<Db, StoreError> {
+    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+        return Err(StoreError::Schema(format!("{name:?} cannot name a bank beside another")));
+    }
     match db {
-        Db::Postgres(spec) => pg::client(spec, Policy::embedded())?.batch_execute(sql).map_err(pg::pg),
-        Db::Sqlite(path) => Connection::open(path).and_then(|c| c.execute_batch(sql)).map_err(sqlite),
+        Db::Postgres(spec) => {
+            pg::client(spec, Policy::embedded())?
+                .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS idem_{name}"))
+                .map_err(pg::pg)?;
+            Ok(db.in_schema(&format!("idem_{name}")))
+        }
+        Db::Sqlite(path) => Ok(Db::Sqlite(path.with_file_name(format!("{name}.db")))),
+    }
+}
+
+/// Removes the schema [`beside`] made on PostgreSQL, with all it holds. A
+/// SQLite file beside is left for a person to look at.
+pub fn remove_beside(db: &Db, name: &str) -> Result<(), StoreError> {
+    match db {
+        Db::Postgres(spec) if name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') => {
+            pg::client(spec, Policy::embedded())?
+                .batch_execute(&format!("DROP SCHEMA IF EXISTS idem_{name} CASCADE"))
+                .map_err(pg::pg)
+        }
+        _ => Ok(()),
     }
 }
 

@@ -32,8 +32,11 @@ mod db;
 pub mod pg;
 pub mod pg_pool;
 pub mod sqlite;
+pub mod workers;
 
 pub use db::Db;
+pub use pg_pool::{Pool, Pooled};
+pub use workers::{GroupTx, GroupWriter, Workers};
 
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -166,8 +169,9 @@ impl KeyState {
 
 /// The keys a purge may delete, besides their age: never the claim of a
 /// payout (`in_progress` while its payout is open: the gateway may have
-/// paid under it). Both stores speak it.
-pub(crate) const PURGEABLE: &str = "NOT (state = 'in_progress' AND endpoint = '/v1/payouts')";
+/// paid under it). Both stores speak it, with the payouts' endpoint
+/// ([`PAYOUTS`](crate::request::PAYOUTS)) bound as its third parameter.
+pub(crate) const PURGEABLE: &str = "NOT (state = 'in_progress' AND endpoint = $3)";
 
 /// The queries of [`Store::audit`], in SQL both stores speak.
 pub(crate) mod audit_sql {
@@ -175,8 +179,9 @@ pub(crate) mod audit_sql {
     pub const ORPHANS: &str = "SELECT transfer_id, amount FROM transfer t WHERE NOT EXISTS
            (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')
          ORDER BY transfer_id";
+    /// The payouts' endpoint is bound as `$1`: a payout's 201 names no transfer.
     pub const HOLLOW: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
-           AND endpoint <> '/v1/payouts' AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))";
+           AND endpoint <> $1 AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))";
     pub const IN_PROGRESS: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'";
     pub const COMPLETED: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'";
 }

@@ -37,7 +37,7 @@ use super::{
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::reason::Reason;
-use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
+use crate::request::{AcctId, MAX_EXACT_INT, PAYOUTS, ScopedKey};
 use postgres::error::SqlState;
 use postgres::types::ToSql;
 use postgres::{Client, Config, NoTls, Row, Statement};
@@ -1080,16 +1080,16 @@ impl Store for PgStore {
         let pairs = |c: &mut Client, sql: &str| -> Result<Vec<(i64, i64)>, StoreError> {
             Ok(c.query(sql, &[]).map_err(pg)?.iter().map(|r| (r.get(0), r.get(1))).collect())
         };
-        let count = |c: &mut Client, sql: &str| -> Result<i64, StoreError> {
-            Ok(c.query_one(sql, &[]).map_err(pg)?.get(0))
+        let count = |c: &mut Client, sql: &str, params: &[&(dyn ToSql + Sync)]| -> Result<i64, StoreError> {
+            Ok(c.query_one(sql, params).map_err(pg)?.get(0))
         };
         Ok(Audit {
             balances,
             transfers: pairs(c, audit_sql::TRANSFERS)?,
             orphans: pairs(c, audit_sql::ORPHANS)?.into_iter().map(|(id, _)| id).collect(),
-            hollow: count(c, audit_sql::HOLLOW)?,
-            keys_in_progress: count(c, audit_sql::IN_PROGRESS)?,
-            keys_completed: count(c, audit_sql::COMPLETED)?,
+            hollow: count(c, audit_sql::HOLLOW, &[&PAYOUTS])?,
+            keys_in_progress: count(c, audit_sql::IN_PROGRESS, &[])?,
+            keys_completed: count(c, audit_sql::COMPLETED, &[])?,
         })
     }
 }
@@ -1289,7 +1289,7 @@ impl Tx for PgTx<'_> {
                    (SELECT client_id, endpoint, idem_key FROM idem_key
                     WHERE created_at < $1 AND {PURGEABLE} ORDER BY created_at LIMIT $2)",
                 ),
-                &[&before, &limit],
+                &[&before, &limit, &PAYOUTS],
             )
             .map_err(pg)
     }

@@ -23,7 +23,30 @@ use std::time::Duration;
 use tokio_postgres::{Client, NoTls};
 
 /// The pool the service takes a connection from for each transfer.
-pub type Pool = managed::Pool<Manager>;
+#[derive(Clone)]
+pub struct Pool(managed::Pool<Manager>);
+
+/// A connection taken from the [`Pool`]; it goes back when dropped.
+pub type Pooled = managed::Object<Manager>;
+
+impl Pool {
+    /// A connection, waited for at most the busy budget (then `Busy`); if
+    /// none could be made, the database's error (`Unavailable` when it is
+    /// away).
+    pub async fn get(&self) -> Result<Pooled, StoreError> {
+        self.0.get().await.map_err(|e| match e {
+            managed::PoolError::Timeout(_) => StoreError::Busy,
+            managed::PoolError::Backend(e) => e,
+            e => StoreError::Backend(format!("connection pool: {e}").into()),
+        })
+    }
+
+    /// Whether every connection is taken and no more may be made.
+    pub fn saturated(&self) -> bool {
+        let status = self.0.status();
+        status.available == 0 && status.size >= status.max_size
+    }
+}
 
 /// Makes and keeps the pool's connections (deadpool's [`managed::Manager`]).
 pub struct Manager {
@@ -50,12 +73,13 @@ impl Manager {
         let hosts = u32::try_from(pg::each_host(&self.config).len()).unwrap_or(u32::MAX);
         let create =
             wait.max(pg::startup_deadline(&self.config).saturating_mul(hosts) + Duration::from_secs(1));
-        Pool::builder(self)
+        managed::Pool::builder(self)
             .max_size(size.max(1))
             .wait_timeout(Some(wait))
             .create_timeout(Some(create))
             .runtime(deadpool::Runtime::Tokio1)
             .build()
+            .map(Pool)
             .map_err(|e| StoreError::Backend(format!("cannot build the connection pool: {e}").into()))
     }
 }

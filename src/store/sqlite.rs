@@ -23,7 +23,7 @@ use super::{
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::reason::Reason;
-use crate::request::{AcctId, MAX_EXACT_INT, ScopedKey};
+use crate::request::{AcctId, MAX_EXACT_INT, PAYOUTS, ScopedKey};
 use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, ToSql};
@@ -430,6 +430,18 @@ impl Group<'_> {
     }
 }
 
+impl super::GroupWriter for SqliteStore {
+    fn group(&mut self) -> Result<Box<dyn super::GroupTx + '_>, StoreError> {
+        Ok(Box::new(SqliteStore::group(self)?))
+    }
+}
+
+impl super::GroupTx for Group<'_> {
+    fn commit(self: Box<Self>) -> Result<(), StoreError> {
+        Group::commit(*self)
+    }
+}
+
 impl Drop for Group<'_> {
     fn drop(&mut self) {
         if self.open {
@@ -480,7 +492,9 @@ impl Reads for SqliteStore {
 
 fn audit(conn: &Connection) -> Result<Audit, StoreError> {
     {
-        let count = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).map_err(backend);
+        let counted =
+            |sql: &str, params: &[&dyn rusqlite::ToSql]| conn.query_row(sql, params, |r| r.get::<_, i64>(0));
+        let count = |sql: &str| counted(sql, &[]).map_err(backend);
         let mut balances = Vec::new();
         let mut stmt = conn.prepare("SELECT acct_id, balance FROM account").map_err(backend)?;
         let rows = stmt.query_map([], |r| Ok((r.get::<_, Value>(0)?, r.get::<_, Value>(1)?)));
@@ -499,7 +513,7 @@ fn audit(conn: &Connection) -> Result<Audit, StoreError> {
             balances,
             transfers: ids(audit_sql::TRANSFERS)?,
             orphans: ids(audit_sql::ORPHANS)?.into_iter().map(|(id, _)| id).collect(),
-            hollow: count(audit_sql::HOLLOW)?,
+            hollow: counted(audit_sql::HOLLOW, &[&PAYOUTS]).map_err(backend)?,
             keys_in_progress: count(audit_sql::IN_PROGRESS)?,
             keys_completed: count(audit_sql::COMPLETED)?,
         })
@@ -729,13 +743,17 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
+        // SQLite numbers ?N by N, but $N by first appearance
+        let sql = format!(
+            "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
+               (SELECT client_id, endpoint, idem_key FROM idem_key
+                WHERE created_at < ?1 AND {PURGEABLE} ORDER BY created_at LIMIT ?2)",
+        );
         self.conn
-            .prepare_cached(&format!(
-                "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
-                   (SELECT client_id, endpoint, idem_key FROM idem_key
-                    WHERE created_at < ?1 AND {PURGEABLE} ORDER BY created_at LIMIT ?2)",
-            ))
-            .and_then(|mut s| s.execute((before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX))))
+            .prepare_cached(&sql.replace('$', "?"))
+            .and_then(|mut s| {
+                s.execute((before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX), PAYOUTS))
+            })
             .map(|n| n as u64)
             .map_err(backend)
     }

@@ -330,7 +330,7 @@ pub fn store_with(
     use idem::request::AcctId;
     let policy = idem::policy::Policy::embedded();
     if backend == Backend::Sqlite {
-        return Box::new(idem::harness::scenario::sqlite_bank(accounts, policy).unwrap());
+        return Box::new(idem::store::bank::in_memory(accounts, policy).unwrap());
     }
     let rows: Vec<(Value, i64)> = accounts
         .iter()

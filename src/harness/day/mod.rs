@@ -67,18 +67,9 @@ pub fn prove(
     let day_file = Db::Sqlite(dir.join("day.db"));
     let day = db.unwrap_or(&day_file);
     // The race runs on a scratch copy beside the day: a file, or a schema.
-    let scratch = match db {
-        Some(db) => {
-            bank::execute(db, "CREATE SCHEMA IF NOT EXISTS idem_race")?;
-            db.in_schema("idem_race")
-        }
-        None => Db::Sqlite(dir.join("race.db")),
-    };
-    let racing = replay::Racing { engine: engine.to_vec(), scratch };
+    let racing = replay::Racing { engine: engine.to_vec(), scratch: bank::beside(day, "race")? };
     let replayed = replay_at(&log_path, day, policy, Some(&racing));
-    if let Some(db) = db {
-        bank::execute(db, "DROP SCHEMA IF EXISTS idem_race CASCADE")?;
-    }
+    bank::remove_beside(day, "race")?;
     let day = replayed?;
     write_file(&dir.join("result.json"), &to_json(&day.result)?)?;
     write_file(&dir.join("policy.json"), crate::policy::TEXT)?;

@@ -168,9 +168,9 @@ pub const LOG_REQUEST: &str = "INSERT INTO req_log VALUES (?1, ?2, ?3, ?4, ?5, ?
 /// Creates `idem.db` at `conn` (an empty database).
 pub fn generate(conn: &mut Connection) -> Result<(), HarnessError> {
     let tx = conn.transaction()?;
+    tx.execute_batch(crate::store::bank::ACCOUNT)?;
     tx.execute_batch(
-        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT NOT NULL, balance INTEGER NOT NULL);
-         -- raw is what the gateway received; src..currency are parsed from it
+        "-- raw is what the gateway received; src..currency are parsed from it
          -- (NULL where it does not parse) so the log can be analysed in SQL
          CREATE TABLE req_log (
              seq INTEGER PRIMARY KEY, received_at TEXT NOT NULL,

@@ -33,7 +33,7 @@ impl Awaited {
 impl Engine for Awaited {
     fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
         self.runtime.block_on(async {
-            let mut conn = self.pool.get().await.map_err(|e| StoreError::Backend(e.to_string().into()))?;
+            let mut conn = self.pool.get().await?;
             protocol::claim_steps(&mut *conn, req, ctx).await
         })
     }
@@ -47,7 +47,7 @@ impl Engine for Awaited {
         // asked once, before the write, as the synchronous stores ask it
         let before = faults(Point::BeforeCommit) == Flow::Crash;
         let outcome = self.runtime.block_on(async {
-            let mut conn = self.pool.get().await.map_err(|e| StoreError::Backend(e.to_string().into()))?;
+            let mut conn = self.pool.get().await?;
             protocol::execute_steps(&mut *conn, req, ctx, &mut || before).await
         })?;
         // an answer that is not a replay, 409 or 422 (a claim found lost) was committed

@@ -2,10 +2,11 @@
 //! runs a day through the engine and the oracle side by side.
 
 use idem::clock::Timestamp;
-use idem::harness::{self, scenario::sqlite_bank};
+use idem::harness;
 use idem::policy::Policy;
 use idem::protocol::{Ctx, Engine, Point, Response};
 use idem::request::{AcctId, ScopedKey};
+use idem::store::bank::in_memory as sqlite_bank;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 

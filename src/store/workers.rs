@@ -1,0 +1,68 @@
+//! The connections `idem serve` runs on, by the shape of their work, so
+//! that nothing above the store names a database (deadpool's `Manager` is
+//! the model). On SQLite: one writer that carries many transfers in one
+//! group commit, and readers beside it. On PostgreSQL: a pool of async
+//! connections for transfers, one statement a step; synchronous writers
+//! for the payout steps; and readers.
+
+use super::pg::PgStore;
+use super::pg_pool::{Manager, Pool};
+use super::sqlite::SqliteStore;
+use super::{Db, Reads, Store, StoreError};
+use crate::policy::Policy;
+
+/// Reader connections beside the writers.
+const READERS: usize = 2;
+
+/// The connections the service runs on.
+pub enum Workers {
+    /// One writer that commits transfers in groups, and readers.
+    Grouped { writer: Box<dyn GroupWriter>, readers: Vec<Box<dyn Reads + Send>> },
+    /// Transfers run on `pool`, awaited; `writers` (payouts only) and
+    /// `readers` are synchronous connections with a thread each.
+    Pooled { pool: Pool, writers: Vec<Box<dyn Reads + Send>>, readers: Vec<Box<dyn Reads + Send>> },
+}
+
+/// A writer that carries many requests in one transaction, committed once
+/// for all of them (one fsync).
+pub trait GroupWriter: Reads + Send {
+    /// Opens a group: every request run on it commits with it, or not at all.
+    fn group(&mut self) -> Result<Box<dyn GroupTx + '_>, StoreError>;
+}
+
+/// An open group; dropping it without [`GroupTx::commit`] rolls it back.
+pub trait GroupTx: Store {
+    fn commit(self: Box<Self>) -> Result<(), StoreError>;
+}
+
+impl Workers {
+    /// Opens what `db` needs: a writer on SQLite (checked writable); on
+    /// PostgreSQL a pool of `pool` connections for transfers and, when
+    /// `payouts` are served, `pool` writers for them; and readers beside them.
+    pub fn open(db: &Db, pool: usize, payouts: bool, policy: &'static Policy) -> Result<Workers, StoreError> {
+        match db {
+            Db::Postgres(spec) => {
+                let connect = |n| {
+                    (0..n)
+                        .map(|_| PgStore::connect(spec, policy).map(|s| Box::new(s) as Box<dyn Reads + Send>))
+                        .collect::<Result<Vec<_>, _>>()
+                };
+                // the first reader has made and checked the schema the pool's connections use
+                let first = PgStore::connect(spec, policy)?;
+                let pool_of = Manager::new(spec, &first, policy)?.pool(pool)?;
+                let mut readers = connect(READERS - 1)?;
+                readers.insert(0, Box::new(first));
+                let writers = connect(if payouts { pool.max(1) } else { 0 })?;
+                Ok(Workers::Pooled { pool: pool_of, writers, readers })
+            }
+            Db::Sqlite(path) => {
+                let writer = SqliteStore::open(path, policy)?;
+                writer.check_writable()?;
+                let readers = (0..READERS)
+                    .map(|_| SqliteStore::open(path, policy).map(|s| Box::new(s) as Box<dyn Reads + Send>))
+                    .collect::<Result<_, _>>()?;
+                Ok(Workers::Grouped { writer: Box::new(writer), readers })
+            }
+        }
+    }
+}
