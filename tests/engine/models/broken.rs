@@ -9,7 +9,8 @@ use idem::policy::Policy;
 use idem::protocol::{self, Claimed, Ctx, Engine, Flow, Outcome, Point, Response};
 use idem::request::{self, AcctId, Request, RequestError, ScopedKey};
 use idem::store::{
-    self, Account, Audit, Claim, Durability, End, KeyRecord, NewTransfer, Store, StoreError, Stored, Tx,
+    self, Account, Audit, Claim, Durability, End, KeyRecord, NewTransfer, PayoutTx, Store, StoreError,
+    Stored, Tx,
 };
 use sha2::{Digest, Sha256};
 
@@ -170,6 +171,8 @@ impl<S: Store> Store for SourceFirst<'_, S> {
         self.store.audit()
     }
 }
+
+impl PayoutTx for SourceFirstTx<'_> {}
 
 impl Tx for SourceFirstTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {

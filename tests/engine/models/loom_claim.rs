@@ -7,7 +7,8 @@ use idem::policy::Policy;
 use idem::protocol::{self, Ctx, Engine, Flow, Outcome, Point, Response};
 use idem::request::{AcctId, ScopedKey};
 use idem::store::{
-    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
+    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, PayoutTx, Store, StoreError, Stored,
+    Tx,
 };
 use loom::sync::{Arc, Mutex, MutexGuard};
 use std::collections::BTreeMap;
@@ -60,6 +61,8 @@ fn same_version(a: &KeyRecord, b: &KeyRecord) -> bool {
     a.token == b.token
         && matches!(a.state, KeyState::InProgress { .. }) == matches!(b.state, KeyState::InProgress { .. })
 }
+
+impl PayoutTx for MemTx<'_> {}
 
 impl Tx for MemTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {

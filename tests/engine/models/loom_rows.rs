@@ -11,7 +11,8 @@
 use idem::clock::Timestamp;
 use idem::request::{AcctId, ScopedKey};
 use idem::store::{
-    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, Store, StoreError, Stored, Tx,
+    Account, Audit, Claim, Durability, KeyRecord, KeyState, NewTransfer, PayoutTx, Store, StoreError, Stored,
+    Tx,
 };
 use loom::sync::{Arc, Condvar, Mutex};
 use std::collections::BTreeMap;
@@ -160,6 +161,8 @@ fn same_version(a: &KeyRecord, b: &KeyRecord) -> bool {
     a.token == b.token
         && matches!(a.state, KeyState::InProgress { .. }) == matches!(b.state, KeyState::InProgress { .. })
 }
+
+impl PayoutTx for RowTx {}
 
 impl Tx for RowTx {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {

@@ -1,0 +1,277 @@
+//! The payout tables on SQLite: their rows, and the payout half of a
+//! transaction.
+
+use super::*;
+use crate::store::PayoutTx;
+
+/// The payout tables in SQLite's words (created on first use, by payouts
+/// only, so a database that never pays out holds exactly the lab's tables): `src` keeps the account id's own
+/// type (an integer or a text, as `account` does), an amount must be an integer.
+fn payout_schema() -> String {
+    crate::store::PAYOUT_SCHEMA
+        .replace("{id}", "INTEGER")
+        .replace("{src}", "")
+        .replace("{amount}", "typeof(amount) = 'integer'")
+        .replace("{time}", "text")
+}
+
+const PAYOUT_COLUMNS: &str =
+    "payout_id, client_id, endpoint, idem_key, fingerprint, src, beneficiary, amount,
+    currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status,
+    sends, attempts, provider_id";
+
+const EVENT_COLUMNS: &str = "payout_id, at, actor, was, now, why";
+
+fn payout_event(r: &Row) -> rusqlite::Result<Result<PayoutEvent, StoreError>> {
+    let (at, was, now): (String, String, String) = (r.get(1)?, r.get(3)?, r.get(4)?);
+    Ok((|| {
+        Ok(PayoutEvent {
+            payout_id: r.get(0).map_err(backend)?,
+            at: Timestamp::parse(&at)
+                .map_err(|e| StoreError::Backend(format!("corrupt payout event: {e}").into()))?,
+            actor: r.get(2).map_err(backend)?,
+            was: PayoutState::parse(&was)?,
+            now: PayoutState::parse(&now)?,
+            why: r.get(5).map_err(backend)?,
+        })
+    })())
+}
+
+fn payout_row(r: &Row) -> rusqlite::Result<Result<PayoutRow, StoreError>> {
+    let src = match acct_id(r.get(5)?) {
+        Ok(src) => src,
+        Err(e) => return Ok(Err(e)),
+    };
+    let text = PayoutText {
+        id: r.get(0)?,
+        key: ScopedKey { client_id: r.get(1)?, endpoint: r.get(2)?, idem_key: r.get(3)? },
+        fingerprint: r.get(4)?,
+        src,
+        beneficiary: r.get(6)?,
+        amount: r.get(7)?,
+        currency: r.get(8)?,
+        downstream_key: r.get(9)?,
+        state: r.get(10)?,
+        holder: r.get(11)?,
+        lease_until: r.get(12)?,
+        created_at: r.get(13)?,
+        updated_at: r.get(14)?,
+        note: r.get(15)?,
+        status: r.get(16)?,
+        sends: r.get(17)?,
+        attempts: r.get(18)?,
+        provider_id: r.get(19)?,
+    };
+    Ok(text.decode())
+}
+
+impl SqliteTx<'_> {
+    fn payouts_where(&self, condition: &str, params: &[&dyn ToSql]) -> Result<Vec<PayoutRow>, StoreError> {
+        let sql = format!("SELECT {PAYOUT_COLUMNS} FROM payout WHERE {condition}");
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let rows: Vec<Result<PayoutRow, StoreError>> =
+            stmt.query_map(params, payout_row).and_then(|rows| rows.collect()).map_err(backend)?;
+        rows.into_iter().collect()
+    }
+}
+
+impl PayoutTx for SqliteTx<'_> {
+    fn ensure_payouts(&mut self) -> Result<(), StoreError> {
+        let table: Option<String> = self
+            .conn
+            .query_row("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'payout'", [], |r| {
+                r.get(0)
+            })
+            .optional()
+            .map_err(backend)?;
+        // A first version's table cannot take the new states (its CHECK) or
+        // the new columns: rebuilt, rows copied, in this transaction.
+        let migrate = table.is_some_and(|sql| !sql.contains("needs_attention"));
+        let sql = match migrate {
+            true => format!(
+                "ALTER TABLE payout RENAME TO payout_v1; DROP INDEX IF EXISTS payout_key; DROP INDEX IF EXISTS payout_open;
+                 {schema}
+                 INSERT INTO payout ({PAYOUT_V1_COLUMNS}) SELECT {PAYOUT_V1_COLUMNS} FROM payout_v1;
+                 DROP TABLE payout_v1;",
+                schema = payout_schema()
+            ),
+            false => payout_schema(),
+        };
+        self.conn.execute_batch(&sql).map_err(backend)
+    }
+
+    fn insert_payout(&mut self, p: &PayoutRow) -> Result<i64, StoreError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO payout (client_id, endpoint, idem_key, fingerprint, src, beneficiary, amount, currency,
+                                     downstream_key, state, holder, lease_until, created_at, updated_at, note,
+                                     sends, attempts, provider_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?13, ?14, ?15, ?16, ?17)
+                 RETURNING payout_id",
+            )
+            .and_then(|mut s| {
+                s.query_row(
+                    rusqlite::params![
+                        p.key.client_id,
+                        p.key.endpoint,
+                        p.key.idem_key,
+                        p.fingerprint,
+                        p.src,
+                        p.beneficiary,
+                        p.amount,
+                        p.currency,
+                        p.downstream_key,
+                        p.state.name(),
+                        p.holder,
+                        p.lease_until.to_string(),
+                        p.created_at.to_string(),
+                        p.note,
+                        p.sends,
+                        p.attempts,
+                        p.provider_id,
+                    ],
+                    |r| r.get(0),
+                )
+            })
+            .map_err(backend)
+    }
+
+    fn payout_of(&mut self, key: &ScopedKey) -> Result<Option<PayoutRow>, StoreError> {
+        let rows = self.payouts_where(
+            "client_id = ?1 AND endpoint = ?2 AND idem_key = ?3 ORDER BY payout_id DESC LIMIT 1",
+            &[&key.client_id, &key.endpoint, &key.idem_key],
+        )?;
+        Ok(rows.into_iter().next())
+    }
+
+    fn payout(&mut self, id: i64) -> Result<Option<PayoutRow>, StoreError> {
+        Ok(self.payouts_where("payout_id = ?1", &[&id])?.into_iter().next())
+    }
+
+    fn update_payout(&mut self, p: &PayoutRow, seen_holder: &str) -> Result<bool, StoreError> {
+        self.conn
+            .prepare_cached(
+                "UPDATE payout SET state = ?2, holder = ?3, lease_until = ?4, updated_at = ?5, note = ?6, status = ?8,
+                                  sends = ?9, attempts = ?10, provider_id = ?11
+                 WHERE payout_id = ?1 AND holder = ?7",
+            )
+            .and_then(|mut s| {
+                s.execute(rusqlite::params![
+                    p.id,
+                    p.state.name(),
+                    p.holder,
+                    p.lease_until.to_string(),
+                    p.updated_at.to_string(),
+                    p.note,
+                    seen_holder,
+                    p.status,
+                    p.sends,
+                    p.attempts,
+                    p.provider_id,
+                ])
+            })
+            .map(|n| n == 1)
+            .map_err(backend)
+    }
+
+    fn payouts_open(&mut self, now: Timestamp, all: bool) -> Result<Vec<PayoutRow>, StoreError> {
+        let now = now.to_string();
+        self.payouts_where(
+            "state IN ('in_progress', 'unknown', 'needs_attention')
+             AND (?2 OR (state <> 'needs_attention' AND lease_until <= ?1)) ORDER BY created_at, payout_id",
+            &[&now, &all],
+        )
+    }
+
+    fn payouts_paid_due(
+        &mut self,
+        checked_before: Timestamp,
+        paid_since: Timestamp,
+        limit: i64,
+    ) -> Result<Vec<PayoutRow>, StoreError> {
+        self.payouts_where(
+            "state = 'completed' AND lease_until <= ?1 AND updated_at >= ?2 ORDER BY updated_at, payout_id LIMIT ?3",
+            &[&checked_before.to_string(), &paid_since.to_string(), &limit],
+        )
+    }
+
+    fn payout_stats(&mut self) -> Result<Vec<PayoutStat>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(crate::store::PAYOUT_STATS).map_err(backend)?;
+        let rows: Vec<(String, i64, String, i64, i64)> = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+            .and_then(|rows| rows.collect())
+            .map_err(backend)?;
+        rows.iter().map(|(s, n, o, sends, most)| crate::store::payout_stat(s, *n, o, *sends, *most)).collect()
+    }
+
+    fn gateway_events_for_a_person(
+        &mut self,
+        limit: i64,
+    ) -> Result<Vec<crate::store::GatewayEventRow>, StoreError> {
+        let sql = format!("{}?1", crate::store::EVENTS_FOR_A_PERSON);
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let rows = stmt.query_map([limit], |r| {
+            Ok(crate::store::GatewayEventRow {
+                event_id: r.get(0)?,
+                received_at: r.get(1)?,
+                kind: r.get(2)?,
+                downstream_key: r.get(3)?,
+                outcome: r.get(4)?,
+            })
+        });
+        rows.and_then(|rows| rows.collect()).map_err(backend)
+    }
+
+    fn payout_by_downstream_key(&mut self, key: &str) -> Result<Option<PayoutRow>, StoreError> {
+        Ok(self.payouts_where("downstream_key = ?1", &[&key])?.into_iter().next())
+    }
+
+    fn insert_gateway_event(
+        &mut self,
+        event_id: &str,
+        at: Timestamp,
+        kind: &str,
+        downstream_key: &str,
+        outcome: &str,
+    ) -> Result<bool, StoreError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO gateway_event (event_id, received_at, kind, downstream_key, outcome)
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (event_id) DO NOTHING",
+            )
+            .and_then(|mut s| s.execute((event_id, at.to_string(), kind, downstream_key, outcome)))
+            .map(|n| n == 1)
+            .map_err(backend)
+    }
+
+    fn payouts_in(&mut self, state: PayoutState, limit: i64) -> Result<Vec<PayoutRow>, StoreError> {
+        self.payouts_where("state = ?1 ORDER BY created_at, payout_id LIMIT ?2", &[&state.name(), &limit])
+    }
+
+    fn insert_payout_event(&mut self, e: &PayoutEvent) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT INTO payout_event ({EVENT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
+            ))
+            .and_then(|mut s| {
+                s.execute(rusqlite::params![
+                    e.payout_id,
+                    e.at.to_string(),
+                    e.actor,
+                    e.was.name(),
+                    e.now.name(),
+                    e.why
+                ])
+            })
+            .map(|_| ())
+            .map_err(backend)
+    }
+
+    fn payout_events(&mut self, payout_id: i64) -> Result<Vec<PayoutEvent>, StoreError> {
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM payout_event WHERE payout_id = ?1 ORDER BY event_id");
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let rows: Vec<Result<PayoutEvent, StoreError>> =
+            stmt.query_map([payout_id], payout_event).and_then(|rows| rows.collect()).map_err(backend)?;
+        rows.into_iter().collect()
+    }
+}
