@@ -1,0 +1,120 @@
+//! `chaos_report.md`: the day's summary for a person.
+
+use super::verdict::Summary;
+
+/// The report: the headline verdict, what the network and the machine room
+/// did, the payouts, the failovers, and the outcomes nobody knew.
+pub(super) fn report(s: &Summary) -> String {
+    let verdict = if s.exactly_once() { "**Exactly once.**" } else { "**NOT exactly once.**" };
+    let mut md = format!(
+        "# idem chaos: seed {}\n\n{verdict} {} clients intended {} transfers; {} went out. \
+         Paid twice: {}. Lost (a client was told, the database has none): {}. Made with no intent behind them: {}. \
+         Answers naming another transfer: {}. Balances conserved: {}.\n\n",
+        s.seed,
+        s.clients,
+        s.transfers_intended,
+        s.transfers_made,
+        s.transfers_paid_twice,
+        s.transfers_lost,
+        s.transfers_unintended,
+        s.answers_misattributed,
+        s.balances_conserved
+    );
+    md.push_str("| what the network and the machine room did | count |\n|---|---:|\n");
+    for (what, n) in [
+        ("requests sent through the proxy", s.requests_sent),
+        ("requests dropped before the server", s.requests_dropped),
+        ("answers dropped after the server committed", s.responses_dropped),
+        ("answers cut in half", s.responses_cut),
+        ("requests delayed", s.requests_delayed),
+        ("requests delivered twice at once", s.requests_duplicated),
+        ("requests that found the server down", s.requests_unreachable),
+        ("instances of the server", s.instances as u64),
+        ("server kills (SIGKILL) and restarts", s.server_kills as u64),
+        ("failovers (the primary SIGKILLed)", s.failovers.len() as u64),
+        ("database restarts", s.database_restarts as u64),
+        ("claims of the killed released (idem recover --release)", s.claims_released_after_kills as u64),
+    ] {
+        md.push_str(&format!("| {what} | {n} |\n"));
+    }
+    md.push_str(&format!(
+        "\nAttempts per transfer: {} on average, {} at most. Time to certainty: p50 {} ms, p99 {} ms. \
+         Outcomes unknown when the budget ran out: {}.\n",
+        s.attempts_per_transfer_mean,
+        s.attempts_per_transfer_max,
+        s.time_to_certainty_ms_p50,
+        s.time_to_certainty_ms_p99,
+        s.outcomes_unknown
+    ));
+    md.push_str(&format!(
+        "Keys still claimed at the end of the day (each blocking its retries until its lease ends): {}.\n",
+        s.keys_left_claimed
+    ));
+    md.push_str(&payouts(s));
+    md.push_str(&failovers(s));
+    md
+}
+
+/// The payouts' paragraph, on a day with payouts.
+fn payouts(s: &Summary) -> String {
+    let mut md = String::new();
+    if let Some(p) = &s.payouts {
+        md.push_str(&format!(
+            "\n**Payouts** ({}): {} intended, {} completed, {} failed (the gateway refused: the hold released), \
+             {} returned after they were paid (credited back; {} returned at the gateway). Sends per payout: \
+             median {}, most {}. Made twice: {}. Paid twice at the gateway: {}. Paid at the gateway with no idem intent: {}. \
+             A client told paid, the gateway did not pay: {}. idem and the gateway disagree: {}. \
+             Rows in the gateway's ledger: {}. Settled by a reconciliation, not by their request: {}.\n",
+            if p.exactly_once() { "exactly once" } else { "NOT exactly once" },
+            p.intended,
+            p.completed,
+            p.failed,
+            p.returned,
+            p.returned_at_gateway,
+            p.sends_median,
+            p.sends_max,
+            p.made_twice,
+            p.paid_twice_at_gateway,
+            p.at_gateway_without_intent,
+            p.told_but_not_paid,
+            p.disagreements,
+            p.gateway_ledger_rows,
+            p.settled_by_reconciliation
+        ));
+        for why in &p.left_for_a_person {
+            md.push_str(&format!("- left for a person: {why}\n"));
+        }
+    }
+    md
+}
+
+/// The failovers' table and the outcomes nobody knew.
+fn failovers(s: &Summary) -> String {
+    let mut md = String::new();
+    if s.failovers_not_run > 0 {
+        md.push_str(&format!(
+            "Failovers not run because every client had finished first: {} (more --transfers make a longer day).\n",
+            s.failovers_not_run
+        ));
+    }
+    if !s.failovers.is_empty() {
+        md.push_str(
+            "\n| failover at | writes resumed after | answered 503 | answered 409 | unanswered | \
+             commits whose answer was lost, found by the retry |\n|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for f in &s.failovers {
+            let resumed = f.writes_resumed_ms.map_or("not before the next".into(), |ms| format!("{ms} ms"));
+            md.push_str(&format!(
+                "| {} ms | {resumed} | {} | {} | {} | {} |\n",
+                f.at_ms, f.answered_503, f.answered_409, f.unanswered, f.acks_lost_found_by_retry
+            ));
+        }
+    }
+    if !s.unknown.is_empty() {
+        md.push_str("\n| client | key | what the database says |\n|---:|---|---|\n");
+        for u in &s.unknown {
+            md.push_str(&format!("| {} | `{}` | {} |\n", u.client, u.key, u.database));
+        }
+    }
+    md
+}

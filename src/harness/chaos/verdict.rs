@@ -1,0 +1,296 @@
+//! The verdict of a chaos day, read from the database and the clients' own
+//! logs: nothing out twice, nothing acknowledged lost, nothing unintended,
+//! the money conserved; and what each failover cost the clients.
+
+use super::clients::{Ending, Intent, Kind};
+use super::payouts::PayoutVerdict;
+use super::{Config, HarnessError};
+use crate::outside::proxy::{Counts, Proxy};
+use crate::store::{Db, bank};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Unknown {
+    pub client: usize,
+    pub key: String,
+    /// What the database says: `went out once`, `not out`, `went out N times`.
+    pub database: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub seed: u64,
+    pub clients: usize,
+    pub transfers_intended: usize,
+    pub requests_sent: u64,
+    pub attempts_per_transfer_mean: f64,
+    pub attempts_per_transfer_max: u32,
+    pub requests_dropped: u64,
+    pub responses_dropped: u64,
+    pub responses_cut: u64,
+    pub requests_delayed: u64,
+    pub requests_duplicated: u64,
+    pub requests_unreachable: u64,
+    pub instances: usize,
+    /// Requests each instance's proxy received.
+    pub requests_per_instance: Vec<u64>,
+    pub server_kills: usize,
+    pub database_restarts: usize,
+    /// One entry per failover of the database's primary.
+    pub failovers: Vec<Failover>,
+    /// Failovers not run because every client had finished (a longer day
+    /// fits more: each failover waits for the cluster to be whole again).
+    pub failovers_not_run: usize,
+    pub claims_released_after_kills: usize,
+    pub outcomes_unknown: usize,
+    pub transfers_made: usize,
+    /// Intended transfers that went out more than once (counted per extra).
+    pub transfers_paid_twice: usize,
+    /// Transfers a client was told about (2xx) that are not in the database.
+    pub transfers_lost: usize,
+    /// Transfers in the database that no client intended.
+    pub transfers_unintended: usize,
+    /// 2xx answers naming a transfer other than the one intended.
+    pub answers_misattributed: usize,
+    pub balances_conserved: bool,
+    pub time_to_certainty_ms_p50: u64,
+    pub time_to_certainty_ms_p99: u64,
+    /// Keys still claimed at the end of the day: each blocks its key's
+    /// retries until its lease runs out.
+    pub keys_left_claimed: usize,
+    pub unknown: Vec<Unknown>,
+    /// The payouts' verdict, on a day with payouts.
+    pub payouts: Option<PayoutVerdict>,
+}
+
+/// What one failover cost the clients, from their own attempts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Failover {
+    /// When the primary was killed, from the start of the day.
+    pub at_ms: u64,
+    /// From the kill to the end of the first attempt sent after it that
+    /// made a new transfer; `None` if none did before the next failover.
+    pub writes_resumed_ms: Option<u64>,
+    /// Attempts answered 503 between the kill and the resumption.
+    pub answered_503: usize,
+    pub answered_409: usize,
+    /// Attempts without an answer meanwhile (the fault proxy's too).
+    pub unanswered: usize,
+    /// Attempts in flight when the primary died whose transfer was
+    /// committed all the same: answered 503, then replayed to a retry.
+    pub acks_lost_found_by_retry: usize,
+}
+
+impl Summary {
+    /// Whether nothing went out twice, nothing acknowledged was lost, and the
+    /// money adds up.
+    pub fn exactly_once(&self) -> bool {
+        self.transfers_paid_twice == 0
+            && self.transfers_lost == 0
+            && self.transfers_unintended == 0
+            && self.answers_misattributed == 0
+            && self.balances_conserved
+            && self.payouts.as_ref().is_none_or(PayoutVerdict::exactly_once)
+    }
+
+    /// Exactly once, no key left blocked by a claim nobody will finish, and
+    /// every payout settled but those left for a person with a reason.
+    pub fn passed(&self) -> bool {
+        self.exactly_once() && self.keys_left_claimed == 0
+    }
+}
+
+/// What the machine room did, for the summary.
+pub(super) struct Tally {
+    pub kills: usize,
+    pub database_restarts: usize,
+    pub released: usize,
+    /// When each failover killed the primary.
+    pub failed_over: Vec<Instant>,
+    pub failovers_not_run: usize,
+}
+
+/// Reads the transfer table and the balances and judges the day.
+pub(super) fn verdict(
+    db: &Db,
+    intents: &[Intent],
+    accounts: &[bank::Account],
+    proxies: &[Proxy],
+    tally: &Tally,
+    config: &Config,
+) -> Result<Summary, HarnessError> {
+    let (transfers, balances) = bank::ledger(db)?;
+    let payouts = bank::payouts(db)?;
+    let by_amount: BTreeMap<i64, &Intent> = intents.iter().map(|i| (i.amount, i)).collect();
+    let mut made: BTreeMap<i64, Vec<i64>> = BTreeMap::new(); // amount → transfer ids
+    let mut unintended = 0;
+    for t in &transfers {
+        match by_amount.get(&t.amount) {
+            Some(i) if i.src == t.src && i.dst == t.dst => made.entry(t.amount).or_default().push(t.id),
+            _ => unintended += 1,
+        }
+    }
+    let (lost, misattributed) = told_but_missing(intents, &transfers);
+    let unknown: Vec<Unknown> = intents
+        .iter()
+        .filter(|i| i.verdict == Ending::Unknown)
+        .map(|i| Unknown {
+            client: i.client,
+            key: i.key.clone(),
+            database: what_the_database_says(i, &made, &payouts),
+        })
+        .collect();
+    let mut certainty: Vec<u64> =
+        intents.iter().filter(|i| i.verdict != Ending::Unknown).map(|i| i.millis).collect();
+    certainty.sort_unstable();
+    let percentile = |p: usize| {
+        certainty
+            .get((certainty.len() * p / 100).min(certainty.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
+    let load = |count: fn(&Counts) -> &AtomicU64| {
+        proxies.iter().map(|p| count(&p.counts).load(Ordering::Relaxed)).sum::<u64>()
+    };
+    let attempts: Vec<u32> = intents.iter().map(|i| i.attempts).collect();
+    let mean = attempts.iter().sum::<u32>() as f64 / attempts.len().max(1) as f64;
+    Ok(Summary {
+        seed: config.seed,
+        clients: config.clients,
+        transfers_intended: intents.iter().filter(|i| i.kind == Kind::Transfer).count(),
+        requests_sent: load(|c| &c.requests),
+        attempts_per_transfer_mean: (mean * 100.0).round() / 100.0,
+        attempts_per_transfer_max: attempts.iter().copied().max().unwrap_or(0),
+        requests_dropped: load(|c| &c.dropped_requests),
+        responses_dropped: load(|c| &c.dropped_responses),
+        responses_cut: load(|c| &c.cut_responses),
+        requests_delayed: load(|c| &c.delayed),
+        requests_duplicated: load(|c| &c.duplicated),
+        requests_unreachable: load(|c| &c.unreachable),
+        instances: config.instances,
+        requests_per_instance: proxies.iter().map(|p| p.counts.requests.load(Ordering::Relaxed)).collect(),
+        server_kills: tally.kills,
+        database_restarts: tally.database_restarts,
+        failovers: Vec::new(),
+        failovers_not_run: tally.failovers_not_run,
+        claims_released_after_kills: tally.released,
+        outcomes_unknown: unknown.len(),
+        transfers_made: transfers.len(),
+        transfers_paid_twice: made.values().map(|v| v.len().saturating_sub(1)).sum(),
+        transfers_lost: lost,
+        transfers_unintended: unintended,
+        answers_misattributed: misattributed,
+        balances_conserved: conserved(accounts, &transfers, &payouts, &balances),
+        time_to_certainty_ms_p50: percentile(50),
+        time_to_certainty_ms_p99: percentile(99),
+        keys_left_claimed: 0,
+        unknown,
+        payouts: None,
+    })
+}
+
+/// Transfers a client was told about that the database does not hold, and
+/// answers that named another intent's transfer.
+fn told_but_missing(intents: &[Intent], transfers: &[bank::TransferRow]) -> (usize, usize) {
+    let (mut lost, mut misattributed) = (0, 0);
+    for i in intents.iter().filter(|i| i.kind == Kind::Transfer) {
+        if let Some(told) = i.told {
+            match transfers.iter().find(|t| t.id == told) {
+                None => lost += 1,
+                Some(t) if t.amount != i.amount => misattributed += 1,
+                Some(_) => {}
+            }
+        }
+    }
+    (lost, misattributed)
+}
+
+/// For an intent whose client never knew: what the database says of it.
+fn what_the_database_says(
+    i: &Intent,
+    made: &BTreeMap<i64, Vec<i64>>,
+    payouts: &[bank::PayoutLine],
+) -> String {
+    if i.kind == Kind::Payout {
+        let states: Vec<&str> =
+            payouts.iter().filter(|p| p.amount == i.amount).map(|p| p.state.as_str()).collect();
+        return match states.as_slice() {
+            [] => "no payout".into(),
+            [state] => format!("one payout, {state}"),
+            many => format!("{} payouts: {}", many.len(), many.join(", ")),
+        };
+    }
+    match made.get(&i.amount).map_or(0, Vec::len) {
+        0 => "not out".into(),
+        1 => "went out once".into(),
+        n => format!("went out {n} times"),
+    }
+}
+
+/// Conservation, and each balance exactly what the transfers made of it: a
+/// payout's money left its account unless the gateway refused it (paid
+/// out, or held while not settled).
+fn conserved(
+    accounts: &[bank::Account],
+    transfers: &[bank::TransferRow],
+    payouts: &[bank::PayoutLine],
+    balances: &BTreeMap<String, i64>,
+) -> bool {
+    let mut want: BTreeMap<String, i64> = accounts.iter().map(|a| (a.id.clone(), a.balance)).collect();
+    for t in transfers {
+        *want.entry(t.src.clone()).or_insert(0) -= t.amount;
+        *want.entry(t.dst.clone()).or_insert(0) += t.amount;
+    }
+    let gone = |p: &&bank::PayoutLine| p.state != "failed" && p.state != "returned";
+    let out: i64 = payouts.iter().filter(gone).map(|p| p.amount).sum();
+    for p in payouts.iter().filter(gone) {
+        *want.entry(p.src.clone()).or_insert(0) -= p.amount;
+    }
+    balances.values().sum::<i64>() + out == accounts.iter().map(|a| a.balance).sum::<i64>()
+        && *balances == want
+}
+
+/// Each failover's cost, read from the clients' attempts: the window from
+/// the kill to the first new transfer made by an attempt sent after it.
+pub(super) fn failover_figures(
+    intents: &[Intent],
+    kills: &[Instant],
+    day_started: Instant,
+    day_ended: Instant,
+) -> Vec<Failover> {
+    let tries = || intents.iter().flat_map(|i| i.tries.iter());
+    kills
+        .iter()
+        .enumerate()
+        .map(|(k, &killed)| {
+            let next = kills.get(k + 1).copied().unwrap_or(day_ended);
+            let resumed = tries()
+                .filter(|t| t.sent >= killed && t.ended < next && !t.replayed)
+                .filter(|t| t.status.is_some_and(|s| (200..300).contains(&s)))
+                .map(|t| t.ended)
+                .min();
+            let until = resumed.unwrap_or(next);
+            let meanwhile = |status: Option<u16>| {
+                tries().filter(|t| t.ended >= killed && t.ended <= until && t.status == status).count()
+            };
+            let acks_lost = intents
+                .iter()
+                .filter(|i| i.tries.last().is_some_and(|t| t.replayed))
+                .filter(|i| {
+                    i.tries.iter().any(|t| t.sent < killed && t.ended >= killed && t.status == Some(503))
+                })
+                .count();
+            Failover {
+                at_ms: killed.duration_since(day_started).as_millis() as u64,
+                writes_resumed_ms: resumed.map(|r| r.duration_since(killed).as_millis() as u64),
+                answered_503: meanwhile(Some(503)),
+                answered_409: meanwhile(Some(409)),
+                unanswered: meanwhile(None),
+                acks_lost_found_by_retry: acks_lost,
+            }
+        })
+        .collect()
+}
