@@ -329,15 +329,7 @@ pub fn send_to(
             Attempt::Answer { status, body, replayed, .. }
                 if (400..500).contains(&status) && !matches!(status, 409 | 429) =>
             {
-                if !reached || replayed || is_stored_refusal(status, &body) {
-                    return report(Verdict::Refused { status, body }, tries);
-                }
-                let last = format!(
-                    "HTTP {status} {}: this refusal does not say what became of an earlier attempt, \
-                     which may have gone through",
-                    body.chars().take(200).collect::<String>()
-                );
-                return report(Verdict::Unknown { last }, tries);
+                return report(refused(status, body, reached && !replayed), tries);
             }
             Attempt::Answer { status, retry_after, .. } => {
                 if matches!(status, 202 | 429 | 503) {
@@ -361,6 +353,21 @@ pub fn send_to(
         }
         std::thread::sleep(pause.min(left));
     }
+}
+
+/// A 4xx other than 409 and 429: refused for good, unless an earlier
+/// attempt may have gone through (`doubt`) and this refusal is not the
+/// transfer's own stored one, which then says nothing of what became of it.
+fn refused(status: u16, body: String, doubt: bool) -> Verdict {
+    if !doubt || is_stored_refusal(status, &body) {
+        return Verdict::Refused { status, body };
+    }
+    let last = format!(
+        "HTTP {status} {}: this refusal does not say what became of an earlier attempt, \
+         which may have gone through",
+        body.chars().take(200).collect::<String>()
+    );
+    Verdict::Unknown { last }
 }
 
 #[cfg(test)]

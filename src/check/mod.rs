@@ -16,6 +16,8 @@
 //! without guessing the implementation's choices is a SKIP, with why.
 
 pub mod engine;
+pub mod http;
+pub mod lab;
 pub mod model;
 pub mod url;
 

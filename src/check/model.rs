@@ -3,7 +3,7 @@
 //! key to the first body and the first answer, and the balances. A failing
 //! day is shrunk, one step at a time, to the shortest day that still fails.
 
-use super::engine::{Bank, Engine, Envelope, Setting, reordered, request};
+use super::lab::{Bank, Engine, Envelope, Setting, reordered, request};
 use super::{Trace, short};
 use crate::rng::Rng;
 use std::collections::BTreeMap;
@@ -122,8 +122,8 @@ fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<
         let key = format!("{}-day-{}", setting.key, op.key);
         let (src, dst, amount) = (id(op.src), id(op.dst), op.amount.to_string());
         let text = match op.style {
-            Style::Reordered => reordered(&client, super::engine::ENDPOINT, &key, &src, &dst, &amount),
-            _ => request(&client, super::engine::ENDPOINT, &key, &src, &dst, &amount),
+            Style::Reordered => reordered(&client, super::lab::ENDPOINT, &key, &src, &dst, &amount),
+            _ => request(&client, super::lab::ENDPOINT, &key, &src, &dst, &amount),
         };
         let crash = op.style == Style::CrashAfterClaim;
         let answer = bank.send(&mut t, &text, if crash { &["--crash-after-claim"] } else { &[] })?;
@@ -137,22 +137,7 @@ fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<
                 keys.insert((op.client, op.key), (body, None));
             }
             None => {
-                let (ok, wanted) = if op.src >= bank.ids.len() {
-                    (
-                        e.is_some_and(|e| refusal(e, p.unknown_account_status)),
-                        "a stored refusal (unknown account)",
-                    )
-                } else if balances[op.src] < op.amount {
-                    (
-                        e.is_some_and(|e| refusal(e, p.insufficient_funds_status)),
-                        "a stored refusal (insufficient funds)",
-                    )
-                } else {
-                    balances[op.src] -= op.amount;
-                    balances[op.dst] += op.amount;
-                    transfers += 1;
-                    (e.is_some_and(|e| e.fresh_201()), "201, replay false")
-                };
+                let (ok, wanted) = first_use(e, op, bank.ids.len(), &mut balances, &mut transfers, p);
                 t.expect(ok, || format!("a new key: wanted {wanted}"));
                 keys.insert((op.client, op.key), (body, e.cloned()));
             }
@@ -185,6 +170,29 @@ fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<
     }
     let failed = t.failures > 0;
     Ok((failed, t.steps))
+}
+
+/// A key's first use, not crashed: the model moves the money if it may
+/// (`balances`, `transfers`); whether the answer `e` is what it wants, and
+/// what that is.
+fn first_use(
+    e: Option<&Envelope>,
+    op: &Op,
+    accounts: usize,
+    balances: &mut [i64],
+    transfers: &mut usize,
+    p: &super::lab::Profile,
+) -> (bool, &'static str) {
+    if op.src >= accounts {
+        (e.is_some_and(|e| refusal(e, p.unknown_account_status)), "a stored refusal (unknown account)")
+    } else if balances[op.src] < op.amount {
+        (e.is_some_and(|e| refusal(e, p.insufficient_funds_status)), "a stored refusal (insufficient funds)")
+    } else {
+        balances[op.src] -= op.amount;
+        balances[op.dst] += op.amount;
+        *transfers += 1;
+        (e.is_some_and(|e| e.fresh_201()), "201, replay false")
+    }
 }
 
 /// A refusal of the right class (see `engine::refusal_ok`), not a replay.

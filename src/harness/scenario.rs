@@ -154,11 +154,7 @@ pub fn parse(text: &str) -> Result<Scenario, Failure> {
         }
         let step = match verb {
             "accounts" => {
-                for pair in rest.split_whitespace() {
-                    let (id, balance) = pair.split_once('=').ok_or_else(|| fail(n, "expected ID=BALANCE"))?;
-                    let balance = balance.parse().map_err(|_| fail(n, format!("balance {balance:?}")))?;
-                    accounts.push((acct(id), balance));
-                }
+                accounts.extend(balances(n, rest)?);
                 continue;
             }
             "together" => {
@@ -171,16 +167,7 @@ pub fn parse(text: &str) -> Result<Scenario, Failure> {
                 let (raw, expect) = parse_request(n, line)?;
                 Step::Send { raw, expect }
             }
-            "crash" => {
-                let words: Vec<&str> = rest.split_whitespace().collect();
-                let (point, args) = match words.split_last() {
-                    Some((&"after-claim", a)) => (Point::AfterClaim, a),
-                    Some((&"before-commit", a)) => (Point::BeforeCommit, a),
-                    Some((&"after-commit", a)) => (Point::AfterCommit, a),
-                    _ => return Err(fail(n, "crash … ends with after-claim, before-commit or after-commit")),
-                };
-                Step::Crash { raw: parse_send(n, args)?, point }
-            }
+            "crash" => crash_step(n, rest)?,
             "purge" => {
                 let (cut, count) =
                     rest.split_once("=>").ok_or_else(|| fail(n, "expected purge TIME => N"))?;
@@ -191,14 +178,7 @@ pub fn parse(text: &str) -> Result<Scenario, Failure> {
                 Some(("transfers", count)) => {
                     Step::Transfers(count.trim().parse().map_err(|_| fail(n, "expect transfers N"))?)
                 }
-                Some(("balances", pairs)) => {
-                    let mut want = Vec::new();
-                    for pair in pairs.split_whitespace() {
-                        let (id, b) = pair.split_once('=').ok_or_else(|| fail(n, "expected ID=BALANCE"))?;
-                        want.push((acct(id), b.parse().map_err(|_| fail(n, format!("balance {b:?}")))?));
-                    }
-                    Step::Balances(want)
-                }
+                Some(("balances", pairs)) => Step::Balances(balances(n, pairs)?),
                 _ => return Err(fail(n, "expect transfers N | expect balances ID=BALANCE …")),
             },
             other => return Err(fail(n, format!("unknown step {other:?}"))),
@@ -212,6 +192,29 @@ pub fn parse(text: &str) -> Result<Scenario, Failure> {
         return Err(fail(1, "a scenario starts with `accounts ID=BALANCE …`"));
     }
     Ok(Scenario { accounts, steps })
+}
+
+/// `ID=BALANCE …` of line `n`.
+fn balances(n: usize, pairs: &str) -> Result<Vec<(AcctId, i64)>, Failure> {
+    pairs
+        .split_whitespace()
+        .map(|pair| {
+            let (id, b) = pair.split_once('=').ok_or_else(|| fail(n, "expected ID=BALANCE"))?;
+            Ok((acct(id), b.parse().map_err(|_| fail(n, format!("balance {b:?}")))?))
+        })
+        .collect()
+}
+
+/// `crash send … POINT` of line `n`.
+fn crash_step(n: usize, rest: &str) -> Result<Step, Failure> {
+    let words: Vec<&str> = rest.split_whitespace().collect();
+    let (point, args) = match words.split_last() {
+        Some((&"after-claim", a)) => (Point::AfterClaim, a),
+        Some((&"before-commit", a)) => (Point::BeforeCommit, a),
+        Some((&"after-commit", a)) => (Point::AfterCommit, a),
+        _ => return Err(fail(n, "crash … ends with after-claim, before-commit or after-commit")),
+    };
+    Ok(Step::Crash { raw: parse_send(n, args)?, point })
 }
 
 fn parse_duration(text: &str) -> Option<i64> {

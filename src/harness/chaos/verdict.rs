@@ -143,15 +143,7 @@ pub(super) fn verdict(
             database: what_the_database_says(i, &made, &payouts),
         })
         .collect();
-    let mut certainty: Vec<u64> =
-        intents.iter().filter(|i| i.verdict != Ending::Unknown).map(|i| i.millis).collect();
-    certainty.sort_unstable();
-    let percentile = |p: usize| {
-        certainty
-            .get((certainty.len() * p / 100).min(certainty.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0)
-    };
+    let (p50, p99) = time_to_certainty(intents);
     let load = |count: fn(&Counts) -> &AtomicU64| {
         proxies.iter().map(|p| count(&p.counts).load(Ordering::Relaxed)).sum::<u64>()
     };
@@ -184,12 +176,27 @@ pub(super) fn verdict(
         transfers_unintended: unintended,
         answers_misattributed: misattributed,
         balances_conserved: conserved(accounts, &transfers, &payouts, &balances),
-        time_to_certainty_ms_p50: percentile(50),
-        time_to_certainty_ms_p99: percentile(99),
+        time_to_certainty_ms_p50: p50,
+        time_to_certainty_ms_p99: p99,
         keys_left_claimed: 0,
         unknown,
         payouts: None,
     })
+}
+
+/// The median and the 99th percentile of how long a client took to know,
+/// over the intents whose client came to know.
+fn time_to_certainty(intents: &[Intent]) -> (u64, u64) {
+    let mut certainty: Vec<u64> =
+        intents.iter().filter(|i| i.verdict != Ending::Unknown).map(|i| i.millis).collect();
+    certainty.sort_unstable();
+    let percentile = |p: usize| {
+        certainty
+            .get((certainty.len() * p / 100).min(certainty.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
+    (percentile(50), percentile(99))
 }
 
 /// Transfers a client was told about that the database does not hold, and

@@ -45,6 +45,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod events;
+mod ledger;
+
+use events::*;
+use ledger::*;
+pub use ledger::{Payout, ledger, open};
+
 /// The gateway's faults, each in percent of `POST /payouts` (first sends and
 /// retries alike), drawn in arrival order from the seed.
 #[derive(Debug, Clone, Copy, Default)]
@@ -84,96 +91,8 @@ pub struct Options {
     pub return_after: Duration,
 }
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS payout (
-    id          INTEGER PRIMARY KEY,
-    idem_key    TEXT    NOT NULL,
-    fingerprint TEXT    NOT NULL,
-    beneficiary TEXT    NOT NULL,
-    amount      INTEGER NOT NULL CHECK (amount > 0),
-    currency    TEXT    NOT NULL,
-    status      TEXT    NOT NULL CHECK (status IN ('pending', 'paid', 'failed', 'returned')),
-    reason      TEXT,
-    created_ms  INTEGER NOT NULL,
-    settled_ms  INTEGER
-);
-CREATE INDEX IF NOT EXISTS payout_key ON payout (idem_key, created_ms);
-";
-
 /// The most a request body may hold.
 const MAX_BODY: usize = 16 * 1024;
-
-/// One row of the ledger.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Payout {
-    pub id: i64,
-    pub key: String,
-    pub beneficiary: String,
-    pub amount: i64,
-    pub currency: String,
-    pub status: String,
-    pub reason: Option<String>,
-    pub created_ms: i64,
-}
-
-impl Payout {
-    fn json(&self) -> Value {
-        let mut v = json!({
-            "id": format!("po_{}", self.id),
-            "key": self.key,
-            "status": self.status,
-            "beneficiary": self.beneficiary,
-            "amount": self.amount,
-            "currency": self.currency,
-        });
-        if let Some(reason) = &self.reason {
-            v["reason"] = json!(reason);
-        }
-        v
-    }
-}
-
-/// Opens (creating if needed) a gateway ledger.
-pub fn open(path: &Path) -> rusqlite::Result<Connection> {
-    let conn = Connection::open(path)?;
-    conn.busy_timeout(Duration::from_secs(5))?;
-    conn.pragma_update(None, "journal_mode", "WAL")?;
-    conn.pragma_update(None, "synchronous", "FULL")?;
-    conn.execute_batch(SCHEMA)?;
-    Ok(conn)
-}
-
-/// Every payout in the ledger, in the order they were made.
-pub fn ledger(conn: &Connection) -> rusqlite::Result<Vec<Payout>> {
-    let mut stmt = conn.prepare(&format!("SELECT {COLUMNS} FROM payout ORDER BY id"))?;
-    let rows = stmt.query_map([], payout)?.collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
-}
-
-const COLUMNS: &str = "id, idem_key, beneficiary, amount, currency, status, reason, created_ms";
-
-fn payout(row: &rusqlite::Row) -> rusqlite::Result<Payout> {
-    Ok(Payout {
-        id: row.get(0)?,
-        key: row.get(1)?,
-        beneficiary: row.get(2)?,
-        amount: row.get(3)?,
-        currency: row.get(4)?,
-        status: row.get(5)?,
-        reason: row.get(6)?,
-        created_ms: row.get(7)?,
-    })
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
 
 struct Gateway {
     options: Options,
@@ -344,26 +263,51 @@ fn lookup(gw: &Gateway, key: &str) -> Reply {
     }
 }
 
-async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
+/// What follows a payout's settling: its event, and perhaps its return later.
+fn settled(gw: &Arc<Gateway>, p: &Payout) {
+    emit(gw, p);
+    if p.status == "paid" && gw.draw(gw.options.faults.returns) {
+        return_later(gw.clone(), p.id);
+    }
+}
+
+/// Settles a slow payout after `slow_for`, on a task of its own: a caller
+/// that stops waiting must not leave the payout pending for good (a
+/// provider settles it anyway).
+async fn settle_slowly(gw: &Arc<Gateway>, id: i64, refusal: Option<&'static str>) -> Result<Payout, String> {
+    let later = gw.clone();
+    let settling = tokio::spawn(async move {
+        tokio::time::sleep(later.options.slow_for).await;
+        let p = settle(&later.conn(), id, refusal).map_err(|e| e.to_string())?;
+        settled(&later, &p);
+        Ok(p)
+    });
+    settling.await.map_err(|e| e.to_string())?
+}
+
+/// A payout request's key and body: the key, and the parsed body
+/// (beneficiary, amount, currency, fingerprint); or the 400 to answer.
+async fn read_payout(req: Request<Incoming>) -> Result<(String, (String, i64, String, String)), Reply> {
     let key = match req.headers().get("idempotency-key").map(|v| v.to_str()) {
         Some(Ok(k)) if valid_key(k) => k.to_owned(),
         _ => {
-            return Ok(error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                "Idempotency-Key must be 1-255 of A-Za-z0-9._:~-",
-            ));
+            let why = "Idempotency-Key must be 1-255 of A-Za-z0-9._:~-";
+            return Err(error(StatusCode::BAD_REQUEST, "invalid_request", why));
         }
     };
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(_) => {
-            return Ok(error(StatusCode::BAD_REQUEST, "invalid_request", "body unreadable or over 16 KiB"));
-        }
+    let Ok(body) = Limited::new(req.into_body(), MAX_BODY).collect().await else {
+        return Err(error(StatusCode::BAD_REQUEST, "invalid_request", "body unreadable or over 16 KiB"));
     };
-    let (beneficiary, amount, currency, fingerprint) = match parse_payout(&body) {
-        Ok(p) => p,
-        Err(why) => return Ok(error(StatusCode::BAD_REQUEST, "invalid_request", &why)),
+    match parse_payout(&body.to_bytes()) {
+        Ok(p) => Ok((key, p)),
+        Err(why) => Err(error(StatusCode::BAD_REQUEST, "invalid_request", &why)),
+    }
+}
+
+async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
+    let (key, (beneficiary, amount, currency, fingerprint)) = match read_payout(req).await {
+        Ok(read) => read,
+        Err(refusal) => return Ok(refusal),
     };
     let fate = gw.fate();
     if fate == Fate::LoseRequest {
@@ -401,33 +345,14 @@ async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
         Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string())),
     };
     if fresh && payout.status != "pending" {
-        emit(&gw, &payout);
-        if payout.status == "paid" && gw.draw(gw.options.faults.returns) {
-            return_later(gw.clone(), payout.id);
-        }
+        settled(&gw, &payout);
     }
-    let payout = if fresh && fate == Fate::Slow {
-        // Settled on a task of its own: a caller that stops waiting must not
-        // leave the payout pending for good (a provider settles it anyway).
-        let (later, id) = (gw.clone(), payout.id);
-        let settling = tokio::spawn(async move {
-            tokio::time::sleep(later.options.slow_for).await;
-            let settled = settle(&later.conn(), id, refusal).map_err(|e| e.to_string());
-            if let Ok(p) = &settled {
-                emit(&later, p);
-                if p.status == "paid" && later.draw(later.options.faults.returns) {
-                    return_later(later.clone(), p.id);
-                }
-            }
-            settled
-        });
-        match settling.await {
-            Ok(Ok(p)) => p,
-            Ok(Err(e)) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e)),
-            Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e.to_string())),
-        }
-    } else {
-        payout
+    let payout = match fresh && fate == Fate::Slow {
+        true => match settle_slowly(&gw, payout.id, refusal).await {
+            Ok(p) => p,
+            Err(e) => return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e)),
+        },
+        false => payout,
     };
     match fate {
         Fate::DropAnswer => Err(Cut),
@@ -436,143 +361,9 @@ async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
     }
 }
 
-enum Recorded {
-    /// The key's payout, and whether this request made it.
-    Payout(Payout, bool),
-    OtherBody,
-}
-
-/// Finds the key's payout inside the window, or records a new one: settled
-/// at once, or `pending` when it is to be slow.
-fn record(
-    conn: &mut Connection,
-    options: &Options,
-    key: &str,
-    fingerprint: &str,
-    (beneficiary, amount, currency): (&str, i64, &str),
-    refusal: Option<&str>,
-    fate: Fate,
-) -> rusqlite::Result<Recorded> {
-    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-    if let Some((p, seen)) = Gateway::current(&tx, key, options.key_window)? {
-        return Ok(if seen == fingerprint { Recorded::Payout(p, false) } else { Recorded::OtherBody });
-    }
-    let status = match (fate, refusal) {
-        (Fate::Slow, _) => "pending",
-        (_, None) => "paid",
-        (_, Some(_)) => "failed",
-    };
-    let reason = if status == "failed" { refusal } else { None };
-    let now = now_ms();
-    let id = tx.query_row(
-        "INSERT INTO payout (idem_key, fingerprint, beneficiary, amount, currency, status, reason, created_ms, settled_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, CASE WHEN ?6 = 'pending' THEN NULL ELSE ?8 END) RETURNING id",
-        params![key, fingerprint, beneficiary, amount, currency, status, reason, now],
-        |row| row.get::<_, i64>(0),
-    )?;
-    let p = Payout {
-        id,
-        key: key.to_owned(),
-        beneficiary: beneficiary.to_owned(),
-        amount,
-        currency: currency.to_owned(),
-        status: status.to_owned(),
-        reason: reason.map(str::to_owned),
-        created_ms: now,
-    };
-    tx.commit()?;
-    Ok(Recorded::Payout(p, true))
-}
-
-/// Settles a pending payout (paid, or failed with `refusal`).
-fn settle(conn: &Connection, id: i64, refusal: Option<&str>) -> rusqlite::Result<Payout> {
-    let status = if refusal.is_some() { "failed" } else { "paid" };
-    conn.query_row(
-        &format!(
-            "UPDATE payout SET status = ?2, reason = ?3, settled_ms = ?4
-             WHERE id = ?1 AND status = 'pending' RETURNING {COLUMNS}"
-        ),
-        params![id, status, refusal, now_ms()],
-        payout,
-    )
-}
-
 /// A refusal's reason that broke a caller once: a NUL (PostgreSQL stores
 /// none), line breaks, and far more text than anyone keeps.
 const POISON: &str = "account_closed\u{0}\r\nsee https://provider.example/errors/\u{1b}[31m and 2000 more characters: xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx";
-
-/// `POST /webhook_endpoints` `{"url", "secret"}`: where events go from now on.
-async fn register(gw: &Gateway, req: Request<Incoming>) -> Reply {
-    let Ok(body) = Limited::new(req.into_body(), MAX_BODY).collect().await.map(|b| b.to_bytes()) else {
-        return error(StatusCode::BAD_REQUEST, "invalid_request", "body unreadable or over 16 KiB");
-    };
-    let v: Value = serde_json::from_slice(&body).unwrap_or_default();
-    let (Some(url), Some(secret)) = (v["url"].as_str(), v["secret"].as_str()) else {
-        return error(StatusCode::BAD_REQUEST, "invalid_request", "give url and secret");
-    };
-    *gw.webhook.lock().unwrap_or_else(|e| e.into_inner()) =
-        Some((url.to_owned(), secret.as_bytes().to_vec()));
-    reply(StatusCode::CREATED, &json!({"url": url}))
-}
-
-/// Returns a paid payout `return_after` from now: the money comes back.
-fn return_later(gw: Arc<Gateway>, id: i64) {
-    tokio::spawn(async move {
-        tokio::time::sleep(gw.options.return_after).await;
-        let returned = gw.conn().query_row(
-            &format!(
-                "UPDATE payout SET status = 'returned', reason = 'bank_return', settled_ms = ?2
-                 WHERE id = ?1 AND status = 'paid' RETURNING {COLUMNS}"
-            ),
-            params![id, now_ms()],
-            payout,
-        );
-        if let Ok(p) = returned {
-            emit(&gw, &p);
-        }
-    });
-}
-
-/// Sends the event of `p`'s state to the registered endpoint, signed, after
-/// a random delay (so events may arrive out of order); some are lost, some
-/// sent twice. A delivery that fails is tried twice more.
-fn emit(gw: &Arc<Gateway>, p: &Payout) {
-    let Some((url, secret)) = gw.webhook.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
-    if gw.draw(gw.options.faults.event_loss) {
-        return;
-    }
-    let copies = if gw.draw(gw.options.faults.event_dup) { 2 } else { 1 };
-    let body = json!({"id": format!("evt_{}_{}", p.id, p.status), "type": format!("payout.{}", p.status), "data": p.json()})
-        .to_string();
-    for _ in 0..copies {
-        let delay = Duration::from_millis(gw.rng.lock().unwrap_or_else(|e| e.into_inner()).below(300));
-        let (url, secret, body) = (url.clone(), secret.clone(), body.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            let _ = tokio::task::spawn_blocking(move || deliver(&url, &secret, &body)).await;
-        });
-    }
-}
-
-fn deliver(url: &str, secret: &[u8], body: &str) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(2)))
-        .build()
-        .into();
-    for attempt in 0..3 {
-        let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
-        let sent = agent
-            .post(format!("{}/v1/gateway-events", url.trim_end_matches('/')))
-            .header("Idem-Signature", crate::payout::sign(secret, body.as_bytes(), t))
-            .header("Content-Type", "application/json")
-            .send(body);
-        if sent.is_ok_and(|r| r.status().is_success()) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(200 * (attempt + 1)));
-    }
-}
 
 /// Serves the gateway on `listener` until the process ends. Every decision
 /// is committed before its answer, so killing it loses no payout.

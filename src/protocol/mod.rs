@@ -42,6 +42,12 @@ use crate::store::{
     Seen, Store, StoreError, Stored,
 };
 
+mod steps;
+mod upkeep;
+
+pub use steps::{Steps, claim_steps, execute_steps, handle_steps};
+pub use upkeep::{OpenClaim, open_claims, purge, purge_expired, release_claims};
+
 /// One response, as printed: `{"status","replay","reason","body"}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
@@ -245,93 +251,6 @@ pub fn handle<E: Engine + ?Sized>(
     unless_busy(outcome, ctx.policy)
 }
 
-/// The steps of a request on a store that is awaited rather than called
-/// (the service's PostgreSQL pool): the operations [`Store::claim`],
-/// [`store::Tx::replace_claim`], [`Store::execute`] and
-/// [`store::Tx::release`] with the same guarantees, each one round trip.
-pub trait Steps: Send {
-    fn claim(
-        &mut self,
-        key: &ScopedKey,
-        claim: &Claim,
-        accounts: [&AcctId; 2],
-    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
-    fn replace_claim(
-        &mut self,
-        key: &ScopedKey,
-        seen: &KeyRecord,
-        claim: &Claim,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-    fn execute(
-        &mut self,
-        x: Execution<'_>,
-        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
-        crash: &mut (dyn FnMut() -> bool + Send),
-    ) -> impl Future<Output = Result<Executed, StoreError>> + Send;
-    fn release(
-        &mut self,
-        key: &ScopedKey,
-        token: &str,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-}
-
-/// [`handle`] on [`Steps`]: the same steps, each decided by the same
-/// functions, without fault hooks.
-pub async fn handle_steps<S: Steps>(
-    store: &mut S,
-    req: &Request,
-    ctx: Ctx<'_>,
-) -> Result<Outcome, StoreError> {
-    let outcome = match claim_steps(store, req, ctx).await {
-        Ok(Claimed::Answer(response)) => Ok(Outcome::Respond(response)),
-        Ok(Claimed::Mine) => match execute_steps(store, req, ctx, &mut || false).await {
-            Err(e) => {
-                // as in `handle`: free the key now, best effort
-                let _ = store.release(&req.key, ctx.token).await;
-                Err(e)
-            }
-            done => done,
-        },
-        Err(e) => Err(e),
-    };
-    unless_busy(outcome, ctx.policy)
-}
-
-/// [`claim`] on [`Steps`].
-pub async fn claim_steps<S: Steps>(
-    store: &mut S,
-    req: &Request,
-    ctx: Ctx<'_>,
-) -> Result<Claimed, StoreError> {
-    let claim = fresh_claim(&req.fingerprint, ctx);
-    let accounts = [&req.transfer.src, &req.transfer.dst];
-    let Some(existing) = store.claim(&req.key, &claim, accounts).await? else {
-        return Ok(Claimed::Mine);
-    };
-    let claim = match after_claim(&existing, claim, ctx) {
-        Ok(claim) => claim,
-        Err(answer) => return Ok(Claimed::Answer(answer)),
-    };
-    Ok(match store.replace_claim(&req.key, &existing, &claim).await? {
-        true => Claimed::Mine,
-        false => Claimed::Answer(in_progress(ctx.policy)),
-    })
-}
-
-/// [`execute`] on [`Steps`], asking `crash` whether to stop before the
-/// write (the harness's [`Point::BeforeCommit`]).
-pub async fn execute_steps<S: Steps>(
-    store: &mut S,
-    req: &Request,
-    ctx: Ctx<'_>,
-    crash: &mut (dyn FnMut() -> bool + Send),
-) -> Result<Outcome, StoreError> {
-    let mut lost = None;
-    let mut plan = |seen: &Seen| plan(seen, req, ctx, &mut lost);
-    let executed = store.execute(execution(req, ctx), &mut plan, crash).await?;
-    Ok(committed(executed, lost, ctx).map_or_else(|outcome| outcome, Outcome::Respond))
-}
-
 /// Turns a lock wait that ran out of budget, or a database that cannot be
 /// reached or written, into an unstored 503: the client retries with the
 /// same key and finds whatever did commit.
@@ -500,94 +419,6 @@ pub fn release<S: Store + ?Sized>(store: &mut S, key: &ScopedKey, ctx: Ctx) -> R
     store::atomically(store, Durability::Lazy, ctx.policy, |tx| tx.release(key, ctx.token).map(End::Commit))
 }
 
-/// Deletes every key created before `before`; returns how many. This is the
-/// lab's `--purge-before`: it deletes what it is told, in one transaction.
-pub fn purge<S: Store + ?Sized>(
-    store: &mut S,
-    before: Timestamp,
-    policy: &Policy,
-) -> Result<u64, StoreError> {
-    store::atomically(store, Durability::Durable, policy, |tx| tx.purge(before, u64::MAX).map(End::Commit))
-}
-
-/// The operator's purge: deletes only keys past retention at `now`, `batch`
-/// keys per transaction so that no transaction holds the write lock for
-/// long. Returns how many.
-pub fn purge_expired<S: Store + ?Sized>(
-    store: &mut S,
-    now: Timestamp,
-    batch: u64,
-    policy: &Policy,
-) -> Result<u64, StoreError> {
-    let cut = now.plus_seconds(-policy.retention_seconds());
-    let mut purged = 0;
-    loop {
-        let n = store::atomically(store, Durability::Durable, policy, |tx| {
-            tx.purge(cut, batch).map(End::Commit)
-        })?;
-        purged += n;
-        if n < batch {
-            return Ok(purged);
-        }
-    }
-}
-
-/// A claim still `in_progress`: its holder is executing now, or died.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OpenClaim {
-    pub key: ScopedKey,
-    pub created_at: Timestamp,
-    pub lease_until: Timestamp,
-    /// The lease has run out: the holder is presumed dead.
-    pub stale: bool,
-}
-
-/// Every claim still in progress at `now`, oldest first.
-pub fn open_claims<S: Store + ?Sized>(
-    store: &mut S,
-    now: Timestamp,
-    policy: &Policy,
-) -> Result<Vec<OpenClaim>, StoreError> {
-    let claims =
-        store::atomically(store, Durability::Lazy, policy, |tx| tx.in_progress().map(End::Rollback))?;
-    Ok(claims
-        .into_iter()
-        .filter_map(|(key, rec)| match rec.state {
-            KeyState::InProgress { lease_until } => {
-                Some(OpenClaim { key, created_at: rec.created_at, lease_until, stale: lease_until <= now })
-            }
-            KeyState::Completed(_) => None,
-        })
-        .collect())
-}
-
-/// Deletes the stale claims (lease run out), or with `live` every claim in
-/// progress, and returns their keys. Safe for money either way: money moves
-/// only in the transaction that completes a key, and only under the claim
-/// it holds (fencing), so a released claim has moved none, and its holder,
-/// if it still runs, finds its claim gone, moves nothing and answers 409.
-/// Releasing a live claim is for holders known gone (a killed backend, a
-/// server that died after answering): its next request starts afresh.
-pub fn release_claims<S: Store + ?Sized>(
-    store: &mut S,
-    now: Timestamp,
-    live: bool,
-    policy: &Policy,
-) -> Result<Vec<ScopedKey>, StoreError> {
-    store::atomically(store, Durability::Durable, policy, |tx| {
-        let mut released = Vec::new();
-        for (key, rec) in tx.in_progress()? {
-            if let KeyState::InProgress { lease_until } = rec.state
-                && (live || lease_until <= now)
-                && tx.release(&key, &rec.token)?
-            {
-                released.push(key);
-            }
-        }
-        Ok(End::Commit(released))
-    })
-}
-
 /// The answer a decision gives without executing.
 pub fn answer(decision: Decision, policy: &Policy) -> Response {
     match decision {
@@ -628,21 +459,4 @@ pub(crate) fn refused(refusal: Refusal, policy: &Policy) -> Stored {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::fresh_token;
-
-    /// Claim tokens must never repeat within a process (a repeat would let
-    /// one attempt complete another's claim), whatever thread draws them.
-    #[test]
-    fn tokens_never_repeat_across_threads() {
-        let drawn: Vec<String> = std::thread::scope(|s| {
-            let threads: Vec<_> = (0..4)
-                .map(|_| s.spawn(|| (0..25_000).map(|_| fresh_token().unwrap()).collect::<Vec<_>>()))
-                .collect();
-            threads.into_iter().flat_map(|t| t.join().unwrap()).collect()
-        });
-        assert!(drawn.iter().all(|t| t.len() == 32 && t.bytes().all(|b| b.is_ascii_hexdigit())));
-        let distinct: std::collections::HashSet<&String> = drawn.iter().collect();
-        assert_eq!(distinct.len(), drawn.len());
-    }
-}
+mod tests;

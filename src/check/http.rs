@@ -1,0 +1,301 @@
+//! The target of `idem check --url`: an HTTP service, reached over plain
+//! TCP (or through a fault proxy), its answers parsed as HTTP/1.1 (chunked
+//! bodies too), and what the implementation chose where the draft leaves
+//! it open (its [`Profile`]).
+
+use super::{Trace, short};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+/// What a service chose where the draft leaves it open; the defaults are
+/// DESIGN §2, idem's own choices.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Profile {
+    /// The route that creates a transfer.
+    pub path: String,
+    /// Whether the key is sent as an sf-string (`"…"`) or bare.
+    pub quote_key: bool,
+    /// Whether the sf-string and the bare spelling of a key are one key.
+    pub both_key_forms: bool,
+    /// The header a replay carries (`None`: replays are not marked).
+    pub replay_header: Option<String>,
+    pub created_status: u16,
+    pub mismatch_status: u16,
+    pub in_flight_status: u16,
+    /// Whether an in-flight answer carries `Retry-After`.
+    pub in_flight_retry_after: bool,
+    pub missing_key_status: u16,
+    pub invalid_status: u16,
+    pub unauthorized_status: u16,
+    pub unknown_account_status: Option<u16>,
+    /// Whether errors are `application/problem+json` (RFC 9457).
+    pub problem_json: bool,
+    /// A transfer's own resource, `{id}` standing for its `transfer_id`.
+    pub get_path: Option<String>,
+    /// Token → client id, for the tokens given: which are one client.
+    /// Without it, each token is taken for a client of its own.
+    pub clients: Option<BTreeMap<String, String>>,
+    /// An account of known balance that nothing else uses, to catch lost
+    /// updates by draining it (spent by the check: give a fresh one).
+    pub drain: Option<Drain>,
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Drain {
+    pub src: Value,
+    pub dst: Value,
+    pub balance: i64,
+}
+
+impl Default for Profile {
+    fn default() -> Self {
+        Profile {
+            path: "/v1/transfers".into(),
+            quote_key: true,
+            both_key_forms: true,
+            replay_header: Some("idempotent-replayed".into()),
+            created_status: 201,
+            mismatch_status: 422,
+            in_flight_status: 409,
+            in_flight_retry_after: true,
+            missing_key_status: 400,
+            invalid_status: 400,
+            unauthorized_status: 401,
+            unknown_account_status: None,
+            problem_json: true,
+            get_path: Some("/v1/transfers/{id}".into()),
+            clients: None,
+            drain: None,
+        }
+    }
+}
+
+/// The service under check and how to reach it.
+pub struct Target {
+    pub address: SocketAddr,
+    /// The `Host` header: the URL's host and port.
+    pub host: String,
+    pub tokens: Vec<String>,
+    /// Two accounts the service holds, the first with funds to spare.
+    pub src: Value,
+    pub dst: Value,
+    pub profile: Profile,
+    pub seed: u64,
+}
+
+impl Target {
+    /// Reads `http://HOST:PORT` (a name is resolved, `localhost` too).
+    pub fn new(
+        url: &str,
+        tokens: Vec<String>,
+        src: Value,
+        dst: Value,
+        profile: Profile,
+        seed: u64,
+    ) -> Result<Target, String> {
+        let host = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("--url {url:?}: only http://HOST:PORT is supported"))?
+            .trim_end_matches('/')
+            .to_owned();
+        if host.contains('/') {
+            return Err(format!(
+                "--url {url:?}: give the service's root; the route comes from the profile's path"
+            ));
+        }
+        let address = host
+            .to_socket_addrs()
+            .map_err(|e| format!("--url {url:?}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("--url {url:?}: the name resolves to no address"))?;
+        if tokens.is_empty() {
+            return Err("--url needs --token".into());
+        }
+        Ok(Target { address, host, tokens, src, dst, profile, seed })
+    }
+
+    pub(super) fn transfer(&self, amount: i64) -> String {
+        json!({"src": self.src, "dst": self.dst, "amount": amount, "currency": "KRW"}).to_string()
+    }
+
+    pub(super) fn key_header(&self, key: &str) -> String {
+        match self.profile.quote_key {
+            true => format!("\"{key}\""),
+            false => key.to_owned(),
+        }
+    }
+
+    /// The request bytes of a POST to the profile's path.
+    pub(super) fn post_bytes(&self, headers: &[(&str, String)], body: &str) -> Vec<u8> {
+        let mut head = format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n",
+            self.profile.path, self.host
+        );
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str(&format!("Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()));
+        head.into_bytes()
+    }
+
+    /// POST with `token` and `key` (either may be absent).
+    pub(super) fn post(
+        &self,
+        t: &mut Trace,
+        token: Option<&str>,
+        key: Option<&str>,
+        body: &str,
+    ) -> Result<Http, String> {
+        let mut headers = Vec::new();
+        if let Some(token) = token {
+            headers.push(("Authorization", format!("Bearer {token}")));
+        }
+        if let Some(key) = key {
+            headers.push(("Idempotency-Key", self.key_header(key)));
+        }
+        self.send(t, &headers, body)
+    }
+
+    pub(super) fn send(&self, t: &mut Trace, headers: &[(&str, String)], body: &str) -> Result<Http, String> {
+        let answer = exchange(self.address, &self.post_bytes(headers, body))?;
+        let shown: Vec<String> = headers.iter().map(|(n, v)| format!("{n}: {}", short(v))).collect();
+        t.step(format!("POST [{}] {} -> {}", shown.join("; "), short(body), answer.short()));
+        Ok(answer)
+    }
+
+    pub(super) fn get(&self, t: &mut Trace, path: &str, token: &str) -> Result<Http, String> {
+        let bytes = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n",
+            self.host
+        );
+        let answer = exchange(self.address, bytes.as_bytes())?;
+        t.step(format!("GET {path} as {token} -> {}", answer.short()));
+        Ok(answer)
+    }
+
+    pub(super) fn replayed(&self, h: &Http) -> bool {
+        self.profile
+            .replay_header
+            .as_ref()
+            .is_some_and(|name| h.header(name).is_some_and(|v| v.eq_ignore_ascii_case("true")))
+    }
+
+    /// Whether `again` replays `first`: the same status and body, marked
+    /// if the profile says replays are.
+    pub(super) fn replays(&self, again: &Http, first: &Http) -> bool {
+        again.status == first.status
+            && again.body == first.body
+            && (self.profile.replay_header.is_none() || self.replayed(again))
+    }
+
+    /// Two tokens of distinct clients, and two of one client, if the
+    /// profile says which tokens are whose.
+    pub(super) fn clients(&self) -> (Option<TokenPair<'_>>, Option<TokenPair<'_>>) {
+        let owner = |tok: &String| self.profile.clients.as_ref().and_then(|m| m.get(tok)).cloned();
+        let mut distinct = None;
+        let mut same = None;
+        for (i, a) in self.tokens.iter().enumerate() {
+            for b in &self.tokens[i + 1..] {
+                match (self.profile.clients.is_some(), owner(a), owner(b)) {
+                    (false, _, _) => distinct = distinct.or(Some((a.as_str(), b.as_str()))),
+                    (true, Some(x), Some(y)) if x != y => {
+                        distinct = distinct.or(Some((a.as_str(), b.as_str())))
+                    }
+                    (true, Some(_), Some(_)) => same = same.or(Some((a.as_str(), b.as_str()))),
+                    _ => {}
+                }
+            }
+        }
+        (distinct, same)
+    }
+}
+
+/// Two bearer tokens.
+type TokenPair<'a> = (&'a str, &'a str);
+
+/// One HTTP answer, its body decoded.
+#[derive(Debug, Clone, Default)]
+pub struct Http {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Http {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    pub(super) fn short(&self) -> String {
+        format!("{} {}", self.status, short(&self.body))
+    }
+
+    pub(super) fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+/// Sends `request` on a new connection and reads the answer to its end.
+pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, String> {
+    let mut stream =
+        TcpStream::connect_timeout(&address, Duration::from_secs(5)).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    stream.write_all(request).map_err(|e| format!("send: {e}"))?;
+    read_answer(&mut stream)
+}
+
+pub(super) fn read_answer(stream: &mut TcpStream) -> Result<Http, String> {
+    let mut bytes = Vec::new();
+    match stream.read_to_end(&mut bytes) {
+        Ok(_) => {}
+        // a reset after a whole answer still leaves the answer
+        Err(_) if !bytes.is_empty() => {}
+        Err(e) => return Err(format!("no answer: {e}")),
+    }
+    parse_answer(&bytes)
+        .ok_or_else(|| format!("not an HTTP answer: {}", short(&String::from_utf8_lossy(&bytes))))
+}
+
+/// An HTTP/1.1 answer from its bytes: the body by `Content-Length`, by
+/// chunked transfer coding, or to the end.
+pub fn parse_answer(bytes: &[u8]) -> Option<Http> {
+    let end = bytes.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&bytes[..end]).ok()?;
+    let mut lines = head.split("\r\n");
+    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let find =
+        |name: &str| headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str());
+    let rest = &bytes[end + 4..];
+    let body = if find("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
+        dechunk(rest)?
+    } else if let Some(length) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        rest.get(..length)?.to_vec()
+    } else {
+        rest.to_vec()
+    };
+    Some(Http { status, headers, body: String::from_utf8_lossy(&body).into_owned() })
+}
+
+pub(super) fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        let line_end = rest.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = std::str::from_utf8(&rest[..line_end]).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        rest = &rest[line_end + 2..];
+        if size == 0 {
+            return Some(body);
+        }
+        body.extend_from_slice(rest.get(..size)?);
+        rest = rest.get(size + 2..)?;
+    }
+}
