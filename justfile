@@ -9,6 +9,8 @@ test:
     cargo test --release
     cargo fmt --check
     cargo clippy --all-targets -- -D warnings
+    tools/house --check
+    RUSTDOCFLAGS="-D warnings" cargo doc --no-deps
 
 # The deep property storm: tens of thousands of random days.
 storm cases="20000":

@@ -14,7 +14,7 @@ use serde_json::Value;
 use sha2::Sha256;
 
 /// How far an event's signed time may be from ours.
-pub const TOLERANCE_SECONDS: i64 = 300;
+pub(crate) const TOLERANCE_SECONDS: i64 = 300;
 
 /// The header that carries the signature.
 pub const SIGNATURE_HEADER: &str = "idem-signature";

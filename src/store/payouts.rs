@@ -113,7 +113,7 @@ pub(crate) struct PayoutText {
 }
 
 impl PayoutText {
-    pub fn decode(self) -> Result<PayoutRow, StoreError> {
+    pub(crate) fn decode(self) -> Result<PayoutRow, StoreError> {
         let corrupt = |why: String| StoreError::Backend(format!("corrupt payout row: {why}").into());
         let time = |text: &str| Timestamp::parse(text).map_err(|e| corrupt(e.to_string()));
         Ok(PayoutRow {
@@ -247,7 +247,7 @@ pub(crate) const PAYOUT_V1_COLUMNS: &str =
     "payout_id, client_id, endpoint, idem_key, fingerprint, src, beneficiary,
     amount, currency, downstream_key, state, holder, lease_until, created_at, updated_at, note, status";
 
-/// The payout half of a transaction ([`Tx`]). A store without payouts
+/// The payout half of a transaction ([`Tx`](super::Tx)). A store without payouts
 /// (the models under `tests/`) keeps the defaults, which say so.
 pub trait PayoutTx {
     /// Creates the `payout` table if it is not there.
@@ -292,7 +292,7 @@ pub trait PayoutTx {
         Err(no_payouts())
     }
     /// The payout the gateway knows by `downstream_key`, as last committed,
-    /// not locked (whoever writes it locks its key, then [`Tx::payout`]).
+    /// not locked (whoever writes it locks its key, then [`PayoutTx::payout`]).
     fn payout_by_downstream_key(&mut self, _key: &str) -> Result<Option<PayoutRow>, StoreError> {
         Err(no_payouts())
     }

@@ -40,15 +40,15 @@ pub(crate) const PURGEABLE: &str = "NOT (state = 'in_progress' AND endpoint = $3
 
 /// The queries of [`Store::audit`], in SQL both stores speak.
 pub(crate) mod audit_sql {
-    pub const TRANSFERS: &str = "SELECT transfer_id, amount FROM transfer ORDER BY transfer_id";
-    pub const ORPHANS: &str = "SELECT transfer_id, amount FROM transfer t WHERE NOT EXISTS
+    pub(crate) const TRANSFERS: &str = "SELECT transfer_id, amount FROM transfer ORDER BY transfer_id";
+    pub(crate) const ORPHANS: &str = "SELECT transfer_id, amount FROM transfer t WHERE NOT EXISTS
            (SELECT 1 FROM idem_key k WHERE k.transfer_id = t.transfer_id AND k.state = 'completed')
          ORDER BY transfer_id";
     /// The payouts' endpoint is bound as `$1`: a payout's 201 names no transfer.
-    pub const HOLLOW: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
+    pub(crate) const HOLLOW: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND status = 201
            AND endpoint <> $1 AND (transfer_id IS NULL OR transfer_id NOT IN (SELECT transfer_id FROM transfer))";
-    pub const IN_PROGRESS: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'";
-    pub const COMPLETED: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'";
+    pub(crate) const IN_PROGRESS: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'";
+    pub(crate) const COMPLETED: &str = "SELECT COUNT(*) FROM idem_key WHERE state = 'completed'";
 }
 
 /// The columns an existing `transfer` table must have for a store to use it.
@@ -92,7 +92,7 @@ pub(crate) struct KeyRow {
 
 impl KeyRow {
     /// The record, or why the row is not one the engine can have written.
-    pub fn decode(self) -> Result<KeyRecord, StoreError> {
+    pub(crate) fn decode(self) -> Result<KeyRecord, StoreError> {
         let corrupt = |why: String| StoreError::Backend(format!("corrupt idem_key row: {why}").into());
         let time = |text: &str| Timestamp::parse(text).map_err(|e| corrupt(e.to_string()));
         let state = match (self.state.as_str(), self.status, self.body) {

@@ -63,7 +63,7 @@ impl Clients {
     /// Starts `config.clients` clients; client `c` (token `tokens[c]`)
     /// starts on instance `c` of `urls` and moves on to the next after a
     /// failure. With `payouts`, every fourth intent is a payout.
-    pub fn start(config: &Config, urls: &[String], tokens: &[String], payouts: bool) -> Clients {
+    pub(super) fn start(config: &Config, urls: &[String], tokens: &[String], payouts: bool) -> Clients {
         let settled = Arc::new(AtomicUsize::new(0));
         let intents = Arc::new(Mutex::new(Vec::new()));
         let workers = (0..config.clients)
@@ -91,7 +91,7 @@ impl Clients {
     }
 
     /// Whether every client has ended all its intents.
-    pub fn finished(&self) -> bool {
+    pub(super) fn finished(&self) -> bool {
         self.workers.iter().all(|w| w.is_finished())
     }
 }

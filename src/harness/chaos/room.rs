@@ -29,7 +29,7 @@ pub(super) struct Room {
 impl Room {
     /// Starts the gateway (if any) and `config.instances` servers on `db`,
     /// each behind its proxy; the gateway's events go to the first.
-    pub fn open(config: &Config, db: &Db, clients: PathBuf) -> Result<Room, HarnessError> {
+    pub(super) fn open(config: &Config, db: &Db, clients: PathBuf) -> Result<Room, HarnessError> {
         let log = config.out.join("server.log");
         let _ = std::fs::remove_file(&log);
         let gateway =
@@ -69,7 +69,7 @@ impl Room {
     /// SIGKILLs server `i` (no goodbye: its claims stay where they are),
     /// releases the claims it left, and starts it again behind the same
     /// proxy. Returns how many claims were released.
-    pub fn kill(&mut self, i: usize, policy: &Policy) -> Result<usize, HarnessError> {
+    pub(super) fn kill(&mut self, i: usize, policy: &Policy) -> Result<usize, HarnessError> {
         let old = &mut self.servers[i];
         let _ = old.child.kill();
         let _ = old.child.wait();
@@ -84,7 +84,7 @@ impl Room {
     }
 
     /// Asks every server to drain and stop (SIGTERM), and waits for it.
-    pub fn stop_servers(&mut self) {
+    pub(super) fn stop_servers(&mut self) {
         for server in &mut self.servers {
             // SAFETY: kill(2) takes plain integers; the pid is our own child's,
             // not yet waited for, so it cannot name another process.
@@ -94,7 +94,7 @@ impl Room {
     }
 
     /// Releases every claim left in progress (see [`release_claims`]).
-    pub fn release_claims(&self, policy: &Policy) -> Result<usize, HarnessError> {
+    pub(super) fn release_claims(&self, policy: &Policy) -> Result<usize, HarnessError> {
         release_claims(&self.db, policy)
     }
 
