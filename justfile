@@ -56,7 +56,7 @@ mutants: _cargo-mutants
 # The PostgreSQL store's mutants, against the suites on PostgreSQL.
 mutants-pg: _cargo-mutants
     IDEM_BACKENDS=postgres,serializable cargo mutants --no-config --profile mutants --timeout-multiplier 3 \
-        --file src/store/pg.rs --cargo-test-arg=--test=engine
+        --file 'src/store/pg/*.rs' --cargo-test-arg=--test=engine
 
 # Benchmarks: medians and ratios against the Python peer and the disk's fsync rate.
 bench:

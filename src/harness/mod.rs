@@ -1,8 +1,10 @@
-//! The harness: everything that drives the engine to prove it, none of which
-//! the engine needs to run. It reaches an engine only through
-//! [`protocol::Engine`], so the same days, scenarios and storms judge the
-//! real protocol on every store and the deliberately broken engines kept
-//! under `tests/`.
+//! The harness: the proofs of idem, none of which the engine needs to run.
+//! The day, the scenarios and the storms reach an engine only through
+//! [`protocol::Engine`], so they judge the real protocol on every store and
+//! the deliberately broken engines kept under `tests/` alike; the races run
+//! real `idem_api` processes; chaos runs real `idem serve` processes and
+//! judges them from the database's tables (and, for the claims a killed
+//! server left, through the store's transactions).
 
 pub mod chaos;
 pub mod day;

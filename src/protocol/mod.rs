@@ -266,7 +266,8 @@ pub fn unless_busy(outcome: Result<Outcome, StoreError>, policy: &Policy) -> Res
 
 /// The answer to a request whose key is settled, from a plain read: no
 /// claim, no write lock, no wait. Only a completed key within retention is
-/// settled (a replay), or any key under another body (422); `None` sends
+/// settled (a replay), or a key within retention under another body (422;
+/// an expired key is not: it is claimed afresh); `None` sends
 /// the request on to [`claim`]. A completed key changes only when it is
 /// purged or expires, so a read a moment old answers as the claim would
 /// have; and since nothing is claimed here, nothing can be paid by it.

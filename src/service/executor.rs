@@ -81,7 +81,8 @@ pub struct Executor {
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
-/// The service's clock: the wall clock, or `IDEM_NOW` when set (for tests).
+/// The service's clock, given by its caller (the binary: the wall clock, or
+/// `IDEM_NOW` when set, for tests).
 pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
 
 /// One job queue shared by the workers that serve it.
@@ -378,7 +379,7 @@ fn one_at_a_time<S: Reads + ?Sized>(
 /// fails, the group rolls back, nothing of it happened, and every request of
 /// it is told so (503, retry). A crash before the commit loses the group and
 /// answers nothing; a crash after it answers nothing, and every retry
-/// replays. `tests/group_commit.rs` stops the writer at both points.
+/// replays. `tests/service/group_commit.rs` stops the writer at both points.
 fn write_in_groups(
     mut store: Box<dyn GroupWriter>,
     jobs: &Mutex<Receiver<Job>>,
@@ -404,7 +405,8 @@ fn write_in_groups(
                 }
             }
         }
-        // the writer's queue carries only transfers; a read is answered on the spot
+        // transfers join the group; anything else on the writer's queue (a
+        // payout's step, a read) is run on the spot, outside it
         let transfers: Vec<_> =
             group.into_iter().filter_map(|job| read_or_transfer(&mut store, job, policy, clock)).collect();
         if transfers.is_empty() {

@@ -1,4 +1,4 @@
-//! The protocol over per-row locks (`tests/common/loom_rows.rs`), as
+//! The protocol over per-row locks (`tests/engine/models/loom_rows.rs`), as
 //! PostgreSQL runs it: the key row, then the accounts in order, each held to
 //! commit. loom tries every interleaving: racers on one key execute it once,
 //! and opposite transfers on two keys neither deadlock nor lose money.

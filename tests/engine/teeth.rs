@@ -1,7 +1,7 @@
 //! Teeth: each classic mistake of this lab, written as a broken engine of its
-//! own (`tests/common/broken.rs`), must turn the harness red. For each one it
+//! own (`tests/engine/models/broken.rs`), must turn the harness red. For each one it
 //! runs every scenario, a property storm and the loom model, and prints which
-//! of them caught it (`cargo test --release --test teeth -- --nocapture`).
+//! of them caught it (`cargo test --release --test engine teeth:: -- --nocapture`).
 
 use crate::models::broken::{Broken, Mistake};
 use crate::models::loom_claim::{race, race_with};
@@ -48,7 +48,7 @@ fn failing_scenarios(mistake: Option<Mistake>) -> Vec<String> {
 ///
 /// The runner is seeded, so the same days are tried on every run, and every
 /// day that broke an engine is saved to `tests/engine/storm.proptest-regressions`,
-/// which the storm (`tests/storm.rs`) replays first against the real engine
+/// which the storm (`tests/engine/storm.rs`) replays first against the real engine
 /// on every `cargo test`.
 fn storm_catches(mistake: Option<Mistake>, cases: u32) -> Option<String> {
     let persistence = FileFailurePersistence::Direct("tests/engine/storm.proptest-regressions");

@@ -10,7 +10,7 @@
 //! The verdict needs nothing from the server but its `transfer` and
 //! `account` tables: every intended transfer has an amount of its own, so a
 //! transfer row names the intent it came from. That is what lets the same
-//! verdict judge a deliberately broken server (see `tests/chaos.rs`).
+//! verdict judge a deliberately broken server (see `tests/service/chaos.rs`).
 
 mod clients;
 mod payouts;

@@ -110,7 +110,8 @@ impl SqliteStore {
         })
     }
 
-    /// The connection, for read-only inspection by the harness.
+    /// The connection itself, for what the store has no operation for: the
+    /// benches preload keys through it. Outside the store's transactions.
     pub fn connection(&self) -> &Connection {
         &self.conn
     }

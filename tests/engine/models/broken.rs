@@ -1,7 +1,7 @@
 //! Deliberately broken engines: each a classic mistake of this lab, written
 //! as an engine of its own and driven through the same seam
 //! ([`protocol::Engine`]) as the real one, so the production protocol carries
-//! no switch for them. `tests/teeth.rs` demands that the scenarios, the storm
+//! no switch for them. `tests/engine/teeth.rs` demands that the scenarios, the storm
 //! or the loom model catch every one.
 
 use idem::clock::Timestamp;
