@@ -12,6 +12,7 @@
 
 pub use super::lab::{Engine, Profile, command};
 
+use super::CheckError;
 use super::lab::{Answer, Bank, ENDPOINT, Envelope, Setting, reordered, request, run_nonce};
 use super::{Property, Trace, model, short};
 use crate::rng::Rng;
@@ -34,7 +35,7 @@ fn expect_fresh(t: &mut Trace, answer: &Answer) -> Option<Envelope> {
     e.filter(|_| ok)
 }
 
-fn fresh_transfer(t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn fresh_transfer(t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let first = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
     if let Some(e) = expect_fresh(t, &first) {
         let (_, rows) = s.bank.ledger()?;
@@ -46,7 +47,7 @@ fn fresh_transfer(t: &mut Trace, s: &Setting) -> Result<(), String> {
     s.bank.expect_ledger(t, &s.bank.moved(s.amount), 1)
 }
 
-fn replay_after_other_money_moved(t: &mut Trace, s: &Setting, reorder: bool) -> Result<(), String> {
+fn replay_after_other_money_moved(t: &mut Trace, s: &Setting, reorder: bool) -> Result<(), CheckError> {
     let first = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
     let first = expect_fresh(t, &first);
     // money moves between the first answer and the retry: a replay rebuilt
@@ -75,7 +76,7 @@ fn replay_after_other_money_moved(t: &mut Trace, s: &Setting, reorder: bool) -> 
     s.bank.expect_ledger(t, &s.bank.moved(s.amount + 7), 2)
 }
 
-fn mismatch(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn mismatch(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
     let other = s.bank.send(t, &s.request(&s.key, s.amount + 1), &[])?;
     let e = other.answered();
@@ -88,7 +89,7 @@ fn mismatch(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
     s.bank.expect_ledger(t, &s.bank.moved(s.amount), 1)
 }
 
-fn crash_after_claim(t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn crash_after_claim(t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let crashed = s.bank.send(t, &s.request(&s.key, s.amount), &["--crash-after-claim"])?;
     t.expect(crashed.code != Some(0) && crashed.envelope.is_none(), || {
         "a crash must exit non-zero and answer nothing".into()
@@ -110,7 +111,7 @@ fn crash_after_claim(t: &mut Trace, s: &Setting) -> Result<(), String> {
 const MALFORMED: [&str; 8] = ["0", "-5", "1.5", "true", "\"100\"", "null", "[1]", "1e3"];
 const AMBIGUOUS: [&str; 2] = ["9007199254740992", "100000000000000000000000000000"];
 
-fn malformed(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn malformed(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let invalid = |e: &Envelope| {
         e.status == 400
             && !e.replay
@@ -164,7 +165,7 @@ fn reason_note(engine: &Engine) -> String {
         .map_or(String::new(), |p| format!(", a reason starting {p:?}"))
 }
 
-fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let p = &engine.profile;
     let ghost = format!("ghost-{}", run_nonce());
     let cases = [
@@ -198,7 +199,7 @@ fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), St
     s.bank.expect_ledger(t, &s.bank.moved(6), 2)
 }
 
-fn scoped(t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn scoped(t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let one = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
     let others = [
         (
@@ -235,7 +236,7 @@ fn at_offset(at: crate::clock::Timestamp, hours: i64) -> String {
     format!("{}{sign}{:02}:00", local.trim_end_matches('Z'), hours.abs())
 }
 
-fn purge(t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn purge(t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     use crate::clock::Timestamp;
     let early = format!("{}-early", s.key);
     let t1 = Timestamp::now();
@@ -269,7 +270,7 @@ fn purge(t: &mut Trace, s: &Setting) -> Result<(), String> {
     s.bank.expect_ledger(t, &s.bank.moved(25), 4)
 }
 
-fn race_one_key(t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn race_one_key(t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     const ROUNDS: usize = 6;
     for round in 0..ROUNDS {
         let text = s.request(&format!("{}-{round}", s.key), 1);
@@ -296,7 +297,7 @@ fn race_one_key(t: &mut Trace, s: &Setting) -> Result<(), String> {
     s.bank.expect_ledger(t, &s.bank.moved(ROUNDS as i64), ROUNDS)
 }
 
-fn hot_account(t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn hot_account(t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let texts: Vec<String> = (0..8).map(|p| s.request(&format!("{}-{p}", s.key), 7)).collect();
     let answers = s.bank.race(&texts)?;
     let ok = answers.iter().filter(|a| a.answered().is_some_and(Envelope::fresh_201)).count();
@@ -311,7 +312,7 @@ fn hot_account(t: &mut Trace, s: &Setting) -> Result<(), String> {
     Ok(())
 }
 
-fn hostile(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), String> {
+fn hostile(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let missing = s.bank.path("missing.json");
     let folder = s.bank.path("");
     for (path, what) in [(&missing, "a missing request file"), (&folder, "a directory as the request")] {
@@ -336,7 +337,7 @@ macro_rules! property {
         Property {
             name: $name,
             contract: $contract,
-            judge: |$e: &Engine, $t: &mut Trace| -> Result<(), String> {
+            judge: |$e: &Engine, $t: &mut Trace| -> Result<(), CheckError> {
                 let ($s, _) = Setting::new($e, $salt)?;
                 let _ = &$e;
                 $body

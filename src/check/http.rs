@@ -3,6 +3,7 @@
 //! bodies too), and what the implementation chose where the draft leaves
 //! it open (its [`Profile`]).
 
+use super::CheckError;
 use super::{Trace, short};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -97,7 +98,7 @@ impl Target {
         dst: Value,
         profile: Profile,
         seed: u64,
-    ) -> Result<Target, String> {
+    ) -> Result<Target, CheckError> {
         let host = url
             .strip_prefix("http://")
             .ok_or_else(|| format!("--url {url:?}: only http://HOST:PORT is supported"))?
@@ -106,7 +107,8 @@ impl Target {
         if host.contains('/') {
             return Err(format!(
                 "--url {url:?}: give the service's root; the route comes from the profile's path"
-            ));
+            )
+            .into());
         }
         let address = host
             .to_socket_addrs()
@@ -150,7 +152,7 @@ impl Target {
         token: Option<&str>,
         key: Option<&str>,
         body: &str,
-    ) -> Result<Http, String> {
+    ) -> Result<Http, CheckError> {
         let mut headers = Vec::new();
         if let Some(token) = token {
             headers.push(("Authorization", format!("Bearer {token}")));
@@ -161,14 +163,19 @@ impl Target {
         self.send(t, &headers, body)
     }
 
-    pub(super) fn send(&self, t: &mut Trace, headers: &[(&str, String)], body: &str) -> Result<Http, String> {
+    pub(super) fn send(
+        &self,
+        t: &mut Trace,
+        headers: &[(&str, String)],
+        body: &str,
+    ) -> Result<Http, CheckError> {
         let answer = exchange(self.address, &self.post_bytes(headers, body))?;
         let shown: Vec<String> = headers.iter().map(|(n, v)| format!("{n}: {}", short(v))).collect();
         t.step(format!("POST [{}] {} -> {}", shown.join("; "), short(body), answer.short()));
         Ok(answer)
     }
 
-    pub(super) fn get(&self, t: &mut Trace, path: &str, token: &str) -> Result<Http, String> {
+    pub(super) fn get(&self, t: &mut Trace, path: &str, token: &str) -> Result<Http, CheckError> {
         let bytes = format!(
             "GET {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n",
             self.host
@@ -241,24 +248,24 @@ impl Http {
 }
 
 /// Sends `request` on a new connection and reads the answer to its end.
-pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, String> {
+pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, CheckError> {
     let mut stream =
-        TcpStream::connect_timeout(&address, Duration::from_secs(5)).map_err(|e| format!("connect: {e}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-    stream.write_all(request).map_err(|e| format!("send: {e}"))?;
+        TcpStream::connect_timeout(&address, Duration::from_secs(5)).map_err(CheckError::io("connect"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
+    stream.write_all(request).map_err(CheckError::io("send"))?;
     read_answer(&mut stream)
 }
 
-pub(super) fn read_answer(stream: &mut TcpStream) -> Result<Http, String> {
+pub(super) fn read_answer(stream: &mut TcpStream) -> Result<Http, CheckError> {
     let mut bytes = Vec::new();
     match stream.read_to_end(&mut bytes) {
         Ok(_) => {}
         // a reset after a whole answer still leaves the answer
         Err(_) if !bytes.is_empty() => {}
-        Err(e) => return Err(format!("no answer: {e}")),
+        Err(e) => return Err(CheckError::Io { doing: "reading the answer".into(), source: e }),
     }
     parse_answer(&bytes)
-        .ok_or_else(|| format!("not an HTTP answer: {}", short(&String::from_utf8_lossy(&bytes))))
+        .ok_or_else(|| format!("not an HTTP answer: {}", short(&String::from_utf8_lossy(&bytes))).into())
 }
 
 /// An HTTP/1.1 answer from its bytes: the body by `Content-Length`, by

@@ -3,6 +3,7 @@
 //! random accounts, balances, amounts and keys), its answers parsed as the
 //! contract fixes them, and the ledger read straight from the file.
 
+use super::CheckError;
 use super::{Trace, short};
 use crate::harness::race;
 use crate::rng::Rng;
@@ -142,17 +143,19 @@ pub struct Bank {
 }
 
 impl Bank {
-    pub fn new(command: &[String], rng: &mut Rng, accounts: usize) -> Result<Bank, String> {
-        let dir = tempfile::Builder::new().prefix("idem-check-").tempdir().map_err(|e| e.to_string())?;
+    pub fn new(command: &[String], rng: &mut Rng, accounts: usize) -> Result<Bank, CheckError> {
+        let dir = tempfile::Builder::new()
+            .prefix("idem-check-")
+            .tempdir()
+            .map_err(CheckError::io("a directory for the bank"))?;
         let db = dir.path().join("bank.db");
         let salt = rng.below(1 << 20);
         let ids: Vec<String> = (0..accounts).map(|i| format!("acct-{salt:x}-{i}")).collect();
         let balances: Vec<i64> = (0..accounts).map(|_| 10_000 + rng.below(990_000) as i64).collect();
-        let conn = Connection::open(&db).map_err(|e| e.to_string())?;
-        conn.execute_batch(crate::store::bank::ACCOUNT).map_err(|e| e.to_string())?;
+        let conn = Connection::open(&db)?;
+        conn.execute_batch(crate::store::bank::ACCOUNT)?;
         for (id, balance) in ids.iter().zip(&balances) {
-            conn.execute("INSERT INTO account VALUES (?1, 'check', ?2)", (id, balance))
-                .map_err(|e| e.to_string())?;
+            conn.execute("INSERT INTO account VALUES (?1, 'check', ?2)", (id, balance))?;
         }
         Ok(Bank { dir, db, ids, balances, command: command.to_vec(), files: std::cell::Cell::new(0) })
     }
@@ -161,15 +164,15 @@ impl Bank {
         self.dir.path().join(name)
     }
 
-    pub fn file(&self, text: &str) -> Result<PathBuf, String> {
+    pub fn file(&self, text: &str) -> Result<PathBuf, CheckError> {
         self.files.set(self.files.get() + 1);
         let path = self.path(&format!("req-{}.json", self.files.get()));
-        std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        std::fs::write(&path, text).map_err(CheckError::io(path.display().to_string()))?;
         Ok(path)
     }
 
     /// Runs the engine with `--db` and `args`.
-    pub fn run(&self, args: &[&std::ffi::OsStr]) -> Result<Answer, String> {
+    pub fn run(&self, args: &[&std::ffi::OsStr]) -> Result<Answer, CheckError> {
         let (program, rest) = self.command.split_first().ok_or("empty --engine")?;
         let out = Command::new(program)
             .args(rest)
@@ -177,7 +180,7 @@ impl Bank {
             .arg(&self.db)
             .args(args)
             .output()
-            .map_err(|e| format!("cannot run {program}: {e}"))?;
+            .map_err(CheckError::io(format!("cannot run {program}")))?;
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let envelope = Envelope::parse(&stdout);
         Ok(Answer {
@@ -189,7 +192,7 @@ impl Bank {
     }
 
     /// Sends the request `text` (with extra flags), as a step of `t`.
-    pub fn send(&self, t: &mut Trace, text: &str, extra: &[&str]) -> Result<Answer, String> {
+    pub fn send(&self, t: &mut Trace, text: &str, extra: &[&str]) -> Result<Answer, CheckError> {
         let file = self.file(text)?;
         let mut args: Vec<&std::ffi::OsStr> = vec!["--request".as_ref(), file.as_os_str()];
         args.extend(extra.iter().map(std::ffi::OsStr::new));
@@ -204,10 +207,10 @@ impl Bank {
     }
 
     /// Processes released together, one per request text.
-    pub fn race(&self, texts: &[String]) -> Result<Vec<Answer>, String> {
+    pub fn race(&self, texts: &[String]) -> Result<Vec<Answer>, CheckError> {
         let files = texts.iter().map(|t| self.file(t)).collect::<Result<Vec<_>, _>>()?;
         let finished = race::release_together(&self.command, self.db.as_os_str(), &files, &[])
-            .map_err(|e| format!("racing: {e}"))?;
+            .map_err(CheckError::io("racing"))?;
         Ok(finished
             .into_iter()
             .map(|f| Answer {
@@ -221,8 +224,8 @@ impl Bank {
 
     /// The balances now, in the order of `ids`, and the transfer rows, read
     /// straight from the file (never through the engine under judgement).
-    pub fn ledger(&self) -> Result<(Vec<i64>, Vec<Row>), String> {
-        let conn = Connection::open(&self.db).map_err(|e| e.to_string())?;
+    pub fn ledger(&self) -> Result<(Vec<i64>, Vec<Row>), CheckError> {
+        let conn = Connection::open(&self.db)?;
         let read = || -> rusqlite::Result<(Vec<i64>, Vec<Row>)> {
             let mut balances = Vec::new();
             for id in &self.ids {
@@ -246,7 +249,7 @@ impl Bank {
             }
             Ok((balances, rows))
         };
-        read().map_err(|e| format!("reading the ledger: {e}"))
+        Ok(read()?)
     }
 
     /// The opening balances with `amount` moved from account 0 to account 1.
@@ -258,7 +261,7 @@ impl Bank {
     }
 
     /// Checks the ledger: balances as `want`, `transfers` rows.
-    pub fn expect_ledger(&self, t: &mut Trace, want: &[i64], transfers: usize) -> Result<(), String> {
+    pub fn expect_ledger(&self, t: &mut Trace, want: &[i64], transfers: usize) -> Result<(), CheckError> {
         let (balances, rows) = self.ledger()?;
         t.expect(balances == want && rows.len() == transfers, || {
             format!(
@@ -309,7 +312,7 @@ pub struct Setting {
 }
 
 impl Setting {
-    pub(super) fn new(engine: &Engine, salt: u64) -> Result<(Setting, Rng), String> {
+    pub(super) fn new(engine: &Engine, salt: u64) -> Result<(Setting, Rng), CheckError> {
         let mut rng = Rng::new(engine.seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let bank = Bank::new(&engine.command, &mut rng, 3)?;
         let (a, b) = (bank.ids[0].clone(), bank.ids[1].clone());
@@ -337,7 +340,7 @@ pub fn run_nonce() -> u32 {
 
 /// Splits `--engine`'s text as a shell would (quotes and backslashes), so a
 /// path with a space can be given quoted; `extra` (`--engine-arg`) follows.
-pub fn command(text: &str, extra: &[String]) -> Result<Vec<String>, String> {
+pub fn command(text: &str, extra: &[String]) -> Result<Vec<String>, CheckError> {
     let mut words = shlex::split(text).ok_or_else(|| format!("--engine {text:?}: unbalanced quotes"))?;
     words.extend(extra.iter().cloned());
     if words.is_empty() {

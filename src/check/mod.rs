@@ -21,6 +21,66 @@ pub mod lab;
 pub mod model;
 pub mod url;
 
+/// Why the check could not carry out a step, or set itself up: its own
+/// trouble, as opposed to a failure of the implementation (a verdict).
+#[derive(Debug)]
+pub enum CheckError {
+    /// Running or reaching the implementation, or the check's own files:
+    /// what it was doing, and the system's error.
+    Io { doing: String, source: std::io::Error },
+    /// The check's own bank, a SQLite file it builds and reads.
+    Bank(rusqlite::Error),
+    /// Anything else, in the check's words (a command line it cannot
+    /// split, an address it cannot reach, an answer it cannot read).
+    Step(String),
+}
+
+impl CheckError {
+    /// An `Io` error's constructor for `map_err`, saying what was being done.
+    pub fn io(doing: impl Into<String>) -> impl FnOnce(std::io::Error) -> CheckError {
+        let doing = doing.into();
+        move |source| CheckError::Io { doing, source }
+    }
+}
+
+impl std::fmt::Display for CheckError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckError::Io { doing, source } => write!(f, "{doing}: {source}"),
+            CheckError::Bank(e) => write!(f, "the check's bank: {e}"),
+            CheckError::Step(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for CheckError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CheckError::Io { source, .. } => Some(source),
+            CheckError::Bank(e) => Some(e),
+            CheckError::Step(_) => None,
+        }
+    }
+}
+
+impl From<String> for CheckError {
+    fn from(why: String) -> Self {
+        CheckError::Step(why)
+    }
+}
+
+impl From<&str> for CheckError {
+    fn from(why: &str) -> Self {
+        CheckError::Step(why.to_owned())
+    }
+}
+
+impl From<rusqlite::Error> for CheckError {
+    fn from(e: rusqlite::Error) -> Self {
+        CheckError::Bank(e)
+    }
+}
+
 /// One property's verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -42,7 +102,7 @@ impl Verdict {
 pub struct Property<T: ?Sized> {
     pub name: &'static str,
     pub contract: &'static str,
-    pub judge: fn(&T, &mut Trace) -> Result<(), String>,
+    pub judge: fn(&T, &mut Trace) -> Result<(), CheckError>,
 }
 
 /// The steps a property took, and the failures it found among them.
@@ -72,7 +132,7 @@ impl Trace {
         self.skipped.get_or_insert(why.into());
     }
 
-    fn verdict(self, error: Result<(), String>) -> Verdict {
+    fn verdict(self, error: Result<(), CheckError>) -> Verdict {
         let mut steps = self.steps;
         match (error, self.failures, self.skipped) {
             (Err(e), _, _) => {

@@ -3,6 +3,7 @@
 //! key to the first body and the first answer, and the balances. A failing
 //! day is shrunk, one step at a time, to the shortest day that still fails.
 
+use super::CheckError;
 use super::lab::{Bank, Engine, Envelope, Setting, reordered, request};
 use super::{Trace, short};
 use crate::rng::Rng;
@@ -51,7 +52,7 @@ fn style(rng: &mut Rng) -> Style {
 }
 
 /// Four random days; the first that fails is shrunk and reported.
-pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<(), String> {
+pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<(), CheckError> {
     let mut rng = Rng::new(engine.seed ^ 0x5eed);
     for _ in 0..4 {
         // half the steps retry an earlier one, as clients do, in another style
@@ -88,7 +89,7 @@ fn shrink(
     mut day: Vec<Op>,
     seed: u64,
     mut steps: Vec<String>,
-) -> Result<(Vec<Op>, Vec<String>), String> {
+) -> Result<(Vec<Op>, Vec<String>), CheckError> {
     let mut i = day.len();
     while i > 0 {
         i -= 1;
@@ -108,7 +109,12 @@ fn shrink(
 type Held = ((usize, usize, i64), Option<Envelope>);
 
 /// Runs one day on a fresh bank; returns whether it failed, and its steps.
-fn run_day(engine: &Engine, setting: &Setting, day: &[Op], seed: u64) -> Result<(bool, Vec<String>), String> {
+fn run_day(
+    engine: &Engine,
+    setting: &Setting,
+    day: &[Op],
+    seed: u64,
+) -> Result<(bool, Vec<String>), CheckError> {
     let mut rng = Rng::new(seed);
     let bank = Bank::new(&engine.command, &mut rng, 3)?;
     let mut balances = bank.balances.clone();

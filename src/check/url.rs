@@ -10,6 +10,7 @@
 
 pub use super::http::{Profile, Target};
 
+use super::CheckError;
 use super::http::{Http, exchange, parse_answer, read_answer};
 use super::{Property, Trace, short};
 use crate::outside::proxy::{Odds, Proxy};
@@ -33,14 +34,14 @@ fn created(target: &Target, t: &mut Trace, h: &Http) -> bool {
     })
 }
 
-fn new_key(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn new_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 1);
     let first = target.post(t, Some(&target.tokens[0]), Some(&k), &target.transfer(3))?;
     created(target, t, &first);
     Ok(())
 }
 
-fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), String> {
+fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), CheckError> {
     let k = key(target, 2 + u64::from(reorder));
     let token = Some(target.tokens[0].as_str());
     let amount = 4;
@@ -65,7 +66,7 @@ fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn mismatch(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn mismatch(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 4);
     let token = Some(target.tokens[0].as_str());
     target.post(t, token, Some(&k), &target.transfer(5))?;
@@ -75,14 +76,14 @@ fn mismatch(target: &Target, t: &mut Trace) -> Result<(), String> {
     Ok(())
 }
 
-fn missing_key(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn missing_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let r = target.post(t, Some(&target.tokens[0]), None, &target.transfer(7))?;
     let want = target.profile.missing_key_status;
     t.expect(r.status == want, || format!("wanted {want}: a transfer without a key must not be processed"));
     Ok(())
 }
 
-fn key_forms(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn key_forms(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     if !target.profile.both_key_forms {
         t.skip("the profile says the service takes one spelling of a key");
         return Ok(());
@@ -97,7 +98,7 @@ fn key_forms(target: &Target, t: &mut Trace) -> Result<(), String> {
     Ok(())
 }
 
-fn scoped(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn scoped(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let (distinct, same) = target.clients();
     let Some((a, b)) = distinct else {
         t.skip("give two --token of distinct clients to check the scope");
@@ -121,7 +122,7 @@ fn scoped(target: &Target, t: &mut Trace) -> Result<(), String> {
 }
 
 /// Sixteen requests on one key, released by their last byte at one instant.
-fn race(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn race(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 8);
     let p = &target.profile;
     let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
@@ -130,22 +131,22 @@ fn race(target: &Target, t: &mut Trace) -> Result<(), String> {
     let (head, last) = request.split_at(request.len() - 1);
     let mut streams = Vec::new();
     for _ in 0..16 {
-        let mut s =
-            TcpStream::connect_timeout(&target.address, Duration::from_secs(5)).map_err(|e| e.to_string())?;
-        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-        s.write_all(head).map_err(|e| e.to_string())?;
+        let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
+            .map_err(CheckError::io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
+        s.write_all(head).map_err(CheckError::io("send"))?;
         streams.push(s);
     }
     std::thread::sleep(Duration::from_millis(50));
     let barrier = std::sync::Barrier::new(streams.len());
-    let answers: Vec<Result<Http, String>> = std::thread::scope(|scope| {
+    let answers: Vec<Result<Http, CheckError>> = std::thread::scope(|scope| {
         let runs: Vec<_> = streams
             .into_iter()
             .map(|mut s| {
                 let barrier = &barrier;
                 scope.spawn(move || {
                     barrier.wait();
-                    s.write_all(last).map_err(|e| e.to_string())?;
+                    s.write_all(last).map_err(CheckError::io("send"))?;
                     read_answer(&mut s)
                 })
             })
@@ -179,10 +180,11 @@ fn race(target: &Target, t: &mut Trace) -> Result<(), String> {
 
 /// Through a proxy that drops every answer: the service commits, the client
 /// hears nothing; then the retry, directly.
-fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 9);
     let no_answers = Odds { drop_request: 0, drop_response: 100, cut_response: 0, delay: 0, duplicate: 0 };
-    let proxy = Proxy::start(target.address, target.seed, no_answers).map_err(|e| e.to_string())?;
+    let proxy =
+        Proxy::start(target.address, target.seed, no_answers).map_err(CheckError::io("starting a proxy"))?;
     let via: SocketAddr = proxy.url().trim_start_matches("http://").parse().map_err(|_| "proxy address")?;
     let request = target.post_bytes(
         &[
@@ -209,7 +211,7 @@ fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), String> {
     Ok(())
 }
 
-fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 10);
     let token = Some(target.tokens[0].as_str());
     let bad = json!({"src": target.src, "dst": target.dst, "amount": 0, "currency": "KRW"}).to_string();
@@ -223,7 +225,7 @@ fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), String> {
     Ok(())
 }
 
-fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 11);
     let token = Some(target.tokens[0].as_str());
     let ghost =
@@ -244,7 +246,7 @@ fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), String> {
     Ok(())
 }
 
-fn auth_first(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn auth_first(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let want = target.profile.unauthorized_status;
     let nobody = ("Authorization", "Bearer not-a-token-of-anyone".to_owned());
     let r = target.send(t, &[nobody.clone(), ("Idempotency-Key", "\"\"".into())], "{")?;
@@ -271,7 +273,7 @@ fn auth_first(target: &Target, t: &mut Trace) -> Result<(), String> {
     Ok(())
 }
 
-fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let (Some(path), (Some((a, b)), _)) = (&target.profile.get_path, target.clients()) else {
         t.skip("needs the profile's get_path and two --token of distinct clients");
         return Ok(());
@@ -298,7 +300,7 @@ fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), String> {
 
 /// Error answers the other properties provoke, each checked as RFC 9457
 /// asks, and for what a body must never show.
-fn error_bodies(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn error_bodies(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let token = Some(target.tokens[0].as_str());
     let k = key(target, 15);
     let mut errors = vec![
@@ -352,7 +354,7 @@ fn error_bodies(target: &Target, t: &mut Trace) -> Result<(), String> {
 
 /// Twice as many transfers as the drain account can pay, all at once, each
 /// with its own key: exactly half may succeed.
-fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), String> {
+fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let Some(drain) = &target.profile.drain else {
         t.skip("needs the profile's drain: an account of known balance that nothing else uses");
         return Ok(());
@@ -360,7 +362,7 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), String> {
     const PAY: i64 = 8;
     let amount = drain.balance / PAY;
     if amount < 1 {
-        return Err(format!("the drain account's balance must be at least {PAY}"));
+        return Err(format!("the drain account's balance must be at least {PAY}").into());
     }
     let body = json!({"src": drain.src, "dst": drain.dst, "amount": amount, "currency": "KRW"}).to_string();
     let k = key(target, 16);
@@ -376,7 +378,7 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), String> {
         })
         .collect();
     let barrier = std::sync::Barrier::new(requests.len());
-    let answers: Vec<Result<Http, String>> = std::thread::scope(|scope| {
+    let answers: Vec<Result<Http, CheckError>> = std::thread::scope(|scope| {
         let runs: Vec<_> = requests
             .iter()
             .map(|r| {

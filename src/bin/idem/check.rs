@@ -51,7 +51,7 @@ pub fn check(
     let seed = seed_or_clock(seed);
     let passed = match (engine, url) {
         (Some(engine), _) => {
-            let command = lab::command(&engine, &engine_arg).map_err(Failure)?;
+            let command = lab::command(&engine, &engine_arg)?;
             println!("idem check --engine {engine:?} --seed {seed}");
             let target = lab::Engine { command, profile: read_profile(profile)?, seed };
             report(&check::judge(&lab::PROPERTIES, &target))
@@ -59,8 +59,7 @@ pub fn check(
         (None, Some(url)) => {
             println!("idem check --url {url} --seed {seed}");
             let (src, dst) = (account_id(src), account_id(dst));
-            let target =
-                http::Target::new(&url, token, src, dst, read_profile(profile)?, seed).map_err(Failure)?;
+            let target = http::Target::new(&url, token, src, dst, read_profile(profile)?, seed)?;
             report(&check::judge(&http::PROPERTIES, &target))
         }
         (None, None) => return Err(Failure("give --engine or --url".into())),

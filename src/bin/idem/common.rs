@@ -23,6 +23,12 @@ impl From<HarnessError> for Failure {
     }
 }
 
+impl From<idem::check::CheckError> for Failure {
+    fn from(e: idem::check::CheckError) -> Self {
+        Failure(e.to_string())
+    }
+}
+
 impl From<idem::store::StoreError> for Failure {
     fn from(e: idem::store::StoreError) -> Self {
         Failure(format!("store: {e}"))
