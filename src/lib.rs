@@ -34,15 +34,18 @@
 //! The binaries (`src/bin/`) parse the command line, read the environment,
 //! print, and choose the exit code; nothing in the library does.
 
-// Every unsafe block says why it is sound (a `// SAFETY:` comment), and an
-// unsafe fn's body is no unsafe block by default. A `pub` item is reachable
-// from the crate's root, or says how far it reaches.
+// No unsafe code, but where a function says why it needs some (four calls
+// into libc that std has no safe form of: mallopt, get/setrlimit, prctl's
+// timer slack, kill with SIGTERM), and there every unsafe block says why it
+// is sound (a `// SAFETY:` comment); an unsafe fn's body is no unsafe block
+// by default. A `pub` item is reachable from the crate's root, or says how
+// far it reaches.
 //
 // `missing_docs` is not on: the crate's users today are its binaries and
 // its tests, and some 340 fields of rows and reports would need words that
 // repeat their names. The library face a team embeds (issue 34) is where a
 // reader meets rustdoc; the lint goes on with it, for that module.
-#![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn, unreachable_pub)]
+#![deny(unsafe_code, clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn, unreachable_pub)]
 
 pub mod canonical;
 pub mod clock;

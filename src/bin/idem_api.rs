@@ -1,5 +1,7 @@
 //! `idem_api`: the lab's engine contract (see `idem::api`).
 
+#![forbid(unsafe_code)]
+
 #[path = "idem/api_edge.rs"]
 mod api_edge;
 

@@ -120,6 +120,7 @@ impl Hop {
 /// read. A request/response protocol has one chunk in flight per
 /// direction, so holding the next read until this one is written adds
 /// nothing.
+#[allow(unsafe_code)] // prctl: no safe equivalent in std
 fn pump(mut from: Box<dyn Stream>, mut to: Box<dyn Stream>, delay: Duration, count: Option<Arc<AtomicU64>>) {
     // A sleep of a quarter millisecond must not become a third of one.
     // SAFETY: PR_SET_TIMERSLACK takes a plain integer and changes only this thread.

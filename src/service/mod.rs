@@ -202,6 +202,7 @@ fn key_lines(text: &str) -> Vec<usize> {
 /// TLB shootdown interrupts the other core, and under load that cost more
 /// CPU than the SQLite writer's statements (perf, issue 22). The peak RSS
 /// is what a burst needs anyway (measured by the bench).
+#[allow(unsafe_code)] // mallopt: no safe equivalent in std
 fn keep_freed_memory() {
     // SAFETY: mallopt only sets allocator parameters.
     unsafe {
@@ -212,6 +213,7 @@ fn keep_freed_memory() {
 
 /// Raises the soft limit on open descriptors to the hard one (as servers
 /// do) and returns it: the default `--max-connections` is sized from it.
+#[allow(unsafe_code)] // getrlimit/setrlimit: no safe equivalent in std
 pub fn descriptor_limit() -> u64 {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit and setrlimit only read and write `limit`.

@@ -7,6 +7,8 @@
 //! `transfer` 4 refused for good and 75 outcome unknown; `api` those of
 //! `idem_api`.
 
+#![forbid(unsafe_code)]
+
 mod api_edge;
 mod chaos;
 mod check;

@@ -84,6 +84,7 @@ impl Room {
     }
 
     /// Asks every server to drain and stop (SIGTERM), and waits for it.
+    #[allow(unsafe_code)] // kill(2) with SIGTERM: std's Child::kill only sends SIGKILL
     pub(super) fn stop_servers(&mut self) {
         for server in &mut self.servers {
             // SAFETY: kill(2) takes plain integers; the pid is our own child's,
