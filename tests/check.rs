@@ -73,12 +73,12 @@ const ENGINE_PROPERTIES: [(&str, &str); 13] = [
     ("422", "the same key with another amount is 422 and moves nothing"),
     ("crash", "a retry after a crash after the claim is 409 in_progress and moves nothing"),
     ("400", "a malformed request is 400 and does not consume its key"),
-    ("refusals", "unknown accounts and insufficient funds are refused, stored and replayed"),
+    ("refusals", "unknown accounts and insufficient funds are refused, and a retry gets that refusal again"),
     ("scope", "keys are scoped by (client_id, endpoint, idem_key)"),
     ("purge", "purge deletes exactly the keys created before the cut, read as an instant"),
     ("race", "processes released together on one key pay once, and every one answers"),
     ("hot", "a burst on one hot account loses no update, and every process answers"),
-    ("hostile", "hostile inputs: unreadable files exit 3, a broken database fails cleanly"),
+    ("hostile", "hostile inputs: unreadable files exit 3, a broken database is no success"),
     ("days", "random days agree with a plain model of the contract (shrunk on failure)"),
 ];
 
@@ -113,12 +113,33 @@ fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_pro
         ("idem_api", engine(env!("CARGO_BIN_EXE_idem_api").into(), None)),
         ("dumps.py (json.dumps spacing, 402/404)", engine(py("dumps.py"), None)),
         ("uuid_ids.py (UUID ids, 422 for funds)", engine(py("uuid_ids.py"), Some("uuid_ids.json"))),
+        ("uuid_ids.py, no profile", engine(py("uuid_ids.py"), None)),
         ("textual_ids.py (text ids, 409 for funds)", engine(py("textual_ids.py"), Some("textual_ids.json"))),
+        ("textual_ids.py, no profile", engine(py("textual_ids.py"), None)),
         (
             "procedural.py (pretty-printed, stored 400 for funds)",
             engine(py("procedural.py"), Some("procedural.json")),
         ),
+        ("procedural.py, no profile", engine(py("procedural.py"), None)),
     ];
+    // the other side of every choice the lab leaves open: each passes
+    // with no profile at all
+    let choices = [
+        "refusals-evaluated",
+        "zero-amount",
+        "js-numbers",
+        "digit-strings",
+        "exit3-unparseable",
+        "json-broken-db",
+        "409-in-flight",
+    ];
+    let correct: Vec<(String, Vec<String>)> = correct
+        .into_iter()
+        .map(|(name, args)| (name.to_owned(), args))
+        .chain(choices.iter().map(|c| {
+            (format!("dumps.py --choice {c}"), engine(format!("{} --choice {c}", py("dumps.py")), None))
+        }))
+        .collect();
     // each mistake, the properties it must fail, and those it may fail
     // too. Random days, which judge everything at once, may fail any
     // mistake that needs no concurrency, endpoint or purge. A mistake
@@ -175,6 +196,44 @@ fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_pro
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+#[test]
+fn a_declared_choice_is_held_to_the_profile_tightens_and_never_rescues() {
+    let dir = tempfile::tempdir().unwrap();
+    // (the engine's choice, the profile declaring the other one, the property it must fail)
+    let cases = [
+        ("--choice refusals-evaluated", r#"{"refusals_stored": true}"#, "refusals"),
+        ("", r#"{"refusals_stored": false}"#, "refusals"),
+        ("", r#"{"amount_zero_valid": true}"#, "400"),
+        ("--choice exit3-unparseable", r#"{"unparseable_request": "answer_400"}"#, "400"),
+        ("--choice json-broken-db", r#"{"broken_database": "fail"}"#, "hostile"),
+    ];
+    let mut jobs: Vec<Job<'_, Run>> = Vec::new();
+    for (n, (choice, profile, _)) in cases.iter().enumerate() {
+        let file = dir.path().join(format!("profile-{n}.json"));
+        std::fs::write(&file, profile).unwrap();
+        let engine = format!("python3 {PEERS}/engines/dumps.py {choice}");
+        let args = [
+            "--engine".into(),
+            engine,
+            "--profile".into(),
+            file.display().to_string(),
+            "--seed".into(),
+            "5".into(),
+        ];
+        jobs.push(Box::new(move || check(&args)));
+    }
+    let runs = run_all(jobs);
+    for ((choice, profile, property), run) in cases.iter().zip(&runs) {
+        let want = names(&[property], &ENGINE_PROPERTIES);
+        assert!(
+            run.code == Some(1) && want.is_subset(&failed(run)),
+            "dumps.py {choice} with {profile}: must fail {want:?}, failed {:?}:\n{}",
+            failed(run),
+            run.stdout
+        );
+    }
 }
 
 #[test]

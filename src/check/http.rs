@@ -13,7 +13,7 @@ use std::time::Duration;
 
 /// What a service chose where the draft leaves it open; the defaults are
 /// DESIGN §2, idem's own choices.
-#[derive(Debug, Clone, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Profile {
     /// The route that creates a transfer.
@@ -45,7 +45,7 @@ pub struct Profile {
     pub drain: Option<Drain>,
 }
 
-#[derive(Debug, Clone, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Drain {
     pub src: Value,

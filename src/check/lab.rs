@@ -13,18 +13,64 @@ use serde_json::value::RawValue;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// What an engine chose where the lab leaves it open (all optional).
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+/// What an engine chose where the lab leaves it open. Every field is
+/// optional: left out (`null`), every correct choice passes; declared, the
+/// check holds the engine to it on every step. It tightens, never rescues.
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Profile {
-    /// The status of a transfer from or to an account that does not exist.
+    /// The status of a transfer from or to an account that does not exist
+    /// (open: any 4xx but 409 and 422).
     pub unknown_account_status: Option<u16>,
-    /// The status of a transfer larger than the source's balance.
+    /// The status of a transfer larger than the source's balance (open: any
+    /// 4xx but 409 and 422).
     pub insufficient_funds_status: Option<u16>,
+    /// Whether a refusal (unknown account, insufficient funds) completes its
+    /// key and is replayed (`true`), or leaves the key free so that a retry
+    /// is evaluated again (`false`).
+    pub refusals_stored: Option<bool>,
     /// What every 400's reason starts with.
     pub invalid_reason_prefix: Option<String>,
     /// The reason of a 422.
     pub mismatch_reason: Option<String>,
+    /// The status of another body under a key whose first request is still
+    /// in flight: 409 (the draft: in flight is checked first) or 422.
+    pub in_flight_mismatch_status: Option<u16>,
+    /// Whether an amount of `0` is a transfer of nothing (`true`) or a 400.
+    pub amount_zero_valid: Option<bool>,
+    /// Whether `1e3` is the amount 1000 (`true`, as JavaScript reads JSON)
+    /// or a 400.
+    pub amount_exponent_valid: Option<bool>,
+    /// Whether `"100"`, a string of digits, is the amount 100 (`true`) or a 400.
+    pub amount_digit_string_valid: Option<bool>,
+    /// A request file that is not a request (not JSON, fields missing):
+    /// answered 400 with exit 0, or exit 3 unanswered (the lab's exit for a
+    /// file that cannot be read).
+    pub unparseable_request: Option<Unparseable>,
+    /// A database that cannot be used (no `account` table): a failure
+    /// (non-zero exit, no answer), or an answer that is not a success.
+    pub broken_database: Option<BrokenDatabase>,
+}
+
+/// How a request file that is not a request is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub enum Unparseable {
+    /// `{"status": 400, …}`, exit 0.
+    #[serde(rename = "answer_400")]
+    Answer400,
+    /// Exit 3, nothing on stdout.
+    #[serde(rename = "exit_3")]
+    Exit3,
+}
+
+/// How a database that cannot be used is reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BrokenDatabase {
+    /// A non-zero exit, nothing on stdout.
+    Fail,
+    /// An answer (exit 0) whose status is not a success.
+    Answer,
 }
 
 /// The engine under check: its command (program and arguments) and profile.

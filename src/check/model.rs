@@ -4,7 +4,7 @@
 //! day is shrunk, one step at a time, to the shortest day that still fails.
 
 use super::CheckError;
-use super::lab::{Bank, Engine, Envelope, Setting, reordered, request};
+use super::lab::{Answer, Bank, Engine, Envelope, Profile, Setting, reordered, request};
 use super::{Trace, short};
 use crate::rng::Rng;
 use std::collections::BTreeMap;
@@ -108,6 +108,18 @@ fn shrink(
 /// (`None` while a crashed claim holds it).
 type Held = ((usize, usize, i64), Option<Envelope>);
 
+/// The contract as a plain model: the balances, what each key holds, and
+/// the choices the engine declared, or showed the first time it made one.
+struct Model<'a> {
+    balances: Vec<i64>,
+    keys: BTreeMap<(u8, u8), Held>,
+    transfers: usize,
+    accounts: usize,
+    profile: &'a Profile,
+    /// Whether a refusal completes its key: declared, or seen first.
+    refusals_stored: Option<bool>,
+}
+
 /// Runs one day on a fresh bank; returns whether it failed, and its steps.
 fn run_day(
     engine: &Engine,
@@ -117,12 +129,17 @@ fn run_day(
 ) -> Result<(bool, Vec<String>), CheckError> {
     let mut rng = Rng::new(seed);
     let bank = Bank::new(&engine.command, &mut rng, 3)?;
-    let mut balances = bank.balances.clone();
-    let mut keys: BTreeMap<(u8, u8), Held> = BTreeMap::new();
-    let mut transfers = 0;
+    let p = &engine.profile;
+    let mut model = Model {
+        balances: bank.balances.clone(),
+        keys: BTreeMap::new(),
+        transfers: 0,
+        accounts: bank.ids.len(),
+        profile: p,
+        refusals_stored: p.refusals_stored,
+    };
     let mut t = Trace::default();
     let id = |i: usize| bank.ids.get(i).cloned().unwrap_or_else(|| format!("nobody-{}", bank.ids.len()));
-    let p = &engine.profile;
     for op in day {
         let client = format!("{}-day-{}", setting.client, op.client);
         let key = format!("{}-day-{}", setting.key, op.key);
@@ -133,49 +150,99 @@ fn run_day(
         };
         let crash = op.style == Style::CrashAfterClaim;
         let answer = bank.send(&mut t, &text, if crash { &["--crash-after-claim"] } else { &[] })?;
-        let e = answer.answered();
-        let body = (op.src, op.dst, op.amount);
-        match keys.get(&(op.client, op.key)) {
-            None if crash => {
-                t.expect(answer.code != Some(0) && answer.envelope.is_none(), || {
-                    "a crash after the claim answered".into()
-                });
-                keys.insert((op.client, op.key), (body, None));
-            }
-            None => {
-                let (ok, wanted) = first_use(e, op, bank.ids.len(), &mut balances, &mut transfers, p);
-                t.expect(ok, || format!("a new key: wanted {wanted}"));
-                keys.insert((op.client, op.key), (body, e.cloned()));
-            }
-            Some((first, _)) if *first != body => {
-                t.expect(e.is_some_and(|e| e.status == 422), || {
-                    "another body under a used key: wanted 422".into()
-                });
-            }
-            Some((_, None)) => {
-                let held = e.is_some_and(|e| e.status == 409 && e.reason.as_deref() == Some("in_progress"));
-                let crashed_again = crash && answer.code != Some(0) && answer.envelope.is_none();
-                t.expect(held || crashed_again, || "a retry of a claimed key: wanted 409 in_progress".into());
-            }
-            Some((_, Some(first))) => {
-                t.expect(e.is_some_and(|e| e.replays(first)), || {
-                    format!(
-                        "a retry of a completed key: wanted {} replayed as it was",
-                        short(&first.raw_body)
-                    )
-                });
-            }
-        }
+        model.judge(&mut t, op, &answer);
         let (now, rows) = bank.ledger()?;
-        t.expect(now == balances && rows.len() == transfers, || {
+        t.expect(now == model.balances && rows.len() == model.transfers, || {
             format!(
-                "the ledger is {now:?} with {} transfers; the model says {balances:?} with {transfers}",
-                rows.len()
+                "the ledger is {now:?} with {} transfers; the model says {:?} with {}",
+                rows.len(),
+                model.balances,
+                model.transfers
             )
         });
     }
     let failed = t.failures > 0;
     Ok((failed, t.steps))
+}
+
+impl Model<'_> {
+    /// Judges `answer` to `op` and moves the model on.
+    fn judge(&mut self, t: &mut Trace, op: &Op, answer: &Answer) {
+        let crash = op.style == Style::CrashAfterClaim;
+        let e = answer.answered();
+        let body = (op.src, op.dst, op.amount);
+        let k = (op.client, op.key);
+        match self.keys.get(&k).cloned() {
+            Some((first, Some(refused))) if is_refusal(&refused) && self.refusals_stored != Some(true) => {
+                // a refusal may have left its key free: stored or not, as declared or first seen
+                let replayed =
+                    e.is_some_and(|e| if first == body { e.replays(&refused) } else { e.status == 422 });
+                if self.refusals_stored.is_none() {
+                    self.refusals_stored = Some(replayed);
+                }
+                match self.refusals_stored {
+                    Some(true) => self.settled(t, first == body, e, &refused),
+                    _ => self.first_use(t, op, answer),
+                }
+            }
+            None => self.first_use(t, op, answer),
+            Some((first, None)) => {
+                let wanted = self.profile.in_flight_mismatch_status;
+                let ok = match first == body {
+                    true => {
+                        e.is_some_and(|e| e.status == 409 && e.reason.as_deref() == Some("in_progress"))
+                            || (crash && answer.code != Some(0) && answer.envelope.is_none())
+                    }
+                    false => e.is_some_and(|e| {
+                        wanted.map_or(matches!(e.status, 409 | 422), |w| e.status == i64::from(w))
+                    }),
+                };
+                t.expect(ok, || match (first == body, wanted) {
+                    (true, _) => "a retry of a claimed key: wanted 409 in_progress".into(),
+                    (false, Some(w)) => {
+                        format!("another body under a key in flight: wanted {w} (the profile's)")
+                    }
+                    (false, None) => "another body under a key in flight: wanted 409 or 422".into(),
+                });
+            }
+            Some((first, Some(done))) => self.settled(t, first == body, e, &done),
+        }
+    }
+
+    /// A retry of a settled key: the first answer replayed, or 422 for another body.
+    fn settled(&self, t: &mut Trace, same: bool, e: Option<&Envelope>, first: &Envelope) {
+        match same {
+            true => t.expect(e.is_some_and(|e| e.replays(first)), || {
+                format!("a retry of a completed key: wanted {} replayed as it was", short(&first.raw_body))
+            }),
+            false => t.expect(e.is_some_and(|e| e.status == 422), || {
+                "another body under a used key: wanted 422".into()
+            }),
+        };
+    }
+
+    /// A key's first use (or a use after a refusal that left it free).
+    fn first_use(&mut self, t: &mut Trace, op: &Op, answer: &Answer) {
+        let body = (op.src, op.dst, op.amount);
+        if op.style == Style::CrashAfterClaim {
+            t.expect(answer.code != Some(0) && answer.envelope.is_none(), || {
+                "a crash after the claim answered".into()
+            });
+            self.keys.insert((op.client, op.key), (body, None));
+            return;
+        }
+        let e = answer.answered();
+        let (ok, wanted) =
+            first_use(e, op, self.accounts, &mut self.balances, &mut self.transfers, self.profile);
+        t.expect(ok, || format!("a new key: wanted {wanted}"));
+        self.keys.insert((op.client, op.key), (body, e.cloned()));
+    }
+}
+
+/// Whether a key's first answer was a refusal: any 4xx (a first answer is
+/// never "in flight" or "another body").
+fn is_refusal(e: &Envelope) -> bool {
+    (400..500).contains(&e.status)
 }
 
 /// A key's first use, not crashed: the model moves the money if it may
@@ -187,7 +254,7 @@ fn first_use(
     accounts: usize,
     balances: &mut [i64],
     transfers: &mut usize,
-    p: &super::lab::Profile,
+    p: &Profile,
 ) -> (bool, &'static str) {
     if op.src >= accounts {
         (e.is_some_and(|e| refusal(e, p.unknown_account_status)), "a stored refusal (unknown account)")
@@ -203,9 +270,5 @@ fn first_use(
 
 /// A refusal of the right class (see `engine::refusal_ok`), not a replay.
 fn refusal(e: &Envelope, wanted: Option<u16>) -> bool {
-    !e.replay
-        && match wanted {
-            Some(w) => e.status == i64::from(w),
-            None => (400..500).contains(&e.status) && e.status != 409 && e.status != 422,
-        }
+    !e.replay && wanted.map_or((400..500).contains(&e.status), |w| e.status == i64::from(w))
 }

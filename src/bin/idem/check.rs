@@ -18,13 +18,20 @@ use std::path::PathBuf;
 ///
 /// --profile FILE: what the implementation chose where the contract
 /// leaves it open (JSON; see docs/check.md). Without one, idem's choices
-/// for --url, and for --engine any stable 4xx of the right class.
+/// for --url, and for --engine every correct choice passes; a choice the
+/// profile declares is held to. --profile-template engine|url prints a
+/// profile with every field and its default.
 /// Each FAIL names the sentence of the contract it rests on and shows
 /// the steps. Exit 1 on any failure; --seed reproduces a run's plan
 /// (its keys are fresh each run).
 #[derive(clap::Args, Debug)]
 pub struct Check {
-    #[arg(long, value_name = "CMD", required_unless_present = "url", conflicts_with = "url")]
+    #[arg(
+        long,
+        value_name = "CMD",
+        required_unless_present_any = ["url", "profile_template"],
+        conflicts_with = "url"
+    )]
     engine: Option<String>,
     /// One more argument for the engine, taken as it is (repeatable).
     #[arg(long, value_name = "ARG", requires = "engine", allow_hyphen_values = true)]
@@ -41,13 +48,24 @@ pub struct Check {
     dst: String,
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// Print a profile with every field and its default, for TARGET (engine or url), and exit.
+    #[arg(long, value_name = "TARGET", value_parser = ["engine", "url"], conflicts_with_all = ["engine", "url", "profile"])]
+    profile_template: Option<String>,
     #[arg(long)]
     seed: Option<u64>,
 }
 
 pub fn check(
-    Check { engine, engine_arg, url, token, src, dst, profile, seed }: Check,
+    Check { engine, engine_arg, url, token, src, dst, profile, profile_template, seed }: Check,
 ) -> Result<(), Failure> {
+    if let Some(target) = profile_template {
+        let template = match target.as_str() {
+            "url" => serde_json::to_string_pretty(&http::Profile::default()),
+            _ => serde_json::to_string_pretty(&lab::Profile::default()),
+        };
+        println!("{}", template.map_err(|e| Failure(e.to_string()))?);
+        return Ok(());
+    }
     let seed = seed_or_clock(seed);
     let passed = match (engine, url) {
         (Some(engine), _) => {

@@ -5,8 +5,22 @@ colon and comma), its own reason words, a key table that holds the claim
 and the whole printed answer in one row, and a body that also tells the
 source's balance after the transfer.
 
-Correct with no --mistake. Each --mistake is one classic error of the lab,
-which `idem check --engine` must catch on the property it breaks:
+Correct with no --mistake, and correct with any --choice: each is the
+other side of a choice the lab leaves open, which `idem check --engine`
+must pass without a profile (and hold to once a profile declares it):
+
+  refusals-evaluated  a refusal (unknown account, insufficient funds) is not
+                      stored: the key stays free and a retry is evaluated again
+  zero-amount         an amount of 0 is a transfer of nothing, not a 400
+  js-numbers          numbers read as JavaScript reads them: 1e3 is 1000
+  digit-strings       an amount written as a string of digits ("100") is taken
+  exit3-unparseable   a request file that is not a request exits 3, unanswered
+  json-broken-db      a database without `account` is answered (500), exit 0
+  409-in-flight       another body under a key still in flight is 409, not 422
+                      (the draft's order: in flight before the fingerprint)
+
+Each --mistake is one classic error of the lab, which `idem check --engine`
+must catch on the property it breaks:
 
   lookup              looks the key up first, inserts it with the money
   completed-first     writes the key completed before the money moves
@@ -31,13 +45,17 @@ MISTAKES = ["lookup", "completed-first", "raw-fingerprint", "recompute", "global
             "purge-all", "purge-text", "purge-expiry", "invalid-stored", "lost-update",
             "no-fingerprint", "replay-200", "crash-moves-money", "no-busy-timeout", "loose-amount"]
 p = argparse.ArgumentParser()
+CHOICES = ["refusals-evaluated", "zero-amount", "js-numbers", "digit-strings", "exit3-unparseable",
+           "json-broken-db", "409-in-flight"]
 p.add_argument("--mistake", choices=MISTAKES)
+p.add_argument("--choice", choices=CHOICES, action="append", default=[])
 p.add_argument("--db", required=True)
 p.add_argument("--request")
 p.add_argument("--crash-after-claim", action="store_true")
 p.add_argument("--purge-before")
 a = p.parse_args()
 mistake = a.mistake
+choice = set(a.choice)
 
 
 def utc_now():
@@ -67,6 +85,8 @@ for attempt in range(tries):
 try:
     db.execute("SELECT 1 FROM account LIMIT 1")
 except sqlite3.Error as e:
+    if "json-broken-db" in choice and a.request is not None:
+        answer(500, reason=f"unusable database: {e}")
     print(f"unusable database: {e}", file=sys.stderr)
     sys.exit(1)
 db.execute("""CREATE TABLE IF NOT EXISTS transfer (transfer_id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -104,7 +124,18 @@ except (OSError, TypeError) as e:
     sys.exit(3)
 
 
+def amount_of(x):
+    """The amount a choice reads `x` as, or x itself."""
+    if "js-numbers" in choice and type(x) is float and x.is_integer():
+        return int(x)
+    if "digit-strings" in choice and type(x) is str and x.isdigit() and x[:1] != "0":
+        return int(x)
+    return x
+
+
 def amount_ok(x):
+    if "zero-amount" in choice and type(x) is int and x == 0:
+        return True
     if mistake == "loose-amount":
         try:
             return float(x) > 0
@@ -122,12 +153,15 @@ try:
         problem = "bad scope"
     elif set(body) != {"src", "dst", "amount", "currency"}:
         problem = "bad fields"
-    elif not amount_ok(body["amount"]):
+    elif not amount_ok(amount_of(body["amount"])):
         problem = "bad amount"
     elif body["currency"] != "KRW" or body["src"] == body["dst"]:
         problem = "bad transfer"
 except Exception:
     problem = "not a request"
+    if "exit3-unparseable" in choice:
+        print("the request file is not a request", file=sys.stderr)
+        sys.exit(3)
 if problem:
     if mistake == "invalid-stored" and isinstance(locals().get("key"), str):
         db.execute("INSERT OR IGNORE INTO idempotency VALUES (?, ?, ?, '', 'completed', ?, ?, '')",
@@ -135,6 +169,7 @@ if problem:
     answer(400, reason=problem)
 if mistake == "loose-amount":
     body["amount"] = int(float(body["amount"]))
+body["amount"] = amount_of(body["amount"])
 
 if mistake == "global":
     client, endpoint = "", ""
@@ -151,6 +186,8 @@ owner = uuid.uuid4().hex
 
 def replay_row(row):
     stored_fp, state, printed = row
+    if "409-in-flight" in choice and state != "completed":
+        answer(409, reason="in_progress")
     if stored_fp != fingerprint and mistake != "no-fingerprint":
         answer(422, reason="different body")
     if state != "completed":
@@ -232,7 +269,10 @@ else:
     if mistake == "crash-moves-money" and a.crash_after_claim:
         db.execute("COMMIT")
         sys.exit(4)
-db.execute("UPDATE idempotency SET state = 'completed', printed = ? WHERE client_id = ? AND endpoint = ? AND idem_key = ?",
-           (json.dumps({"status": status, "reason": reason, "body": out}),) + scope)
+if "refusals-evaluated" in choice and status != 201:
+    db.execute("DELETE FROM idempotency WHERE client_id = ? AND endpoint = ? AND idem_key = ?", scope)
+else:
+    db.execute("UPDATE idempotency SET state = 'completed', printed = ? WHERE client_id = ? AND endpoint = ? AND idem_key = ?",
+               (json.dumps({"status": status, "reason": reason, "body": out}),) + scope)
 db.execute("COMMIT")
 answer(status, False, reason, out)
