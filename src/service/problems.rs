@@ -186,18 +186,7 @@ mod tests {
 
     #[test]
     fn every_reason_of_the_protocol_has_its_own_page() {
-        use crate::reason::Reason;
-        for r in [
-            Reason::InProgress,
-            Reason::FingerprintMismatch,
-            Reason::UnknownAccount,
-            Reason::InsufficientFunds,
-            Reason::BalanceOverflow,
-            Reason::PayoutKeyUsed,
-            Reason::Busy,
-            Reason::Unavailable,
-            Reason::invalid("x"),
-        ] {
+        for r in crate::reason::examples() {
             assert_eq!(of(r.code()).reason, r.code(), "{r:?} has no problem type of its own");
             assert!(page(Some(r.code())).is_some_and(|p| p.contains(&format!("/problems/{}", r.code()))));
         }
