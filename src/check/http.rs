@@ -33,6 +33,9 @@ pub struct Profile {
     pub invalid_status: u16,
     pub unauthorized_status: u16,
     pub unknown_account_status: Option<u16>,
+    /// Whether a refusal completes its key and is replayed (`true`), or a
+    /// retry is evaluated again (`false`); `null`: either (the draft does not say).
+    pub refusals_stored: Option<bool>,
     /// Whether errors are `application/problem+json` (RFC 9457).
     pub problem_json: bool,
     /// A transfer's own resource, `{id}` standing for its `transfer_id`.
@@ -68,6 +71,7 @@ impl Default for Profile {
             invalid_status: 400,
             unauthorized_status: 401,
             unknown_account_status: None,
+            refusals_stored: None,
             problem_json: true,
             get_path: Some("/v1/transfers/{id}".into()),
             clients: None,
