@@ -223,18 +223,7 @@ fn refusals_stored(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), Ch
         let Some((first, again)) = first.answered().filter(|_| ok).zip(again.answered()) else { continue };
         // stored: replayed as it was; not stored: the same refusal, evaluated again
         let (stored, evaluated) = (again.replays(first), refused(again) && again.status == first.status);
-        t.expect(
-            match p.refusals_stored {
-                Some(true) => stored,
-                Some(false) => evaluated,
-                None => stored || evaluated,
-            },
-            || match p.refusals_stored {
-                Some(true) => format!("{what}: the refusal was not stored and replayed as it was"),
-                Some(false) => format!("{what}: the profile says refusals are evaluated again, not replayed"),
-                None => format!("{what}: a retry was neither the stored refusal nor the same refusal again"),
-            },
-        );
+        super::expect_refused_again(t, p.refusals_stored, stored, evaluated, what);
     }
     s.bank.expect_ledger(t, &s.bank.moved(6), 2)
 }

@@ -181,6 +181,24 @@ pub fn report<T: ?Sized>(results: &[(&Property<T>, Verdict)]) -> String {
     out
 }
 
+/// Judges a refusal's retry by whether refusals are stored (`declared`, or
+/// either when `None`): `stored`, it replayed the refusal; `evaluated`, it
+/// got the same refusal again, evaluated anew.
+pub(crate) fn expect_refused_again(
+    t: &mut Trace,
+    declared: Option<bool>,
+    stored: bool,
+    evaluated: bool,
+    what: &str,
+) {
+    let ok = declared.map_or(stored || evaluated, |s| if s { stored } else { evaluated });
+    t.expect(ok, || match declared {
+        Some(true) => format!("{what}: the refusal was not stored and replayed as it was"),
+        Some(false) => format!("{what}: the profile says refusals are evaluated again, not replayed"),
+        None => format!("{what}: a retry was neither the stored refusal nor the same refusal again"),
+    });
+}
+
 /// `text` flattened to one line of at most 140 characters, for a step.
 pub fn short(text: &str) -> String {
     let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");

@@ -240,18 +240,7 @@ fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     // stored: replayed; not stored: the same refusal, evaluated again
     let stored = target.replays(&again, &first);
     let evaluated = again.status == first.status && !target.replayed(&again);
-    t.expect(
-        match p.refusals_stored {
-            Some(true) => stored,
-            Some(false) => evaluated,
-            None => stored || evaluated,
-        },
-        || match p.refusals_stored {
-            Some(true) => "the refusal was not stored and replayed".into(),
-            Some(false) => "the profile says refusals are evaluated again, not replayed".into(),
-            None => "a retry was neither the stored refusal nor the same refusal again".into(),
-        },
-    );
+    super::expect_refused_again(t, p.refusals_stored, stored, evaluated, "an unknown account");
     Ok(())
 }
 
