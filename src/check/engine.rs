@@ -144,17 +144,12 @@ fn malformed(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), CheckErr
                 format!("amount {amount} is not a positive integer: wanted 400{}", reason_note(engine))
             }),
             // an open form: as declared, or a 400 or a transfer of its value
-            (Some(v), declared) => t.expect(
-                match declared {
-                    Some(true) => made.is_some(),
-                    Some(false) => was_400,
-                    None => was_400 || made.is_some(),
-                },
-                || match declared {
+            (Some(v), declared) => {
+                t.expect(super::as_declared(declared, made.is_some(), was_400), || match declared {
                     Some(valid) => format!("amount {amount}: the profile says valid = {valid}"),
                     None => format!("amount {amount}: wanted a 400, or 201 moving {v}"),
-                },
-            ),
+                })
+            }
             _ => t.expect(
                 was_400 || e.is_some_and(|e| refusal_ok(e.status, p.insufficient_funds_status)),
                 || format!("amount {amount} is beyond any balance: wanted 400 or a refusal"),
@@ -176,11 +171,8 @@ fn malformed(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), CheckErr
         let answer = s.bank.send(t, text, &[])?;
         let answered = answer.answered().is_some_and(invalid);
         let exit_3 = answer.code == Some(3) && answer.envelope.is_none();
-        let ok = match p.unparseable_request {
-            Some(Unparseable::Answer400) => answered,
-            Some(Unparseable::Exit3) => exit_3,
-            None => answered || exit_3,
-        };
+        let ok =
+            super::as_declared(p.unparseable_request.map(|u| u == Unparseable::Answer400), answered, exit_3);
         t.expect(ok, || format!("wanted 400 with exit 0{}, or exit 3 unanswered", reason_note(engine)));
     }
     s.bank.expect_ledger(t, &s.bank.moved(moved), rows)
@@ -357,11 +349,11 @@ fn hostile(engine: &Engine, t: &mut Trace, s: &Setting) -> Result<(), CheckError
     t.step(format!("a database without account -> {}", out.short()));
     let failed = out.code != Some(0) && out.envelope.is_none();
     let answered = out.answered().is_some_and(|e| e.status >= 400);
-    let ok = match engine.profile.broken_database {
-        Some(BrokenDatabase::Fail) => failed,
-        Some(BrokenDatabase::Answer) => answered,
-        None => failed || answered,
-    };
+    let ok = super::as_declared(
+        engine.profile.broken_database.map(|b| b == BrokenDatabase::Fail),
+        failed,
+        answered,
+    );
     t.expect(ok, || "wanted a clean failure (non-zero, no answer) or an answer that is no success".into());
     Ok(())
 }

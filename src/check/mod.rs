@@ -181,6 +181,12 @@ pub fn report<T: ?Sized>(results: &[(&Property<T>, Verdict)]) -> String {
     out
 }
 
+/// Whether an answer meets a choice the contract leaves open: the side the
+/// profile declared (`Some(true)`: `yes`; `Some(false)`: `no`), or either.
+pub(crate) fn as_declared(declared: Option<bool>, yes: bool, no: bool) -> bool {
+    declared.map_or(yes || no, |d| if d { yes } else { no })
+}
+
 /// Judges a refusal's retry by whether refusals are stored (`declared`, or
 /// either when `None`): `stored`, it replayed the refusal; `evaluated`, it
 /// got the same refusal again, evaluated anew.
@@ -191,8 +197,7 @@ pub(crate) fn expect_refused_again(
     evaluated: bool,
     what: &str,
 ) {
-    let ok = declared.map_or(stored || evaluated, |s| if s { stored } else { evaluated });
-    t.expect(ok, || match declared {
+    t.expect(as_declared(declared, stored, evaluated), || match declared {
         Some(true) => format!("{what}: the refusal was not stored and replayed as it was"),
         Some(false) => format!("{what}: the profile says refusals are evaluated again, not replayed"),
         None => format!("{what}: a retry was neither the stored refusal nor the same refusal again"),
