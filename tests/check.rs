@@ -121,6 +121,10 @@ fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_pro
             engine(py("procedural.py"), Some("procedural.json")),
         ),
         ("procedural.py, no profile", engine(py("procedural.py"), None)),
+        (
+            "node_engine.mjs (Node.js: JSON numbers as doubles, the sqlite3 shell)",
+            engine(format!("node {PEERS}/engines/node_engine.mjs"), None),
+        ),
     ];
     // the other side of every choice the lab leaves open: each passes
     // with no profile at all
@@ -132,6 +136,7 @@ fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_pro
         "exit3-unparseable",
         "json-broken-db",
         "409-in-flight",
+        "crash-answers",
     ];
     let correct: Vec<(String, Vec<String>)> = correct
         .into_iter()
@@ -208,6 +213,8 @@ fn a_declared_choice_is_held_to_the_profile_tightens_and_never_rescues() {
         ("", r#"{"amount_zero_valid": true}"#, "400"),
         ("--choice exit3-unparseable", r#"{"unparseable_request": "answer_400"}"#, "400"),
         ("--choice json-broken-db", r#"{"broken_database": "fail"}"#, "hostile"),
+        ("--choice crash-answers", r#"{"crash_answers": false}"#, "crash"),
+        ("", r#"{"crash_answers": true}"#, "crash"),
     ];
     let mut jobs: Vec<Job<'_, Run>> = Vec::new();
     for (n, (choice, profile, _)) in cases.iter().enumerate() {
@@ -290,30 +297,31 @@ fn serve(program: &[&str], dir: &std::path::Path) -> (String, std::process::Chil
 
 const URL_PROPERTIES: [(&str, &str); 15] = [
     ("new", "a new key is created"),
-    ("replay", "a retry replays the first answer byte for byte, and says so, even after other money moved"),
+    (
+        "replay",
+        "a retry replays the first answer byte for byte (marked, if the profile names a replay header), even after other money moved",
+    ),
     ("reorder", "a retry with members reordered and re-spaced replays"),
     ("mismatch", "the same key with another body is refused (mismatch status)"),
     ("no key", "a request without a key is refused"),
-    ("\"K\"=K", "the key's sf-string and bare spellings are one key"),
+    ("\"K\"=K", "the key's sf-string and bare spellings are one key, or the bare one is refused"),
     (
         "scope",
         "keys are scoped by client: distinct clients own distinct keys, one client's tokens share them",
     ),
-    (
-        "race",
-        "requests on one key released at one instant: one answer, the others in flight (with Retry-After) or its replay",
-    ),
+    ("race", "requests on one key released at one instant: one transfer, the others in flight or its replay"),
     ("lost", "an answer lost after the commit is replayed on retry, not made again"),
     ("400", "a malformed request is refused and does not consume its key"),
     ("refusal", "a business refusal is refused again on its retry"),
     ("auth", "authentication comes first: a bad or doubled token is refused before the key is read"),
     ("GET", "a transfer is read by its own client only"),
-    ("errors", "errors are problem+json and show no internals"),
+    ("errors", "errors show no internals (and are problem+json, if the profile says so)"),
     ("drain", "concurrent transfers on one account lose no update"),
 ];
 
-fn check_url(url: &str, seed: &str) -> Run {
-    let profile = format!("{PEERS}/service.json");
+/// `idem check --url` with the profile `tests/peers/NAME`.
+fn check_url(url: &str, seed: &str, profile: &str) -> Run {
+    let profile = format!("{PEERS}/{profile}");
     let args: Vec<String> = ["--url", url, "--token", "tok-1", "--token", "tok-2", "--token", "tok-1b"]
         .into_iter()
         .chain(["--profile", &profile, "--seed", seed])
@@ -322,24 +330,37 @@ fn check_url(url: &str, seed: &str) -> Run {
     check(&args)
 }
 
+/// The profile that leaves every choice open (but names the clients and the drain).
+const OPEN: &str = "service.json";
+/// The same, declaring every choice `idem serve` and `http_service.py` make.
+const DECLARED: &str = "service-declared.json";
+
 #[test]
 fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
     let service = format!("{PEERS}/http_service.py");
-    let correct: Vec<(&str, Vec<String>)> = vec![
-        ("idem serve", vec![IDEM.into(), "serve".into()]),
-        ("http_service.py (stdlib, threads)", vec!["python3".into(), service.clone()]),
-        (
-            "http_service.py --mistake chunked (correct, chunked answers)",
-            vec!["python3".into(), service.clone(), "--mistake".into(), "chunked".into()],
-        ),
-        // whether a refusal completes its key is open (the draft does not say)
-        (
-            "http_service.py --mistake refusals-not-stored (correct, refusals evaluated again)",
-            vec!["python3".into(), service.clone(), "--mistake".into(), "refusals-not-stored".into()],
-        ),
+    let py = |mistake: Option<&str>| {
+        let mut v = vec!["python3".to_owned(), service.clone()];
+        v.extend(mistake.map(|m| ["--mistake".to_owned(), m.to_owned()]).into_iter().flatten());
+        v
+    };
+    // each correct service, and the profile it passes under: the open one, or
+    // every choice it makes declared (a declaration tightens, never rescues)
+    let correct: Vec<(&str, Vec<String>, &str)> = vec![
+        ("idem serve (declared)", vec![IDEM.into(), "serve".into()], DECLARED),
+        ("idem serve (open)", vec![IDEM.into(), "serve".into()], OPEN),
+        ("http_service.py (stdlib, threads; declared)", py(None), DECLARED),
+        ("http_service.py --mistake chunked (correct, chunked answers)", py(Some("chunked")), DECLARED),
+        // each choice the draft leaves open, made the other way: passes open
+        ("http_service.py --mistake refusals-not-stored (open)", py(Some("refusals-not-stored")), OPEN),
+        ("http_service.py --mistake no-replay-header (open)", py(Some("no-replay-header")), OPEN),
+        ("http_service.py --mistake no-retry-after (open)", py(Some("no-retry-after")), OPEN),
+        ("http_service.py --mistake plain-errors (open)", py(Some("plain-errors")), OPEN),
+        ("http_service.py --mistake bare-key-refused (open)", py(Some("bare-key-refused")), OPEN),
+        ("http_service.py --mistake other-statuses (open)", py(Some("other-statuses")), OPEN),
     ];
-    // each mistake, the properties it must fail, and those it may fail too
-    // (an unmarked replay fails the race only when a racer got a replay)
+    // each mistake, the properties it must fail, and those it may fail too;
+    // a mistake is judged under the open profile, an open choice made the
+    // other way under the declared one (it breaks only what was declared)
     let broken: Vec<(&str, &[&str], &[&str])> = vec![
         // its stored refusal, unmarked, is also what a service that evaluates
         // refusals again would answer: the refusal property may pass it
@@ -358,27 +379,35 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         ("token-scope", &["scope"], &[]),
         ("lost-update", &["drain"], &[]),
         ("no-key-processed", &["no key"], &[]),
+        ("bare-key-refused", &["\"K\"=K"], &[]),
+        (
+            "other-statuses",
+            &["new", "400", "auth"],
+            &["race", "drain", "scope", "replay", "reorder", "lost", "\"K\"=K"],
+        ),
     ];
     let mut jobs: Vec<Job<'_, (Run, Option<Run>)>> = Vec::new();
-    for (i, (_, program)) in correct.iter().enumerate() {
+    for (i, (_, program, profile)) in correct.iter().enumerate() {
         let program = program.clone();
         jobs.push(Box::new(move || {
             let dir = tempfile::tempdir().unwrap();
             let refs: Vec<&str> = program.iter().map(String::as_str).collect();
             let (url, mut child) = serve(&refs, dir.path());
-            let first = check_url(&url, "5");
+            let first = check_url(&url, "5", profile);
             // the same seed again against the same running service: keys are fresh per run
-            let again = (i == 0).then(|| check_url(&url, "5"));
+            let again = (i == 0).then(|| check_url(&url, "5", profile));
             child.kill().unwrap();
             (first, again)
         }));
     }
     for (mistake, _, _) in &broken {
         let service = service.clone();
+        let correct = &correct;
         jobs.push(Box::new(move || {
             let dir = tempfile::tempdir().unwrap();
             let (url, mut child) = serve(&["python3", &service, "--mistake", mistake], dir.path());
-            let run = check_url(&url, "5");
+            let choice = correct.iter().any(|(n, ..)| n.contains(&format!("--mistake {mistake} (open)")));
+            let run = check_url(&url, "5", if choice { DECLARED } else { OPEN });
             child.kill().unwrap();
             (run, None)
         }));
@@ -387,7 +416,7 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
     let header: Vec<&str> = URL_PROPERTIES.iter().map(|(n, _)| *n).collect();
     println!("| service | {} |\n|---|{}", header.join(" | "), "---|".repeat(header.len()));
     let mut wrong = Vec::new();
-    for ((name, _), (run, again)) in correct.iter().zip(&runs) {
+    for ((name, _, _), (run, again)) in correct.iter().zip(&runs) {
         println!("{}", row(name, run, &URL_PROPERTIES));
         for run in std::iter::once(run).chain(again) {
             if run.code != Some(0) || run.verdicts.len() != 15 || !failed(run).is_empty() {
@@ -396,7 +425,9 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         }
     }
     for ((mistake, must, may), (run, _)) in broken.iter().zip(&runs[correct.len()..]) {
-        println!("{}", row(&format!("http_service.py --mistake {mistake}"), run, &URL_PROPERTIES));
+        let choice = correct.iter().any(|(n, ..)| n.contains(&format!("--mistake {mistake} (open)")));
+        let name = format!("http_service.py --mistake {mistake}{}", if choice { " (declared)" } else { "" });
+        println!("{}", row(&name, run, &URL_PROPERTIES));
         let must = names(must, &URL_PROPERTIES);
         let may = names(may, &URL_PROPERTIES);
         let got = failed(run);

@@ -11,8 +11,10 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-/// What a service chose where the draft leaves it open; the defaults are
-/// DESIGN §2, idem's own choices.
+/// What a service chose where the draft leaves it open. The defaults judge
+/// only what the draft says (its SHOULDs: 400 without a key, 422 for another
+/// body, 409 in flight); a field left open (`null`, `false`) passes every
+/// choice, and a field declared holds the service to it.
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Profile {
@@ -20,25 +22,34 @@ pub struct Profile {
     pub path: String,
     /// Whether the key is sent as an sf-string (`"…"`) or bare.
     pub quote_key: bool,
-    /// Whether the sf-string and the bare spelling of a key are one key.
-    pub both_key_forms: bool,
-    /// The header a replay carries (`None`: replays are not marked).
+    /// Whether the sf-string and the bare spelling of a key are one key
+    /// (`true`), or the profile's spelling is the only one (`false`: not
+    /// checked); `null`: the other spelling either replays or is refused.
+    pub both_key_forms: Option<bool>,
+    /// The header (valued `true`) a replay carries and a first answer does
+    /// not; `null`: open, a replay is known by its status and bytes.
     pub replay_header: Option<String>,
-    pub created_status: u16,
+    /// The status of a transfer made; `null`: any 2xx.
+    pub created_status: Option<u16>,
     pub mismatch_status: u16,
     pub in_flight_status: u16,
-    /// Whether an in-flight answer carries `Retry-After`.
+    /// Whether an in-flight answer must carry `Retry-After` (the draft does
+    /// not ask for it).
     pub in_flight_retry_after: bool,
     pub missing_key_status: u16,
-    pub invalid_status: u16,
-    pub unauthorized_status: u16,
+    /// The status of a malformed body; `null`: any 4xx.
+    pub invalid_status: Option<u16>,
+    /// The status of a missing, unknown or doubled token; `null`: 401 or 403.
+    pub unauthorized_status: Option<u16>,
     pub unknown_account_status: Option<u16>,
     /// Whether a refusal completes its key and is replayed (`true`), or a
     /// retry is evaluated again (`false`); `null`: either (the draft does not say).
     pub refusals_stored: Option<bool>,
-    /// Whether errors are `application/problem+json` (RFC 9457).
+    /// Whether errors must be `application/problem+json` (RFC 9457; the
+    /// draft's examples use it, its text does not ask for it).
     pub problem_json: bool,
-    /// A transfer's own resource, `{id}` standing for its `transfer_id`.
+    /// A transfer's own resource, `{id}` standing for its `transfer_id`
+    /// (`null`: the service has none to check).
     pub get_path: Option<String>,
     /// Token → client id, for the tokens given: which are one client.
     /// Without it, each token is taken for a client of its own.
@@ -61,19 +72,19 @@ impl Default for Profile {
         Profile {
             path: "/v1/transfers".into(),
             quote_key: true,
-            both_key_forms: true,
-            replay_header: Some("idempotent-replayed".into()),
-            created_status: 201,
+            both_key_forms: None,
+            replay_header: None,
+            created_status: None,
             mismatch_status: 422,
             in_flight_status: 409,
-            in_flight_retry_after: true,
+            in_flight_retry_after: false,
             missing_key_status: 400,
-            invalid_status: 400,
-            unauthorized_status: 401,
+            invalid_status: None,
+            unauthorized_status: None,
             unknown_account_status: None,
             refusals_stored: None,
-            problem_json: true,
-            get_path: Some("/v1/transfers/{id}".into()),
+            problem_json: false,
+            get_path: None,
             clients: None,
             drain: None,
         }
@@ -187,6 +198,16 @@ impl Target {
         let answer = exchange(self.address, bytes.as_bytes())?;
         t.step(format!("GET {path} as {token} -> {}", answer.short()));
         Ok(answer)
+    }
+
+    /// Whether `h` is a transfer made (not whether it was made just now).
+    pub(super) fn made(&self, h: &Http) -> bool {
+        self.profile.created_status.map_or((200..300).contains(&h.status), |s| h.status == s)
+    }
+
+    /// What a made transfer's status must be, in words.
+    pub(super) fn made_status(&self) -> String {
+        self.profile.created_status.map_or("a 2xx".into(), |s| s.to_string())
     }
 
     pub(super) fn replayed(&self, h: &Http) -> bool {

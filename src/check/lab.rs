@@ -50,6 +50,19 @@ pub struct Profile {
     /// A database that cannot be used (no `account` table): a failure
     /// (non-zero exit, no answer), or an answer that is not a success.
     pub broken_database: Option<BrokenDatabase>,
+    /// How `--crash-after-claim` ends (the lab fixes a non-zero exit and no
+    /// transfer): silently (`false`), or with an answer that is no success
+    /// printed first (`true`).
+    pub crash_answers: Option<bool>,
+}
+
+impl Profile {
+    /// Whether `answer` is a crash as the lab asks and the profile declared:
+    /// a non-zero exit, and no answer or one that is no success.
+    pub fn crashed(&self, answer: &Answer) -> bool {
+        let told = answer.envelope.as_ref().is_some_and(|e| e.status >= 400);
+        answer.code != Some(0) && super::as_declared(self.crash_answers, told, answer.envelope.is_none())
+    }
 }
 
 /// How a request file that is not a request is answered.

@@ -191,7 +191,7 @@ impl Model<'_> {
                 let ok = match first == body {
                     true => {
                         e.is_some_and(|e| e.status == 409 && e.reason.as_deref() == Some("in_progress"))
-                            || (crash && answer.code != Some(0) && answer.envelope.is_none())
+                            || (crash && self.profile.crashed(answer))
                     }
                     false => e.is_some_and(|e| {
                         wanted.map_or(matches!(e.status, 409 | 422), |w| e.status == i64::from(w))
@@ -225,8 +225,8 @@ impl Model<'_> {
     fn first_use(&mut self, t: &mut Trace, op: &Op, answer: &Answer) {
         let body = (op.src, op.dst, op.amount);
         if op.style == Style::CrashAfterClaim {
-            t.expect(answer.code != Some(0) && answer.envelope.is_none(), || {
-                "a crash after the claim answered".into()
+            t.expect(self.profile.crashed(answer), || {
+                "a crash after the claim ended as the lab and the profile do not say".into()
             });
             self.keys.insert((op.client, op.key), (body, None));
             return;

@@ -5,21 +5,30 @@ HTTP server, an in-memory ledger (the accounts read once from --db) and key
 table behind one lock. Same flags as `idem serve` (--db, --listen,
 --clients); the first line on stdout is the URL, printed once it listens.
 
-Correct with no --mistake (and with --mistake chunked, which only answers
-in chunked transfer coding). Each other --mistake is one error `idem check`
-must catch on the property it breaks:
+Correct with no --mistake. Some --mistake values are no mistake under the
+draft but a choice it leaves open, made the other way; the service stays
+correct and `idem check --url` must pass it, unless the profile declares the
+other choice (tests/peers/service-declared.json):
 
+  chunked              answers in chunked transfer coding
+  refusals-not-stored  a 404/402 refusal is not stored: its retry runs again
   no-replay-header     a replay is not marked Idempotent-Replayed
+  no-retry-after       a 409 carries no Retry-After
+  plain-errors         errors are text/plain, not problem+json
+  bare-key-refused     a key that is not an sf-string ("...") is refused, 400
+  other-statuses       200 for a transfer made, 422 for a malformed body, 403
+                       for a bad token
+
+Each other --mistake is one error `idem check` must catch on the property
+it breaks:
+
   recompute            a replay is rebuilt from the ledger, not the stored bytes
   lookup-insert        looks the key up, processes, and only then stores it
   invalid-consumes     a 400 is stored under its key
-  refusals-not-stored  a 404/402 refusal is not stored: its retry runs again
   get-across-clients   GET /v1/transfers/{id} answers any client
-  no-retry-after       a 409 carries no Retry-After
   no-scope             keys are global, not per client
   key-before-auth      the key is read (and refused) before the token
   doubled-auth         of two Authorization headers, the first is taken
-  plain-errors         errors are text/plain, not problem+json
   leak                 error bodies show a traceback
   quoted-distinct      "K" and K are two keys (the sf-string is not unquoted)
   token-scope          the scope is the token, not its client
@@ -30,7 +39,8 @@ import argparse, datetime, hashlib, http.server, json, sqlite3, threading, time,
 
 MISTAKES = ["chunked", "no-replay-header", "recompute", "lookup-insert", "invalid-consumes", "refusals-not-stored",
             "get-across-clients", "no-retry-after", "no-scope", "key-before-auth", "doubled-auth", "plain-errors",
-            "leak", "quoted-distinct", "token-scope", "lost-update", "no-key-processed"]
+            "leak", "quoted-distinct", "token-scope", "lost-update", "no-key-processed", "bare-key-refused",
+            "other-statuses"]
 p = argparse.ArgumentParser()
 p.add_argument("--db", required=True)
 p.add_argument("--listen", default="127.0.0.1:0")
@@ -74,6 +84,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def problem(self, status, reason, extra=()):
+        if mistake == "other-statuses":
+            status = {401: 403, 400: 422 if reason == "invalid_request" else 400}.get(status, status)
         if mistake == "plain-errors":
             return self.reply(status, reason, [("Content-Type", "text/plain")] + list(extra))
         detail = reason
@@ -96,6 +108,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if len(values) != 1:
             return None
         k = values[0].strip()
+        if mistake == "bare-key-refused" and not (len(k) >= 2 and k[0] == k[-1] == '"'):
+            return None
         if len(k) >= 2 and k[0] == k[-1] == '"' and mistake != "quoted-distinct":
             k = k[1:-1].replace('\\"', '"').replace("\\\\", "\\")
         return k or None
@@ -198,7 +212,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def answer(self, status, body, replayed):
         extra = [("Idempotent-Replayed", "true")] if replayed and mistake != "no-replay-header" else []
         if status == 201:
-            return self.reply(201, body, [("Content-Type", "application/json"),
+            return self.reply(200 if mistake == "other-statuses" else 201, body, [("Content-Type", "application/json"),
                                           ("Location", f"/v1/transfers/{json.loads(body)['transfer_id']}")] + extra)
         reason = json.loads(body)["reason"]
         self.problem(status, reason, extra)

@@ -18,6 +18,7 @@ must pass without a profile (and hold to once a profile declares it):
   json-broken-db      a database without `account` is answered (500), exit 0
   409-in-flight       another body under a key still in flight is 409, not 422
                       (the draft's order: in flight before the fingerprint)
+  crash-answers       --crash-after-claim prints a 500 answer, then exits 4
 
 Each --mistake is one classic error of the lab, which `idem check --engine`
 must catch on the property it breaks:
@@ -46,7 +47,7 @@ MISTAKES = ["lookup", "completed-first", "raw-fingerprint", "recompute", "global
             "no-fingerprint", "replay-200", "crash-moves-money", "no-busy-timeout", "loose-amount"]
 p = argparse.ArgumentParser()
 CHOICES = ["refusals-evaluated", "zero-amount", "js-numbers", "digit-strings", "exit3-unparseable",
-           "json-broken-db", "409-in-flight"]
+           "json-broken-db", "409-in-flight", "crash-answers"]
 p.add_argument("--mistake", choices=MISTAKES)
 p.add_argument("--choice", choices=CHOICES, action="append", default=[])
 p.add_argument("--db", required=True)
@@ -231,6 +232,8 @@ else:
     except sqlite3.OperationalError as e:
         raise SystemExit(f"claim failed: {e}")
     if a.crash_after_claim and mistake != "crash-moves-money":
+        if "crash-answers" in choice:
+            print(json.dumps({"status": 500, "replay": False, "reason": "crashed_after_claim", "body": None}))
         sys.exit(4)
 
 if mistake == "lost-update":
