@@ -60,6 +60,7 @@ pub mod store;
 
 pub mod api;
 pub mod client;
+pub mod embed;
 pub mod service;
 
 pub mod check;

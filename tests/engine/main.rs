@@ -1,7 +1,7 @@
 //! The engine's suites, in one test binary: the lab's contract on the real
 //! `idem_api`, the scenarios, the storm against the oracle, races, kills,
 //! crashes, durability under strace, hostile input, the loom models, the
-//! day (`prove`), and the teeth that prove the suite catches broken
+//! day (`prove`), the library face (`idem::embed`), and the teeth that prove the suite catches broken
 //! engines. Most run on every store (SQLite, PostgreSQL, PostgreSQL under
 //! SERIALIZABLE). One binary instead of one per file: the shared support
 //! (`tests/support`) is compiled and linked once.
@@ -12,6 +12,7 @@ mod models;
 
 mod api;
 mod durability;
+mod embed;
 mod failures;
 mod hardening;
 mod hostile;

@@ -1,0 +1,251 @@
+//! idem as a library: an idempotency key claimed, used and completed inside
+//! the caller's own database transaction.
+//!
+//! Libraries that keep the key's record beside the handler's work (a cache,
+//! a table written after the handler commits) pay twice when the process
+//! dies between the handler's commit and the record's write: the retry finds
+//! no record and runs the side effect again. Here the key's claim, the
+//! caller's own writes and the stored answer commit in **one** transaction,
+//! so either all three happened or none did.
+//!
+//! ```
+//! use idem::embed::{Answer, Keys, Reply, Scope};
+//! use idem::embed::sqlite::{Connection, Transaction};
+//!
+//! let mut db = Connection::open_in_memory()?;
+//! db.execute_batch("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT)")?;
+//! let keys = Keys::new("app_")?;
+//! keys.migrate_sqlite(&db)?;
+//!
+//! let scope = Scope::new("client-7", "POST /orders");
+//! let body = r#"{"item": "tea"}"#;
+//! let order = |tx: &Transaction<'_>| -> Result<Answer, idem::embed::sqlite::DbError> {
+//!     tx.execute("INSERT INTO orders (item) VALUES ('tea')", [])?;
+//!     Ok(Answer::new(201, format!(r#"{{"order":{}}}"#, tx.last_insert_rowid())))
+//! };
+//! let first = keys.run_sqlite(&mut db, &scope, "k-1", body, order)?;
+//! let again = keys.run_sqlite(&mut db, &scope, "k-1", r#"{ "item":"tea" }"#, order)?;
+//! assert_eq!(first, Reply::Fresh(Answer::new(201, r#"{"order":1}"#)));
+//! assert_eq!(again, Reply::Replayed(Answer::new(201, r#"{"order":1}"#)));
+//! let orders: i64 = db.query_row("SELECT count(*) FROM orders", [], |r| r.get(0))?;
+//! assert_eq!(orders, 1);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! What a retry meets is decided by [`crate::protocol::decide`], the same
+//! function the service and `idem_api` use: the stored answer replayed byte
+//! for byte, another body refused, a key past retention new again. The
+//! fingerprint is the service's: SHA-256 of the body's RFC 8785 canonical
+//! JSON, so reordered members and re-spaced text are the same request.
+#![warn(missing_docs)]
+
+use crate::canonical::{Json, fingerprint};
+use crate::clock::Timestamp;
+use crate::policy::Policy;
+use crate::protocol::{Decision, decide};
+use crate::store::{KeyRecord, KeyState, Stored};
+use std::fmt;
+
+pub mod pg;
+pub mod sqlite;
+
+/// Whose key it is: the client, and the operation the key is for. Two
+/// scopes never share a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope {
+    /// Who sent the request, as the caller authenticated it (never a value
+    /// the request body can choose).
+    pub client: String,
+    /// The operation, such as `POST /v1/transfers`.
+    pub endpoint: String,
+}
+
+impl Scope {
+    /// A scope of `client` and `endpoint`.
+    pub fn new(client: impl Into<String>, endpoint: impl Into<String>) -> Scope {
+        Scope { client: client.into(), endpoint: endpoint.into() }
+    }
+}
+
+/// The answer the caller's work gave: stored with the key, and what every
+/// retry of the same request gets back, byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The HTTP status (a business refusal, a 4xx, is an answer too).
+    pub status: u16,
+    /// The body, as the first request was answered.
+    pub body: String,
+}
+
+impl Answer {
+    /// An answer of `status` with `body`.
+    pub fn new(status: u16, body: impl Into<String>) -> Answer {
+        Answer { status, body: body.into() }
+    }
+}
+
+/// What a request under a key got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// The work ran now, and its answer committed with the key.
+    Fresh(Answer),
+    /// The key's stored answer: the work had run before.
+    Replayed(Answer),
+    /// The key's first request is still running (409 in the draft).
+    InFlight,
+    /// The key was used for another request body (422 in the draft).
+    Mismatch,
+}
+
+/// Why a request under a key got no [`Reply`]. Nothing was committed.
+#[derive(Debug)]
+pub enum Error<E> {
+    /// The caller's work failed: its writes and the key's claim rolled back,
+    /// and the key is free for a retry.
+    Work(E),
+    /// The request body is not JSON (it cannot be fingerprinted).
+    Body(String),
+    /// The key is empty or longer than 255 characters.
+    Key,
+    /// The database failed.
+    Db(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl<E: fmt::Display> fmt::Display for Error<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Work(e) => write!(f, "the work failed and was rolled back: {e}"),
+            Error::Body(e) => write!(f, "the request body is not JSON: {e}"),
+            Error::Key => write!(f, "an idempotency key is 1 to 255 characters"),
+            Error::Db(e) => write!(f, "the database failed: {e}"),
+        }
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> std::error::Error for Error<E> {}
+
+/// The key table's place in the caller's database, and how long a key is
+/// kept. One value serves every request; it holds no connection.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    table: String,
+    versions: String,
+    policy: Policy,
+    wait: std::time::Duration,
+}
+
+/// Why a table prefix was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadPrefix(pub String);
+
+impl fmt::Display for BadPrefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "table prefix {:?}: letters, digits and `_`, optionally after `schema.`", self.0)
+    }
+}
+
+impl std::error::Error for BadPrefix {}
+
+impl Keys {
+    /// Keys kept in the table `{prefix}idem_keys` (its migrations recorded
+    /// in `{prefix}idem_schema`). The prefix may name a PostgreSQL schema:
+    /// `"billing."`, `"billing.app_"`.
+    pub fn new(prefix: &str) -> Result<Keys, BadPrefix> {
+        let (schema, name) = prefix.rsplit_once('.').map_or((None, prefix), |(s, n)| (Some(s), n));
+        let word = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        let ok = word(name) && schema.is_none_or(|s| !s.is_empty() && word(s) && !s.contains('.'));
+        if !ok || prefix.len() > 40 {
+            return Err(BadPrefix(prefix.to_owned()));
+        }
+        let policy = Policy::embedded().clone();
+        Ok(Keys {
+            table: format!("{prefix}idem_keys"),
+            versions: format!("{prefix}idem_schema"),
+            policy,
+            wait: pg::IN_FLIGHT_WAIT,
+        })
+    }
+
+    /// Keeps keys for `hours` (the default is the published policy's 72).
+    /// A key older than that is forgotten: its request is new again.
+    pub fn retention_hours(mut self, hours: u32) -> Keys {
+        self.policy.retention_hours = hours;
+        self
+    }
+
+    /// The key table's name, as the caller's SQL would write it.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The body's fingerprint, or why it has none; and the key, checked.
+    fn admit<E>(&self, key: &str, body: &str) -> Result<String, Error<E>> {
+        if key.is_empty() || key.chars().count() > self.policy.max_field_chars {
+            return Err(Error::Key);
+        }
+        let json = Json::parse(body).map_err(|e| Error::Body(e.to_string()))?;
+        Ok(fingerprint(&json))
+    }
+
+    /// What the key's committed row says about this request: `None` when
+    /// the request is new (no row, or the row is past retention).
+    fn judge(&self, row: Row, fingerprint: &str, now: Timestamp) -> Result<Option<Reply>, String> {
+        let created_at = Timestamp::parse(&row.created_at).map_err(|e| e.to_string())?;
+        let state = match row.answer {
+            Some(answer) => KeyState::Completed(Stored {
+                status: answer.status,
+                reason: None,
+                body: answer.body,
+                transfer_id: None,
+            }),
+            // a claim is committed only with its answer: a row without one
+            // is another transaction's, still open
+            None => KeyState::InProgress { lease_until: Timestamp::now() },
+        };
+        let record = KeyRecord { fingerprint: row.fingerprint, created_at, token: String::new(), state };
+        Ok(match decide(&record, fingerprint, now, &self.policy) {
+            Decision::Expired => None,
+            Decision::Mismatch => Some(Reply::Mismatch),
+            Decision::Replay(s) => Some(Reply::Replayed(Answer { status: s.status, body: s.body })),
+            Decision::InProgress | Decision::TakeOver => Some(Reply::InFlight),
+        })
+    }
+
+    /// The versioned steps that build the key table, in order; a database
+    /// holds the first `n` of them once its schema table says version `n`.
+    fn migrations(&self, blob: &str) -> Vec<String> {
+        vec![format!(
+            "CREATE TABLE {t} (
+               client_id TEXT NOT NULL,
+               endpoint TEXT NOT NULL,
+               idem_key TEXT NOT NULL,
+               fingerprint TEXT NOT NULL,
+               created_at TEXT NOT NULL,
+               status INTEGER,
+               body {blob},
+               PRIMARY KEY (client_id, endpoint, idem_key)
+             )",
+            t = self.table
+        )]
+    }
+}
+
+/// A key's committed row, as either backend reads it.
+struct Row {
+    fingerprint: String,
+    created_at: String,
+    answer: Option<Answer>,
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_prefix_is_words_with_at_most_one_schema() {
+        for good in ["", "app_", "billing.", "billing.app_"] {
+            assert!(super::Keys::new(good).is_ok(), "{good:?}");
+        }
+        for bad in ["a;DROP TABLE x;", "a b", ".x", "a.b.c", "\"q\""] {
+            assert!(super::Keys::new(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! The library on PostgreSQL (tokio-postgres, the driver `idem serve`
+//! uses): [`Keys::run_pg`].
+//!
+//! The claim is an `INSERT … ON CONFLICT DO NOTHING` in the caller's
+//! transaction. A racing request on the same key blocks on that insert
+//! until the first transaction ends, for at most [`Keys::in_flight_wait`]
+//! (PostgreSQL's `lock_timeout`, set for the claim alone); past it, the
+//! racer gets [`Reply::InFlight`], the draft's 409. Once the first commits,
+//! a racer finds its row and replays it.
+
+pub use tokio_postgres::{Client, Transaction};
+
+use super::{Answer, Error, Keys, Reply, Row};
+use crate::clock::Timestamp;
+use std::time::Duration;
+use tokio_postgres::error::SqlState;
+
+fn db<E>(e: tokio_postgres::Error) -> Error<E> {
+    Error::Db(Box::new(e))
+}
+
+/// How long a request waits, by default, for another transaction that
+/// holds its key before it is answered as in flight.
+pub const IN_FLIGHT_WAIT: Duration = Duration::from_millis(100);
+
+impl Keys {
+    /// Creates or upgrades the key table; run it at start-up. Concurrent
+    /// start-ups are serialised by an advisory lock.
+    pub async fn migrate_pg(&self, client: &mut Client) -> Result<(), tokio_postgres::Error> {
+        let tx = client.transaction().await?;
+        // one lock for every idem table in this database: migrations are rare
+        tx.execute("SELECT pg_advisory_xact_lock(7262617)", &[]).await?;
+        tx.batch_execute(&format!("CREATE TABLE IF NOT EXISTS {} (version INTEGER NOT NULL)", self.versions))
+            .await?;
+        let at: i32 = tx
+            .query_one(&format!("SELECT coalesce(max(version), 0) FROM {}", self.versions), &[])
+            .await?
+            .get(0);
+        for (n, step) in
+            self.migrations("TEXT").iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX))
+        {
+            tx.batch_execute(step).await?;
+            let version = i32::try_from(n + 1).unwrap_or(i32::MAX);
+            tx.execute(&format!("INSERT INTO {} (version) VALUES ($1)", self.versions), &[&version]).await?;
+        }
+        tx.commit().await
+    }
+
+    /// How long a request waits for another transaction holding its key
+    /// before it is answered [`Reply::InFlight`] (default [`IN_FLIGHT_WAIT`]).
+    pub fn in_flight_wait(mut self, wait: Duration) -> Keys {
+        self.wait = wait;
+        self
+    }
+
+    /// Runs `work` under the key: in one transaction, claims it, runs the
+    /// work on the transaction, stores its answer and commits. A retry gets
+    /// the stored answer without running the work; the key with another
+    /// body gets [`Reply::Mismatch`]; while the first still runs, a retry
+    /// gets [`Reply::InFlight`]. If `work` returns an error, its writes and
+    /// the claim roll back and the key stays free.
+    pub async fn run_pg<E, F>(
+        &self,
+        client: &mut Client,
+        scope: &super::Scope,
+        key: &str,
+        body: &str,
+        work: F,
+    ) -> Result<Reply, Error<E>>
+    where
+        F: AsyncFnOnce(&Transaction<'_>) -> Result<Answer, E>,
+    {
+        let fingerprint = self.admit(key, body)?;
+        let now = Timestamp::now();
+        let tx = client.transaction().await.map_err(db)?;
+        let wait = format!("{}ms", self.wait.as_millis().max(1));
+        let before: String = tx
+            .query_one(
+                "SELECT current_setting('lock_timeout'), set_config('lock_timeout', $1, true)",
+                &[&wait],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        let claim = format!(
+            "INSERT INTO {} (client_id, endpoint, idem_key, fingerprint, created_at) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+            self.table
+        );
+        let at = now.to_string();
+        let who: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&scope.client, &scope.endpoint, &key, &fingerprint, &at];
+        let claimed = match tx.execute(&claim, &who).await {
+            Ok(n) => n == 1,
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Reply::InFlight),
+            Err(e) => return Err(db(e)),
+        };
+        if !claimed && let Some(reply) = self.existing(&tx, &who, &fingerprint, now).await? {
+            return Ok(reply);
+        }
+        tx.execute("SELECT set_config('lock_timeout', $1, true)", &[&before]).await.map_err(db)?;
+        let answer = work(&tx).await.map_err(Error::Work)?;
+        let status = i32::from(answer.status);
+        tx.execute(
+            &format!(
+                "UPDATE {} SET status = $4, body = $5 WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3",
+                self.table
+            ),
+            &[&scope.client, &scope.endpoint, &key, &status, &answer.body],
+        )
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(Reply::Fresh(answer))
+    }
+
+    /// The key's committed row, judged: `None` when it is past retention,
+    /// and then it is this request's claim.
+    async fn existing<E>(
+        &self,
+        tx: &Transaction<'_>,
+        who: &[&(dyn tokio_postgres::types::ToSql + Sync); 5],
+        fingerprint: &str,
+        now: Timestamp,
+    ) -> Result<Option<Reply>, Error<E>> {
+        let read = format!(
+            "SELECT fingerprint, created_at, status, body FROM {} \
+             WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3 FOR UPDATE",
+            self.table
+        );
+        let r = match tx.query_one(&read, &who[..3]).await {
+            Ok(r) => r,
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Some(Reply::InFlight)),
+            Err(e) => return Err(db(e)),
+        };
+        let status: Option<i32> = r.get(2);
+        let body: Option<String> = r.get(3);
+        let row = Row {
+            fingerprint: r.get(0),
+            created_at: r.get(1),
+            answer: status.map(|s| Answer::new(u16::try_from(s).unwrap_or(500), body.unwrap_or_default())),
+        };
+        if let Some(reply) = self.judge(row, fingerprint, now).map_err(|e| Error::Db(e.into()))? {
+            return Ok(Some(reply));
+        }
+        let renew = format!(
+            "UPDATE {} SET fingerprint = $4, created_at = $5, status = NULL, body = NULL \
+             WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3",
+            self.table
+        );
+        tx.execute(&renew, who).await.map_err(db)?;
+        Ok(None)
+    }
+}
