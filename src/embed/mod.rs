@@ -46,6 +46,8 @@ use crate::protocol::{Decision, decide};
 use crate::store::{KeyRecord, KeyState, Stored};
 use std::fmt;
 
+#[cfg(feature = "axum")]
+pub mod layer;
 pub mod pg;
 pub mod sqlite;
 

@@ -13,7 +13,9 @@ pub use tokio_postgres::{Client, Transaction};
 use super::{Answer, Error, Keys, Reply, Row};
 use crate::clock::Timestamp;
 use std::time::Duration;
+use tokio_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 
 fn db<E>(e: tokio_postgres::Error) -> Error<E> {
     Error::Db(Box::new(e))
@@ -71,10 +73,29 @@ impl Keys {
         F: AsyncFnOnce(&Transaction<'_>) -> Result<Answer, E>,
     {
         let fingerprint = self.admit(key, body)?;
-        let now = Timestamp::now();
         let tx = client.transaction().await.map_err(db)?;
+        if let Some(reply) = self.claim_on(&tx, scope, key, &fingerprint).await? {
+            return Ok(reply);
+        }
+        let answer = work(&tx).await.map_err(Error::Work)?;
+        self.complete_on(&tx, scope, key, &answer).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(Reply::Fresh(answer))
+    }
+
+    /// In the open transaction on `c`: claims the key for this request
+    /// (`None`), or says what the key's row answers instead. After an
+    /// answer the transaction is to be rolled back (it wrote nothing).
+    pub(super) async fn claim_on<C: GenericClient, E>(
+        &self,
+        c: &C,
+        scope: &super::Scope,
+        key: &str,
+        fingerprint: &str,
+    ) -> Result<Option<Reply>, Error<E>> {
+        let now = Timestamp::now();
         let wait = format!("{}ms", self.wait.as_millis().max(1));
-        let before: String = tx
+        let before: String = c
             .query_one(
                 "SELECT current_setting('lock_timeout'), set_config('lock_timeout', $1, true)",
                 &[&wait],
@@ -88,20 +109,30 @@ impl Keys {
             self.table
         );
         let at = now.to_string();
-        let who: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-            [&scope.client, &scope.endpoint, &key, &fingerprint, &at];
-        let claimed = match tx.execute(&claim, &who).await {
+        let who: [&(dyn ToSql + Sync); 5] = [&scope.client, &scope.endpoint, &key, &fingerprint, &at];
+        let claimed = match c.execute(&claim, &who).await {
             Ok(n) => n == 1,
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Reply::InFlight),
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Some(Reply::InFlight)),
             Err(e) => return Err(db(e)),
         };
-        if !claimed && let Some(reply) = self.existing(&tx, &who, &fingerprint, now).await? {
-            return Ok(reply);
+        if !claimed && let Some(reply) = self.existing(c, &who, fingerprint, now).await? {
+            return Ok(Some(reply));
         }
-        tx.execute("SELECT set_config('lock_timeout', $1, true)", &[&before]).await.map_err(db)?;
-        let answer = work(&tx).await.map_err(Error::Work)?;
+        c.execute("SELECT set_config('lock_timeout', $1, true)", &[&before]).await.map_err(db)?;
+        Ok(None)
+    }
+
+    /// In the transaction that claimed the key: stores the work's answer
+    /// with it (the caller commits).
+    pub(super) async fn complete_on<C: GenericClient, E>(
+        &self,
+        c: &C,
+        scope: &super::Scope,
+        key: &str,
+        answer: &Answer,
+    ) -> Result<(), Error<E>> {
         let status = i32::from(answer.status);
-        tx.execute(
+        c.execute(
             &format!(
                 "UPDATE {} SET status = $4, body = $5 WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3",
                 self.table
@@ -110,16 +141,15 @@ impl Keys {
         )
         .await
         .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        Ok(Reply::Fresh(answer))
+        Ok(())
     }
 
     /// The key's committed row, judged: `None` when it is past retention,
     /// and then it is this request's claim.
-    async fn existing<E>(
+    async fn existing<C: GenericClient, E>(
         &self,
-        tx: &Transaction<'_>,
-        who: &[&(dyn tokio_postgres::types::ToSql + Sync); 5],
+        tx: &C,
+        who: &[&(dyn ToSql + Sync); 5],
         fingerprint: &str,
         now: Timestamp,
     ) -> Result<Option<Reply>, Error<E>> {

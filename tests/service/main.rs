@@ -1,6 +1,7 @@
 //! `idem serve` and its clients, in one test binary: the HTTP contract on a
 //! real server, availability under hostile load, group commit, the retrying
-//! client, and chaos days through a lossy network.
+//! client, chaos days through a lossy network, and the example service built
+//! on the library's layer.
 
 #[path = "../support/mod.rs"]
 #[allow(dead_code)] // shared with the engine's suites, which also use its request helpers
@@ -13,5 +14,6 @@ mod client;
 mod failover;
 mod gateway;
 mod group_commit;
+mod ledger;
 mod payouts;
 mod serve;

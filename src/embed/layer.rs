@@ -1,0 +1,265 @@
+//! The `Idempotency-Key` middleware for axum (feature `axum`), on
+//! PostgreSQL: the key's claim, the handler's writes and the stored answer
+//! commit in one transaction, which the handler reaches through the [`Tx`]
+//! extractor.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post, middleware::from_fn_with_state};
+//! use idem::embed::{Keys, layer::{Idempotency, Tx, idempotent}};
+//!
+//! async fn pay(tx: Tx, body: String) -> axum::response::Response {
+//!     let c = tx.client().await;
+//!     c.execute("INSERT INTO payments (body) VALUES ($1)", &[&body]).await.unwrap();
+//!     (axum::http::StatusCode::CREATED, "{\"paid\":true}").into_response()
+//! }
+//! # use axum::response::IntoResponse;
+//! # async fn setup() -> Result<(), Box<dyn std::error::Error>> {
+//! let keys = Keys::new("app_")?;
+//! let idem = Idempotency::connect("host=/run/postgresql dbname=app", keys, 16, |headers| {
+//!     headers.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+//! }).await?;
+//! let app: Router = Router::new()
+//!     .route("/v1/payments", post(pay))
+//!     .route_layer(from_fn_with_state(idem.clone(), idempotent));
+//! # Ok(()) }
+//! ```
+//!
+//! What the layer answers itself, as problem+json (RFC 9457): 401 when the
+//! caller's `client` function names nobody, 400 for a missing or malformed
+//! key or a body that is not JSON, 413 for a body past the limit, 409 (with
+//! `Retry-After`) while the key's first request runs, 422 for the key with
+//! another body, 503 when no connection is to be had. A replay is the
+//! stored status and body with `Idempotent-Replayed: true`.
+//!
+//! Which answers are stored: 2xx, and any response the handler marks as a
+//! business answer with [`business`] (a refusal such as insufficient funds:
+//! its retry gets the same refusal). Anything else (a 400 for a malformed
+//! request, a 5xx) rolls back the handler's writes with the claim, and the
+//! key stays free for the corrected request.
+
+use super::{Answer, Error, Keys, Reply, Scope};
+use axum::body::{Body, to_bytes};
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
+use std::sync::Arc;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+use tokio_postgres::Client;
+
+/// Who the client is, from the request's headers (`None`: 401).
+type WhoIs = dyn Fn(&HeaderMap) -> Option<String> + Send + Sync;
+
+/// The middleware's state: where keys live, the connections, and who the
+/// client is. Cheap to clone.
+#[derive(Clone)]
+pub struct Idempotency {
+    keys: Arc<Keys>,
+    pool: managed::Pool<Connector>,
+    who: Arc<WhoIs>,
+    /// The largest request body read, in bytes.
+    pub max_body: usize,
+}
+
+/// Makes the pool's connections.
+pub struct Connector(tokio_postgres::Config);
+
+impl managed::Manager for Connector {
+    type Type = Client;
+    type Error = tokio_postgres::Error;
+
+    async fn create(&self) -> Result<Client, tokio_postgres::Error> {
+        let (client, connection) = self.0.connect(tokio_postgres::NoTls).await?;
+        tokio::spawn(connection);
+        Ok(client)
+    }
+
+    async fn recycle(&self, client: &mut Client, _: &Metrics) -> RecycleResult<tokio_postgres::Error> {
+        match client.is_closed() {
+            true => Err(RecycleError::message("the connection closed")),
+            false => Ok(()),
+        }
+    }
+}
+
+impl Idempotency {
+    /// The middleware's state over the PostgreSQL database `spec` (a libpq
+    /// connection string or URL), at most `connections` at once; builds the
+    /// key table if it is not there. `who` names the client of a request
+    /// from its headers, as the service authenticates it.
+    pub async fn connect(
+        spec: &str,
+        keys: Keys,
+        connections: usize,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, Box<dyn std::error::Error + Send + Sync>> {
+        let config: tokio_postgres::Config = spec.parse()?;
+        let pool: managed::Pool<Connector> = managed::Pool::builder(Connector(config))
+            .max_size(connections.max(1))
+            .wait_timeout(Some(std::time::Duration::from_secs(5)))
+            .runtime(deadpool::Runtime::Tokio1)
+            .build()?;
+        let mut first = pool.get().await.map_err(|e| e.to_string())?;
+        keys.migrate_pg(&mut first).await?;
+        Ok(Idempotency { keys: Arc::new(keys), pool, who: Arc::new(who), max_body: 64 * 1024 })
+    }
+}
+
+/// The connection a claimed request's transaction is open on.
+type Held = Arc<Mutex<Option<managed::Object<Connector>>>>;
+
+/// The handler's way into the open transaction: its writes commit with the
+/// key and the answer, or roll back with them.
+#[derive(Clone)]
+pub struct Tx(Held);
+
+impl Tx {
+    /// The client whose transaction is open (run the handler's statements
+    /// on it; never `COMMIT` or `ROLLBACK`: the layer does).
+    pub async fn client(&self) -> TxClient {
+        TxClient(self.0.clone().lock_owned().await)
+    }
+}
+
+/// A locked hold on the transaction's client; derefs to it.
+pub struct TxClient(OwnedMutexGuard<Option<managed::Object<Connector>>>);
+
+impl std::ops::Deref for TxClient {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        // the layer takes the connection back only after the handler ended
+        self.0.as_deref().unwrap_or_else(|| unreachable!("the transaction outlived its request"))
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Tx {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Tx, Response> {
+        parts.extensions.get::<Tx>().cloned().ok_or_else(|| {
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no_transaction",
+                "The route has no idempotency layer.",
+            )
+        })
+    }
+}
+
+/// Marks a handler's response as a business answer: stored with the key
+/// and replayed to its retries, whatever its status.
+pub fn business(mut response: Response) -> Response {
+    response.extensions_mut().insert(Business);
+    response
+}
+
+#[derive(Clone, Copy)]
+struct Business;
+
+/// Who the client of a claimed request is (as the `who` function said), for
+/// the handler: `axum::Extension<Caller>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller(pub String);
+
+/// The middleware (use it with `axum::middleware::from_fn_with_state`).
+pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next: Next) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let Some(client) = (idem.who)(&parts.headers) else {
+        return problem(StatusCode::UNAUTHORIZED, "unauthorized", "Who the client is was not said.");
+    };
+    let key = match crate::service::http::idempotency_key(&parts.headers, 255) {
+        Ok(key) => key,
+        Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail),
+    };
+    let Ok(bytes) = to_bytes(body, idem.max_body).await else {
+        return problem(StatusCode::PAYLOAD_TOO_LARGE, "too_large", "The body is past the limit.");
+    };
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let fingerprint = match idem.keys.admit::<String>(&key, &text) {
+        Ok(f) => f,
+        Err(e) => return problem(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string()),
+    };
+    parts.extensions.insert(Caller(client.clone()));
+    let scope = Scope::new(client, format!("{} {}", parts.method, parts.uri.path()));
+    let Ok(conn) = idem.pool.get().await else {
+        return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "No database connection.");
+    };
+    if conn.batch_execute("BEGIN").await.is_err() {
+        return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
+    }
+    match idem.keys.claim_on::<_, ()>(&*conn, &scope, &key, &fingerprint).await {
+        Ok(None) => {}
+        Ok(Some(reply)) => {
+            let _ = conn.batch_execute("ROLLBACK").await;
+            return answer_of(reply);
+        }
+        Err(_) => {
+            let _ = conn.batch_execute("ROLLBACK").await;
+            return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
+        }
+    }
+    let held: Held = Arc::new(Mutex::new(Some(conn)));
+    parts.extensions.insert(Tx(held.clone()));
+    let response = next.run(Request::from_parts(parts, Body::from(bytes))).await;
+    let Some(conn) = held.lock().await.take() else {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
+    };
+    let (head, body) = response.into_parts();
+    let kept = head.status.is_success() || head.extensions.get::<Business>().is_some();
+    let Ok(bytes) = to_bytes(body, usize::MAX).await else {
+        let _ = conn.batch_execute("ROLLBACK").await;
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", "The answer could not be read.");
+    };
+    if !kept {
+        // not an answer to keep: the handler's writes go with the claim
+        let _ = conn.batch_execute("ROLLBACK").await;
+        return Response::from_parts(head, Body::from(bytes));
+    }
+    let answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
+    let stored: Result<(), Error<()>> = idem.keys.complete_on(&*conn, &scope, &key, &answer).await;
+    if stored.is_err() || conn.batch_execute("COMMIT").await.is_err() {
+        // whether it committed is unknown: the retry replays it or runs it
+        return problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", "Whether it was done is unknown: retry.");
+    }
+    Response::from_parts(head, Body::from(bytes))
+}
+
+/// A reply the layer gives without running the handler.
+fn answer_of(reply: Reply) -> Response {
+    match reply {
+        Reply::Replayed(a) | Reply::Fresh(a) => {
+            let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::OK);
+            let mut r = (status, a.body).into_response();
+            let h = r.headers_mut();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+            r
+        }
+        Reply::InFlight => {
+            let mut r =
+                problem(StatusCode::CONFLICT, "in_progress", "The key's first request is still running.");
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        }
+        Reply::Mismatch => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "fingerprint_mismatch",
+            "The key was used with another request body.",
+        ),
+    }
+}
+
+/// An RFC 9457 problem.
+pub fn problem(status: StatusCode, reason: &str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or(""),
+        "status": status.as_u16(),
+        "detail": detail,
+        "reason": reason,
+    });
+    let mut r = (status, body.to_string()).into_response();
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    r
+}
