@@ -13,7 +13,7 @@
 //!     (axum::http::StatusCode::CREATED, "{\"paid\":true}").into_response()
 //! }
 //! # use axum::response::IntoResponse;
-//! # async fn setup() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn setup() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let keys = Keys::new("app_")?;
 //! let idem = Idempotency::connect("host=/run/postgresql dbname=app", keys, 16, |headers| {
 //!     headers.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
