@@ -248,3 +248,56 @@ async fn futures_join<F: std::future::Future>(futures: impl Iterator<Item = F>) 
     .await;
     out.into_iter().flatten().collect()
 }
+
+/// The common library design, for comparison: the work commits in its own
+/// transaction and the key's record is written after it. `crash` stops
+/// the attempt between the two, as a kill would.
+fn record_after_commit(db: &mut rusqlite::Connection, key: &str, cents: i64, crash: bool) -> Option<String> {
+    db.execute_batch("CREATE TABLE IF NOT EXISTS beside (k TEXT PRIMARY KEY, answer TEXT)").unwrap();
+    let seen: Option<String> =
+        db.query_row("SELECT answer FROM beside WHERE k = ?1", [key], |r| r.get(0)).ok();
+    if seen.is_some() {
+        return seen;
+    }
+    let tx = db.transaction().unwrap();
+    let answer = pay_sqlite(cents)(&tx).unwrap();
+    tx.commit().unwrap();
+    if crash {
+        return None;
+    }
+    db.execute("INSERT INTO beside VALUES (?1, ?2)", [key, &answer.body]).unwrap();
+    Some(answer.body)
+}
+
+#[test]
+fn a_crash_after_the_commit_pays_twice_beside_the_work_and_once_inside_it() {
+    const KEYS: i64 = 20;
+    // beside: each key's first attempt dies after its commit, the retry pays again
+    let (mut db, _) = sqlite();
+    for k in 0..KEYS {
+        assert_eq!(record_after_commit(&mut db, &format!("k{k}"), 1, true), None);
+        assert!(record_after_commit(&mut db, &format!("k{k}"), 1, false).is_some());
+    }
+    let (_, _, beside) = ann_bob_sqlite(&db);
+    // inside: the only place an attempt can die is before the one commit
+    // (a panic in the work stands for the kill), and then nothing of it stays
+    let (mut db, keys) = sqlite();
+    let me = Scope::new("c", "POST /pay");
+    for k in 0..KEYS {
+        let key = format!("k{k}");
+        let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            keys.run_sqlite(&mut db, &me, &key, r#"{"cents":1}"#, |tx| -> Result<Answer, String> {
+                pay_sqlite(1)(tx)?;
+                panic!("killed before the commit")
+            })
+        }));
+        assert!(died.is_err());
+        let retry = keys.run_sqlite(&mut db, &me, &key, r#"{"cents":1}"#, pay_sqlite(1)).unwrap();
+        assert!(matches!(retry, Reply::Fresh(_)), "{retry:?}");
+        let again = keys.run_sqlite(&mut db, &me, &key, r#"{"cents":1}"#, pay_sqlite(1)).unwrap();
+        assert!(matches!(again, Reply::Replayed(_)), "{again:?}");
+    }
+    let (_, _, inside) = ann_bob_sqlite(&db);
+    eprintln!("{KEYS} keys, each attempt killed once: beside the work {beside} payments, inside it {inside}");
+    assert_eq!((beside, inside), (2 * KEYS, KEYS));
+}
