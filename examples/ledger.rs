@@ -1,12 +1,14 @@
 //! A small ledger service of its own (its own tables and names), made
 //! idempotent by `idem::embed::layer` with one line of setup, so that
 //! `idem check --url` can judge it. `POST /v1/transfers` takes the body
-//! `idem serve` takes: `{"src", "dst", "amount", "currency": "KRW"}`.
+//! `idem serve` takes: `{"src", "dst", "amount", "currency": "KRW"}`;
+//! `GET /v1/transfers/{id}` shows a transfer to the client that made it.
 //!
-//!   cargo run --release --example ledger -- --db 'host=/tmp dbname=app' \
+//!   cargo run --release --example ledger -- --db ledger.db \
 //!       --clients clients.json --accounts A=1000000,B=0
 //!
-//! The first line on stdout is the URL, printed once it listens.
+//! `--db` is a SQLite file or a PostgreSQL connection string. The first
+//! line on stdout is the URL, printed once it listens.
 
 use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -18,10 +20,11 @@ use idem::embed::Keys;
 use idem::embed::layer::{Caller, Idempotency, Tx, business, idempotent, problem};
 use serde_json::{Value, json};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 #[derive(Parser)]
 struct Args {
-    /// PostgreSQL connection string (libpq key=value or a URL).
+    /// A SQLite file, or a PostgreSQL connection string (libpq key=value or a URL).
     #[arg(long)]
     db: String,
     #[arg(long, default_value = "127.0.0.1:0")]
@@ -35,27 +38,28 @@ struct Args {
     accounts: String,
 }
 
+/// The ledger's own tables; `{serial}` and `{now}` are each dialect's.
 const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS ledger_wallets (
                         name TEXT PRIMARY KEY, cents BIGINT NOT NULL CHECK (cents >= 0));
                       CREATE TABLE IF NOT EXISTS ledger_moves (
-                        id BIGSERIAL PRIMARY KEY, src TEXT NOT NULL, dst TEXT NOT NULL,
-                        cents BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT now(),
+                        id {serial}, src TEXT NOT NULL, dst TEXT NOT NULL, cents BIGINT NOT NULL,
                         client TEXT NOT NULL, answer TEXT)";
 
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+async fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let tokens: HashMap<String, String> = serde_json::from_slice(&std::fs::read(&args.clients)?)?;
-    let tokens = std::sync::Arc::new(tokens);
+    let tokens: Arc<HashMap<String, String>> =
+        Arc::new(serde_json::from_slice(&std::fs::read(&args.clients)?)?);
     let known = tokens.clone();
-    let who = move |headers: &HeaderMap| caller(&known, headers);
-    let idem = Idempotency::connect(&args.db, Keys::new("ledger_")?, 16, who).await?;
-    let reader = open_wallets(&args.db, &args.accounts).await?;
+    let idem = Idempotency::connect(&args.db, Keys::new("ledger_")?, 16, move |h| caller(&known, h)).await?;
+    let reader = Reader::open(&args.db, &args.accounts).await?;
     let app = Router::new()
         .route("/v1/transfers", post(transfer))
         .route_layer(from_fn_with_state(idem, idempotent))
         .route("/v1/transfers/{id}", get(read_transfer))
-        .with_state((std::sync::Arc::new(reader), tokens));
+        .with_state((Arc::new(reader), tokens));
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("http://{}", listener.local_addr()?);
     axum::serve(listener, app).await?;
@@ -70,44 +74,75 @@ fn caller(tokens: &HashMap<String, String>, headers: &HeaderMap) -> Option<Strin
     tokens.get(token.trim()).cloned()
 }
 
-type Reader = (std::sync::Arc<tokio_postgres::Client>, std::sync::Arc<HashMap<String, String>>);
+/// A connection for reads outside any key (the GET route), which also
+/// made the tables and opened the wallets.
+enum Reader {
+    Pg(tokio_postgres::Client),
+    Sqlite(tokio::sync::Mutex<rusqlite::Connection>),
+}
 
-/// `GET /v1/transfers/{id}`: the transfer, to the client that made it only.
+impl Reader {
+    async fn open(db: &str, accounts: &str) -> Result<Reader, Error> {
+        let mut wallets = Vec::new();
+        for pair in accounts.split(',').filter(|p| !p.is_empty()) {
+            let (name, cents) =
+                pair.split_once('=').ok_or(format!("--accounts: {pair:?} is not NAME=CENTS"))?;
+            let cents: i64 =
+                cents.parse().map_err(|_| format!("--accounts: {cents:?} is not a whole number"))?;
+            wallets.push((name.to_owned(), cents));
+        }
+        let open = "INSERT INTO ledger_wallets VALUES ($1, $2) ON CONFLICT DO NOTHING";
+        match idem::store::Db::parse(db) {
+            idem::store::Db::Postgres(spec) => {
+                let (client, conn) = tokio_postgres::connect(&spec, tokio_postgres::NoTls).await?;
+                tokio::spawn(conn);
+                client.batch_execute(&SCHEMA.replace("{serial}", "BIGSERIAL PRIMARY KEY")).await?;
+                for (name, cents) in &wallets {
+                    client.execute(open, &[name, cents]).await?;
+                }
+                Ok(Reader::Pg(client))
+            }
+            idem::store::Db::Sqlite(path) => {
+                let conn = rusqlite::Connection::open(path)?;
+                conn.busy_timeout(std::time::Duration::from_secs(5))?;
+                conn.execute_batch(&SCHEMA.replace("{serial}", "INTEGER PRIMARY KEY AUTOINCREMENT"))?;
+                for (name, cents) in &wallets {
+                    conn.execute(&open.replace('$', "?"), rusqlite::params![name, cents])?;
+                }
+                Ok(Reader::Sqlite(tokio::sync::Mutex::new(conn)))
+            }
+        }
+    }
+
+    /// A move's stored answer, if `client` made it.
+    async fn answer(&self, id: i64, client: &str) -> Result<Option<String>, Error> {
+        let sql = "SELECT answer FROM ledger_moves WHERE id = $1 AND client = $2";
+        Ok(match self {
+            Reader::Pg(c) => c.query_opt(sql, &[&id, &client]).await?.map(|r| r.get(0)),
+            Reader::Sqlite(c) => {
+                use rusqlite::OptionalExtension;
+                let c = c.lock().await;
+                c.query_row(&sql.replace('$', "?"), rusqlite::params![id, client], |r| r.get(0)).optional()?
+            }
+        })
+    }
+}
+
+type Shared = (Arc<Reader>, Arc<HashMap<String, String>>);
+
 async fn read_transfer(
-    State((db, tokens)): State<Reader>,
+    State((db, tokens)): State<Shared>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
     let Some(client) = caller(&tokens, &headers) else {
         return problem(StatusCode::UNAUTHORIZED, "unauthorized", "Who the client is was not said.");
     };
-    let id: i64 = id.parse().unwrap_or(-1);
-    let row =
-        db.query_opt("SELECT answer FROM ledger_moves WHERE id = $1 AND client = $2", &[&id, &client]).await;
-    match row {
-        Ok(Some(r)) => {
-            (StatusCode::OK, [("content-type", "application/json")], r.get::<_, String>(0)).into_response()
-        }
+    match db.answer(id.parse().unwrap_or(-1), &client).await {
+        Ok(Some(body)) => (StatusCode::OK, [("content-type", "application/json")], body).into_response(),
         Ok(None) => problem(StatusCode::NOT_FOUND, "not_found", "No such transfer of yours."),
         Err(_) => problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed."),
     }
-}
-
-async fn open_wallets(
-    db: &str,
-    accounts: &str,
-) -> Result<tokio_postgres::Client, Box<dyn std::error::Error + Send + Sync>> {
-    let (client, conn) = tokio_postgres::connect(db, tokio_postgres::NoTls).await?;
-    tokio::spawn(conn);
-    client.batch_execute(SCHEMA).await?;
-    for pair in accounts.split(',').filter(|p| !p.is_empty()) {
-        let (name, cents) = pair.split_once('=').ok_or(format!("--accounts: {pair:?} is not NAME=CENTS"))?;
-        let cents: i64 = cents.parse().map_err(|_| format!("--accounts: {cents:?} is not a whole number"))?;
-        client
-            .execute("INSERT INTO ledger_wallets VALUES ($1, $2) ON CONFLICT DO NOTHING", &[&name, &cents])
-            .await?;
-    }
-    Ok(client)
 }
 
 /// A wallet's name as the body gives it: a string, or a whole number.
@@ -119,8 +154,17 @@ fn wallet(v: &Value) -> Option<String> {
     }
 }
 
+/// A transfer, read from the body.
+struct Move {
+    src: String,
+    dst: String,
+    cents: i64,
+    client: String,
+    body: Value,
+}
+
 /// The transfer, or why the body is none (a 400: not stored, the key stays free).
-fn read(body: &str) -> Result<(String, String, i64, Value), &'static str> {
+fn read(body: &str, client: String) -> Result<Move, &'static str> {
     let v: Value = serde_json::from_str(body).map_err(|_| "the body is not JSON")?;
     let fields = v.as_object().ok_or("the body is not an object")?;
     if fields.len() != 4 || fields.get("currency") != Some(&json!("KRW")) {
@@ -131,55 +175,111 @@ fn read(body: &str) -> Result<(String, String, i64, Value), &'static str> {
         _ => return Err("src and dst are two wallets"),
     };
     match fields.get("amount").and_then(Value::as_i64) {
-        Some(a) if a > 0 && a < (1 << 53) => Ok((src, dst, a, v)),
+        Some(cents) if cents > 0 && cents < (1 << 53) => Ok(Move { src, dst, cents, client, body: v }),
         _ => Err("amount is a positive whole number"),
     }
 }
 
+/// What a move came to.
+enum Done {
+    /// The wallets' balances before it (src's), and the new move's id.
+    Moved {
+        have: i64,
+        id: i64,
+    },
+    Unknown,
+    Poor,
+}
+
+/// The answer a move's outcome gets, and the text stored with the move.
+fn answer_of(m: &Move, done: Done) -> (Response, Option<String>) {
+    match done {
+        Done::Unknown => {
+            (business(problem(StatusCode::NOT_FOUND, "unknown_account", "No such wallet.")), None)
+        }
+        Done::Poor => {
+            let r = problem(StatusCode::PAYMENT_REQUIRED, "insufficient_funds", "Not enough in src.");
+            (business(r), None)
+        }
+        Done::Moved { have, id } => {
+            let out =
+                json!({"transfer_id": id, "src": m.body["src"], "dst": m.body["dst"], "amount": m.cents,
+                             "currency": "KRW", "balance_after": have - m.cents})
+                .to_string();
+            let r =
+                (StatusCode::CREATED, [("content-type", "application/json")], out.clone()).into_response();
+            (r, Some(out))
+        }
+    }
+}
+
 async fn transfer(tx: Tx, Extension(Caller(client)): Extension<Caller>, body: String) -> Response {
-    let (src, dst, cents, v) = match read(&body) {
-        Ok(t) => t,
+    let m = match read(&body, client) {
+        Ok(m) => m,
         Err(why) => return problem(StatusCode::BAD_REQUEST, "invalid_request", why),
     };
-    let c = tx.client().await;
-    let failed = |_| problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
+    let done = match tx.client().await {
+        Some(c) => move_pg(&c, &m).await.map_err(|e| e.to_string()),
+        None => match tx.sqlite().await {
+            Some(c) => move_sqlite(&c, &m).map_err(|e| e.to_string()),
+            None => Err("no transaction".into()),
+        },
+    };
+    match done {
+        Ok(done) => answer_of(&m, done).0,
+        Err(_) => problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed."),
+    }
+}
+
+async fn move_pg(c: &tokio_postgres::Client, m: &Move) -> Result<Done, tokio_postgres::Error> {
     // both wallets locked in one order, so two opposite transfers cannot deadlock
-    let held = match c
+    let held = c
         .query(
             "SELECT name, cents FROM ledger_wallets WHERE name IN ($1, $2) ORDER BY name FOR UPDATE",
-            &[&src, &dst],
+            &[&m.src, &m.dst],
         )
-        .await
-    {
-        Ok(rows) => rows,
-        Err(e) => return failed(e),
-    };
+        .await?;
     if held.len() != 2 {
-        return business(problem(StatusCode::NOT_FOUND, "unknown_account", "No such wallet."));
+        return Ok(Done::Unknown);
     }
-    let have: i64 = held.iter().find(|r| r.get::<_, String>(0) == src).map_or(0, |r| r.get(1));
-    if have < cents {
-        return business(problem(StatusCode::PAYMENT_REQUIRED, "insufficient_funds", "Not enough in src."));
+    let have: i64 = held.iter().find(|r| r.get::<_, String>(0) == m.src).map_or(0, |r| r.get(1));
+    if have < m.cents {
+        return Ok(Done::Poor);
     }
-    let moved = async {
-        c.execute("UPDATE ledger_wallets SET cents = cents - $2 WHERE name = $1", &[&src, &cents]).await?;
-        c.execute("UPDATE ledger_wallets SET cents = cents + $2 WHERE name = $1", &[&dst, &cents]).await?;
-        let row = c
-            .query_one(
-                "INSERT INTO ledger_moves (src, dst, cents, client) VALUES ($1, $2, $3, $4) \
-                 RETURNING id, to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')",
-                &[&src, &dst, &cents, &client],
-            )
-            .await?;
-        let (id, at): (i64, String) = (row.get(0), row.get(1));
-        let out = json!({"transfer_id": id, "src": v["src"], "dst": v["dst"], "amount": cents,
-                         "currency": "KRW", "created_at": at, "balance_after": have - cents})
-        .to_string();
-        c.execute("UPDATE ledger_moves SET answer = $2 WHERE id = $1", &[&id, &out]).await?;
-        Ok::<_, tokio_postgres::Error>(out)
+    c.execute("UPDATE ledger_wallets SET cents = cents - $2 WHERE name = $1", &[&m.src, &m.cents]).await?;
+    c.execute("UPDATE ledger_wallets SET cents = cents + $2 WHERE name = $1", &[&m.dst, &m.cents]).await?;
+    let id: i64 = c
+        .query_one(
+            "INSERT INTO ledger_moves (src, dst, cents, client) VALUES ($1, $2, $3, $4) RETURNING id",
+            &[&m.src, &m.dst, &m.cents, &m.client],
+        )
+        .await?
+        .get(0);
+    let done = Done::Moved { have, id };
+    let stored = answer_of(m, Done::Moved { have, id }).1;
+    c.execute("UPDATE ledger_moves SET answer = $2 WHERE id = $1", &[&id, &stored]).await?;
+    Ok(done)
+}
+
+fn move_sqlite(c: &rusqlite::Connection, m: &Move) -> rusqlite::Result<Done> {
+    use rusqlite::{OptionalExtension, params};
+    // the layer's BEGIN IMMEDIATE holds SQLite's write lock already
+    let balance = |name: &str| {
+        c.query_row("SELECT cents FROM ledger_wallets WHERE name = ?1", [name], |r| r.get::<_, i64>(0))
+            .optional()
     };
-    match moved.await {
-        Ok(out) => (StatusCode::CREATED, [("content-type", "application/json")], out).into_response(),
-        Err(e) => failed(e),
+    let (Some(have), Some(_)) = (balance(&m.src)?, balance(&m.dst)?) else { return Ok(Done::Unknown) };
+    if have < m.cents {
+        return Ok(Done::Poor);
     }
+    c.execute("UPDATE ledger_wallets SET cents = cents - ?2 WHERE name = ?1", params![m.src, m.cents])?;
+    c.execute("UPDATE ledger_wallets SET cents = cents + ?2 WHERE name = ?1", params![m.dst, m.cents])?;
+    c.execute(
+        "INSERT INTO ledger_moves (src, dst, cents, client) VALUES (?1, ?2, ?3, ?4)",
+        params![m.src, m.dst, m.cents, m.client],
+    )?;
+    let id = c.last_insert_rowid();
+    let stored = answer_of(m, Done::Moved { have, id }).1;
+    c.execute("UPDATE ledger_moves SET answer = ?2 WHERE id = ?1", params![id, stored])?;
+    Ok(Done::Moved { have, id })
 }

@@ -1,14 +1,19 @@
 //! The `Idempotency-Key` middleware for axum (feature `axum`), on
-//! PostgreSQL: the key's claim, the handler's writes and the stored answer
-//! commit in one transaction, which the handler reaches through the [`Tx`]
-//! extractor.
+//! PostgreSQL or SQLite: the key's claim, the handler's writes and the
+//! stored answer commit in one transaction, which the handler reaches
+//! through the [`Tx`] extractor ([`Tx::client`] on PostgreSQL,
+//! [`Tx::sqlite`] on SQLite).
+//!
+//! On SQLite the layer holds one connection, and a request holds it from
+//! its claim to its commit: SQLite takes one writer at a time anyway, and
+//! a request waiting for it waits without holding a thread.
 //!
 //! ```no_run
 //! use axum::{Router, routing::post, middleware::from_fn_with_state};
 //! use idem::embed::{Keys, layer::{Idempotency, Tx, idempotent}};
 //!
 //! async fn pay(tx: Tx, body: String) -> axum::response::Response {
-//!     let c = tx.client().await;
+//!     let c = tx.client().await.expect("on PostgreSQL");
 //!     c.execute("INSERT INTO payments (body) VALUES ($1)", &[&body]).await.unwrap();
 //!     (axum::http::StatusCode::CREATED, "{\"paid\":true}").into_response()
 //! }
@@ -56,13 +61,19 @@ type WhoIs = dyn Fn(&HeaderMap) -> Option<String> + Send + Sync;
 #[derive(Clone)]
 pub struct Idempotency {
     keys: Arc<Keys>,
-    pool: managed::Pool<Connector>,
+    store: Store,
     who: Arc<WhoIs>,
     /// The largest request body read, in bytes.
     pub max_body: usize,
 }
 
-/// Makes the pool's connections.
+#[derive(Clone)]
+enum Store {
+    Pg(managed::Pool<Connector>),
+    Sqlite(Arc<Mutex<rusqlite::Connection>>),
+}
+
+/// Makes the pool's PostgreSQL connections.
 pub struct Connector(tokio_postgres::Config);
 
 impl managed::Manager for Connector {
@@ -84,52 +95,142 @@ impl managed::Manager for Connector {
 }
 
 impl Idempotency {
-    /// The middleware's state over the PostgreSQL database `spec` (a libpq
-    /// connection string or URL), at most `connections` at once; builds the
-    /// key table if it is not there. `who` names the client of a request
-    /// from its headers, as the service authenticates it.
+    /// The middleware's state over `db`: a PostgreSQL connection string
+    /// (libpq `key=value` or a URL; at most `connections` at once) or else a
+    /// SQLite file. Builds the key table if it is not there. `who` names the
+    /// client of a request from its headers, as the service authenticates it.
     pub async fn connect(
-        spec: &str,
+        db: &str,
         keys: Keys,
         connections: usize,
         who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
     ) -> Result<Idempotency, Box<dyn std::error::Error + Send + Sync>> {
-        let config: tokio_postgres::Config = spec.parse()?;
-        let pool: managed::Pool<Connector> = managed::Pool::builder(Connector(config))
-            .max_size(connections.max(1))
-            .wait_timeout(Some(std::time::Duration::from_secs(5)))
-            .runtime(deadpool::Runtime::Tokio1)
-            .build()?;
-        let mut first = pool.get().await.map_err(|e| e.to_string())?;
-        keys.migrate_pg(&mut first).await?;
-        Ok(Idempotency { keys: Arc::new(keys), pool, who: Arc::new(who), max_body: 64 * 1024 })
+        let store = match crate::store::Db::parse(db) {
+            crate::store::Db::Postgres(spec) => {
+                let config: tokio_postgres::Config = spec.parse()?;
+                let pool: managed::Pool<Connector> = managed::Pool::builder(Connector(config))
+                    .max_size(connections.max(1))
+                    .wait_timeout(Some(std::time::Duration::from_secs(5)))
+                    .runtime(deadpool::Runtime::Tokio1)
+                    .build()?;
+                let mut first = pool.get().await.map_err(|e| e.to_string())?;
+                keys.migrate_pg(&mut first).await?;
+                Store::Pg(pool)
+            }
+            crate::store::Db::Sqlite(path) => {
+                let conn = rusqlite::Connection::open(path)?;
+                conn.busy_timeout(std::time::Duration::from_secs(5))?;
+                conn.pragma_update(None, "journal_mode", "WAL")?;
+                keys.migrate_sqlite(&conn)?;
+                Store::Sqlite(Arc::new(Mutex::new(conn)))
+            }
+        };
+        Ok(Idempotency { keys: Arc::new(keys), store, who: Arc::new(who), max_body: 64 * 1024 })
+    }
+
+    /// A connection with a write transaction open on it.
+    async fn begin(&self) -> Option<Held> {
+        let held = match &self.store {
+            Store::Pg(pool) => Held::Pg(pool.get().await.ok()?),
+            Store::Sqlite(conn) => Held::Sqlite(conn.clone().lock_owned().await),
+        };
+        let mut held = held;
+        held.run("BEGIN").await.then_some(held)
     }
 }
 
-/// The connection a claimed request's transaction is open on.
-type Held = Arc<Mutex<Option<managed::Object<Connector>>>>;
+/// A connection whose transaction a request holds.
+enum Held {
+    Pg(managed::Object<Connector>),
+    Sqlite(OwnedMutexGuard<rusqlite::Connection>),
+}
+
+impl Held {
+    /// Runs `sql` (BEGIN, COMMIT, ROLLBACK); whether it went through.
+    // `&mut self` throughout: a SQLite connection is not `Sync`, so a
+    // shared borrow of one held across an await would make the
+    // middleware's future not `Send`
+    async fn run(&mut self, sql: &str) -> bool {
+        match self {
+            Held::Pg(c) => c.batch_execute(sql).await.is_ok(),
+            // BEGIN IMMEDIATE: the write lock first, so no read is upgraded
+            Held::Sqlite(c) => c.execute_batch(if sql == "BEGIN" { "BEGIN IMMEDIATE" } else { sql }).is_ok(),
+        }
+    }
+
+    async fn claim(
+        &mut self,
+        keys: &Keys,
+        scope: &Scope,
+        key: &str,
+        fp: &str,
+    ) -> Result<Option<Reply>, Error<()>> {
+        match self {
+            Held::Pg(c) => keys.claim_on(&**c, scope, key, fp).await,
+            Held::Sqlite(c) => keys.claim_sqlite(c, scope, key, fp),
+        }
+    }
+
+    async fn complete(
+        &mut self,
+        keys: &Keys,
+        scope: &Scope,
+        key: &str,
+        answer: &Answer,
+    ) -> Result<(), Error<()>> {
+        match self {
+            Held::Pg(c) => keys.complete_on(&**c, scope, key, answer).await,
+            Held::Sqlite(c) => keys.complete_sqlite(c, scope, key, answer),
+        }
+    }
+}
 
 /// The handler's way into the open transaction: its writes commit with the
 /// key and the answer, or roll back with them.
 #[derive(Clone)]
-pub struct Tx(Held);
+pub struct Tx(Arc<Mutex<Option<Held>>>);
 
 impl Tx {
-    /// The client whose transaction is open (run the handler's statements
-    /// on it; never `COMMIT` or `ROLLBACK`: the layer does).
-    pub async fn client(&self) -> TxClient {
-        TxClient(self.0.clone().lock_owned().await)
+    /// On PostgreSQL, the client whose transaction is open (run the
+    /// handler's statements on it; never `COMMIT` or `ROLLBACK`: the layer
+    /// does); `None` on SQLite.
+    pub async fn client(&self) -> Option<TxClient> {
+        let held = self.0.clone().lock_owned().await;
+        matches!(*held, Some(Held::Pg(_))).then_some(TxClient(held))
+    }
+
+    /// On SQLite, the connection whose transaction is open (as for
+    /// [`Tx::client`]); `None` on PostgreSQL.
+    pub async fn sqlite(&self) -> Option<TxSqlite> {
+        let held = self.0.clone().lock_owned().await;
+        matches!(*held, Some(Held::Sqlite(_))).then_some(TxSqlite(held))
     }
 }
 
-/// A locked hold on the transaction's client; derefs to it.
-pub struct TxClient(OwnedMutexGuard<Option<managed::Object<Connector>>>);
+/// A locked hold on the open transaction's PostgreSQL client; derefs to it.
+pub struct TxClient(OwnedMutexGuard<Option<Held>>);
 
 impl std::ops::Deref for TxClient {
     type Target = Client;
     fn deref(&self) -> &Client {
-        // the layer takes the connection back only after the handler ended
-        self.0.as_deref().unwrap_or_else(|| unreachable!("the transaction outlived its request"))
+        match &*self.0 {
+            Some(Held::Pg(c)) => c,
+            // checked when made, and held since: nothing can change it
+            _ => unreachable!("a TxClient holds a PostgreSQL transaction"),
+        }
+    }
+}
+
+/// A locked hold on the open transaction's SQLite connection; derefs to it.
+pub struct TxSqlite(OwnedMutexGuard<Option<Held>>);
+
+impl std::ops::Deref for TxSqlite {
+    type Target = rusqlite::Connection;
+    fn deref(&self) -> &rusqlite::Connection {
+        match &*self.0 {
+            Some(Held::Sqlite(c)) => c,
+            _ => unreachable!("a TxSqlite holds a SQLite transaction"),
+        }
     }
 }
 
@@ -182,44 +283,41 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
     };
     parts.extensions.insert(Caller(client.clone()));
     let scope = Scope::new(client, format!("{} {}", parts.method, parts.uri.path()));
-    let Ok(conn) = idem.pool.get().await else {
+    let Some(mut held) = idem.begin().await else {
         return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "No database connection.");
     };
-    if conn.batch_execute("BEGIN").await.is_err() {
-        return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
-    }
-    match idem.keys.claim_on::<_, ()>(&*conn, &scope, &key, &fingerprint).await {
+    match held.claim(&idem.keys, &scope, &key, &fingerprint).await {
         Ok(None) => {}
         Ok(Some(reply)) => {
-            let _ = conn.batch_execute("ROLLBACK").await;
+            held.run("ROLLBACK").await;
             return answer_of(reply);
         }
         Err(_) => {
-            let _ = conn.batch_execute("ROLLBACK").await;
+            held.run("ROLLBACK").await;
             return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
         }
     }
-    let held: Held = Arc::new(Mutex::new(Some(conn)));
-    parts.extensions.insert(Tx(held.clone()));
+    let slot = Arc::new(Mutex::new(Some(held)));
+    parts.extensions.insert(Tx(slot.clone()));
     let response = next.run(Request::from_parts(parts, Body::from(bytes))).await;
-    let Some(conn) = held.lock().await.take() else {
+    let Some(mut held) = slot.lock().await.take() else {
         return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
     };
     let (head, body) = response.into_parts();
     let kept = head.status.is_success() || head.extensions.get::<Business>().is_some();
     let Ok(bytes) = to_bytes(body, usize::MAX).await else {
-        let _ = conn.batch_execute("ROLLBACK").await;
+        held.run("ROLLBACK").await;
         return problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", "The answer could not be read.");
     };
     if !kept {
         // not an answer to keep: the handler's writes go with the claim
-        let _ = conn.batch_execute("ROLLBACK").await;
+        held.run("ROLLBACK").await;
         return Response::from_parts(head, Body::from(bytes));
     }
     let answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
-    let stored: Result<(), Error<()>> = idem.keys.complete_on(&*conn, &scope, &key, &answer).await;
-    if stored.is_err() || conn.batch_execute("COMMIT").await.is_err() {
+    if held.complete(&idem.keys, &scope, &key, &answer).await.is_err() || !held.run("COMMIT").await {
         // whether it committed is unknown: the retry replays it or runs it
+        held.run("ROLLBACK").await;
         return problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", "Whether it was done is unknown: retry.");
     }
     Response::from_parts(head, Body::from(bytes))

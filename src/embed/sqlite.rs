@@ -56,10 +56,28 @@ impl Keys {
         F: FnOnce(&Transaction<'_>) -> Result<Answer, E>,
     {
         let fingerprint = self.admit(key, body)?;
-        let now = Timestamp::now();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+        if let Some(reply) = self.claim_sqlite(&tx, scope, key, &fingerprint)? {
+            return Ok(reply);
+        }
+        let answer = work(&tx).map_err(Error::Work)?;
+        self.complete_sqlite(&tx, scope, key, &answer)?;
+        tx.commit().map_err(db)?;
+        Ok(Reply::Fresh(answer))
+    }
+
+    /// In the open write transaction on `conn`: claims the key for this
+    /// request (`None`), or says what the key's row answers instead.
+    pub(super) fn claim_sqlite<E>(
+        &self,
+        conn: &Connection,
+        scope: &super::Scope,
+        key: &str,
+        fingerprint: &str,
+    ) -> Result<Option<Reply>, Error<E>> {
+        let now = Timestamp::now();
         let who = params![scope.client, scope.endpoint, key];
-        let row = tx
+        let row = conn
             .query_row(
                 &format!(
                     "SELECT fingerprint, created_at, status, body FROM {} \
@@ -80,12 +98,12 @@ impl Keys {
             .optional()
             .map_err(db)?;
         if let Some(row) = row
-            && let Some(reply) = self.judge(row, &fingerprint, now).map_err(|e| Error::Db(e.into()))?
+            && let Some(reply) = self.judge(row, fingerprint, now).map_err(|e| Error::Db(e.into()))?
         {
-            return Ok(reply);
+            return Ok(Some(reply));
         }
         // new, or past retention: the row is this request's from here
-        tx.execute(
+        conn.execute(
             &format!(
                 "INSERT OR REPLACE INTO {} (client_id, endpoint, idem_key, fingerprint, created_at) \
                  VALUES (?1, ?2, ?3, ?4, ?5)",
@@ -94,8 +112,19 @@ impl Keys {
             params![scope.client, scope.endpoint, key, fingerprint, now.to_string()],
         )
         .map_err(db)?;
-        let answer = work(&tx).map_err(Error::Work)?;
-        tx.execute(
+        Ok(None)
+    }
+
+    /// In the transaction that claimed the key: stores the work's answer
+    /// with it (the caller commits).
+    pub(super) fn complete_sqlite<E>(
+        &self,
+        conn: &Connection,
+        scope: &super::Scope,
+        key: &str,
+        answer: &Answer,
+    ) -> Result<(), Error<E>> {
+        conn.execute(
             &format!(
                 "UPDATE {} SET status = ?4, body = ?5 WHERE client_id = ?1 AND endpoint = ?2 AND idem_key = ?3",
                 self.table
@@ -103,7 +132,6 @@ impl Keys {
             params![scope.client, scope.endpoint, key, answer.status, answer.body],
         )
         .map_err(db)?;
-        tx.commit().map_err(db)?;
-        Ok(Reply::Fresh(answer))
+        Ok(())
     }
 }

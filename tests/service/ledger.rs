@@ -9,21 +9,22 @@ use std::process::{Command, Stdio};
 
 const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers");
 
-/// `target/release/examples/ledger`, which `cargo test` builds beside the tests.
+/// `target/release/examples/ledger`, which `cargo test` builds beside the
+/// tests (`cargo test --test service` alone does not: after a change to the
+/// example or the layer, build it with `cargo build --release --example ledger`).
 fn example() -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     exe.parent().unwrap().parent().unwrap().join("examples").join("ledger")
 }
 
-#[test]
-fn the_example_ledger_passes_idem_check_through_the_layer() {
-    let Some(server) = pg::server() else { return };
-    let spec = server.fresh_schema(false);
+/// Runs the example on `db` and `idem check --url` on it, under the open
+/// profile and the one declaring the layer's choices.
+fn check_the_ledger(db: &str) {
     let dir = tempfile::tempdir().unwrap();
     let clients = dir.path().join("clients.json");
     std::fs::write(&clients, r#"{"tok-1": "shop-1", "tok-2": "shop-2", "tok-1b": "shop-1"}"#).unwrap();
     let mut child = Command::new(example())
-        .args(["--db", &spec, "--clients"])
+        .args(["--db", db, "--clients"])
         .arg(&clients)
         .args(["--accounts", "A=1000000000,B=0,D=800"])
         .stdout(Stdio::piped())
@@ -44,7 +45,19 @@ fn the_example_ledger_passes_idem_check_through_the_layer() {
     child.wait().unwrap();
     for out in [open, declared] {
         let text = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(out.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&out.stderr));
-        assert!(text.contains("0 failed"), "{text}");
+        assert_eq!(out.status.code(), Some(0), "{db}:\n{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("15 passed, 0 failed"), "{db}:\n{text}");
     }
+}
+
+#[test]
+fn the_example_ledger_passes_idem_check_through_the_layer_on_postgres() {
+    let Some(server) = pg::server() else { return };
+    check_the_ledger(&server.fresh_schema(false));
+}
+
+#[test]
+fn the_example_ledger_passes_idem_check_through_the_layer_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    check_the_ledger(&dir.path().join("ledger.db").display().to_string());
 }
