@@ -131,7 +131,7 @@ impl Idempotency {
     /// A connection with a write transaction open on it.
     async fn begin(&self) -> Option<Held> {
         let held = match &self.store {
-            Store::Pg(pool) => Held::Pg(pool.get().await.ok()?),
+            Store::Pg(pool) => Held::Pg(Box::new(pool.get().await.ok()?)),
             Store::Sqlite(conn) => Held::Sqlite(conn.clone().lock_owned().await),
         };
         let mut held = held;
@@ -141,7 +141,7 @@ impl Idempotency {
 
 /// A connection whose transaction a request holds.
 enum Held {
-    Pg(managed::Object<Connector>),
+    Pg(Box<managed::Object<Connector>>),
     Sqlite(OwnedMutexGuard<rusqlite::Connection>),
 }
 
@@ -166,7 +166,7 @@ impl Held {
         fp: &str,
     ) -> Result<Option<Reply>, Error<()>> {
         match self {
-            Held::Pg(c) => keys.claim_on(&**c, scope, key, fp).await,
+            Held::Pg(c) => keys.claim_on(&***c, scope, key, fp).await,
             Held::Sqlite(c) => keys.claim_sqlite(c, scope, key, fp),
         }
     }
@@ -179,7 +179,7 @@ impl Held {
         answer: &Answer,
     ) -> Result<(), Error<()>> {
         match self {
-            Held::Pg(c) => keys.complete_on(&**c, scope, key, answer).await,
+            Held::Pg(c) => keys.complete_on(&***c, scope, key, answer).await,
             Held::Sqlite(c) => keys.complete_sqlite(c, scope, key, answer),
         }
     }
