@@ -36,6 +36,16 @@ struct Args {
     /// exist are left as they are).
     #[arg(long, default_value = "")]
     accounts: String,
+    /// Where the key's record is kept: `inside` the transfer's transaction
+    /// (the layer), or `beside` it, written after its commit (the common
+    /// library design; SQLite only, for the comparison).
+    #[arg(long, default_value = "inside", value_parser = ["inside", "beside"])]
+    keys: String,
+    /// Exit (status 9) right after a transfer's writes, before answering:
+    /// inside, before the commit; beside, between the commit and the key's
+    /// record. For the pays-twice comparison.
+    #[arg(long)]
+    die_after_writes: bool,
 }
 
 /// The ledger's own tables; `{serial}` and `{now}` are each dialect's.
@@ -55,11 +65,17 @@ async fn main() -> Result<(), Error> {
     let known = tokens.clone();
     let idem = Idempotency::connect(&args.db, Keys::new("ledger_")?, 16, move |h| caller(&known, h)).await?;
     let reader = Reader::open(&args.db, &args.accounts).await?;
-    let app = Router::new()
-        .route("/v1/transfers", post(transfer))
-        .route_layer(from_fn_with_state(idem, idempotent))
-        .route("/v1/transfers/{id}", get(read_transfer))
-        .with_state((Arc::new(reader), tokens));
+    let app = match args.keys.as_str() {
+        "beside" => Router::new().route("/v1/transfers", post(transfer_beside)),
+        _ => Router::new()
+            .route("/v1/transfers", post(transfer))
+            .route_layer(from_fn_with_state(idem, idempotent)),
+    };
+    let app = app.route("/v1/transfers/{id}", get(read_transfer)).with_state(Shared {
+        db: Arc::new(reader),
+        tokens,
+        die: args.die_after_writes,
+    });
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("http://{}", listener.local_addr()?);
     axum::serve(listener, app).await?;
@@ -128,10 +144,15 @@ impl Reader {
     }
 }
 
-type Shared = (Arc<Reader>, Arc<HashMap<String, String>>);
+#[derive(Clone)]
+struct Shared {
+    db: Arc<Reader>,
+    tokens: Arc<HashMap<String, String>>,
+    die: bool,
+}
 
 async fn read_transfer(
-    State((db, tokens)): State<Shared>,
+    State(Shared { db, tokens, .. }): State<Shared>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
@@ -213,7 +234,12 @@ fn answer_of(m: &Move, done: Done) -> (Response, Option<String>) {
     }
 }
 
-async fn transfer(tx: Tx, Extension(Caller(client)): Extension<Caller>, body: String) -> Response {
+async fn transfer(
+    State(app): State<Shared>,
+    tx: Tx,
+    Extension(Caller(client)): Extension<Caller>,
+    body: String,
+) -> Response {
     let m = match read(&body, client) {
         Ok(m) => m,
         Err(why) => return problem(StatusCode::BAD_REQUEST, "invalid_request", why),
@@ -225,10 +251,81 @@ async fn transfer(tx: Tx, Extension(Caller(client)): Extension<Caller>, body: St
             None => Err("no transaction".into()),
         },
     };
+    if app.die {
+        // the layer has not committed: the writes go with the process
+        std::process::exit(9);
+    }
     match done {
         Ok(done) => answer_of(&m, done).0,
         Err(_) => problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed."),
     }
+}
+
+/// The common library design, for comparison: the key looked up first,
+/// the transfer committed in its own transaction, and the key's record
+/// written after it.
+async fn transfer_beside(State(app): State<Shared>, headers: HeaderMap, body: String) -> Response {
+    let Some(client) = caller(&app.tokens, &headers) else {
+        return problem(StatusCode::UNAUTHORIZED, "unauthorized", "Who the client is was not said.");
+    };
+    let key = match idem::service::http::idempotency_key(&headers, 255) {
+        Ok(key) => key,
+        Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail),
+    };
+    let Reader::Sqlite(db) = &*app.db else {
+        return problem(StatusCode::NOT_IMPLEMENTED, "sqlite_only", "--keys beside runs on SQLite.");
+    };
+    let c = db.lock().await;
+    match beside(&c, &client, &key, &body, app.die) {
+        Ok((status, answer)) => (status, [("content-type", "application/json")], answer).into_response(),
+        Err(_) => problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed."),
+    }
+}
+
+fn beside(
+    c: &rusqlite::Connection,
+    client: &str,
+    key: &str,
+    body: &str,
+    die: bool,
+) -> rusqlite::Result<(StatusCode, String)> {
+    use rusqlite::{OptionalExtension, params};
+    c.execute_batch("CREATE TABLE IF NOT EXISTS beside_keys (client TEXT, key TEXT, status INTEGER, answer TEXT, PRIMARY KEY (client, key))")?;
+    let seen: Option<(u16, String)> = c
+        .query_row(
+            "SELECT status, answer FROM beside_keys WHERE client = ?1 AND key = ?2",
+            params![client, key],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()?;
+    if let Some((status, answer)) = seen {
+        return Ok((StatusCode::from_u16(status).unwrap_or(StatusCode::OK), answer));
+    }
+    let Ok(m) = read(body, client.to_owned()) else {
+        return Ok((StatusCode::BAD_REQUEST, r#"{"reason":"invalid_request"}"#.into()));
+    };
+    c.execute_batch("BEGIN IMMEDIATE")?;
+    let done = move_sqlite(c, &m);
+    c.execute_batch(if done.is_ok() { "COMMIT" } else { "ROLLBACK" })?;
+    if die {
+        // committed, and the key's record not yet written
+        std::process::exit(9);
+    }
+    let response = answer_of(&m, done?).0;
+    let status = response.status();
+    let answer = match &response.status() {
+        s if s.is_success() => {
+            c.query_row("SELECT answer FROM ledger_moves ORDER BY id DESC LIMIT 1", [], |r| {
+                r.get::<_, String>(0)
+            })?
+        }
+        _ => String::new(),
+    };
+    c.execute(
+        "INSERT INTO beside_keys VALUES (?1, ?2, ?3, ?4)",
+        params![client, key, status.as_u16(), answer],
+    )?;
+    Ok((status, answer))
 }
 
 async fn move_pg(c: &tokio_postgres::Client, m: &Move) -> Result<Done, tokio_postgres::Error> {

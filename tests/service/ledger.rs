@@ -61,3 +61,71 @@ fn the_example_ledger_passes_idem_check_through_the_layer_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
     check_the_ledger(&dir.path().join("ledger.db").display().to_string());
 }
+
+/// The example on `db` in `mode` (`inside` or `beside`), its URL and process.
+fn start(
+    db: &std::path::Path,
+    clients: &std::path::Path,
+    mode: &str,
+    die: bool,
+) -> (String, std::process::Child) {
+    let mut child = Command::new(example())
+        .arg("--db")
+        .arg(db)
+        .arg("--clients")
+        .arg(clients)
+        .args(["--accounts", "A=1000000,B=0", "--keys", mode])
+        .args(die.then_some("--die-after-writes"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut url = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut url).unwrap();
+    (url.trim().trim_start_matches("http://").to_owned(), child)
+}
+
+/// POSTs a transfer of 5 under `key`; the answer's status, if one came.
+fn post(address: &str, key: &str) -> Option<u16> {
+    let body = r#"{"src":"A","dst":"B","amount":5,"currency":"KRW"}"#;
+    let request = format!(
+        "POST /v1/transfers HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-1\r\nIdempotency-Key: \"{key}\"\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = idem::check::http::exchange(address.parse().unwrap(), request.as_bytes());
+    answer.ok().map(|h| h.status)
+}
+
+#[test]
+fn killed_after_the_writes_the_record_beside_the_work_pays_twice_and_the_layer_once() {
+    const KEYS: i64 = 5;
+    let mut moves = Vec::new();
+    for mode in ["beside", "inside"] {
+        let dir = tempfile::tempdir().unwrap();
+        let clients = dir.path().join("clients.json");
+        std::fs::write(&clients, r#"{"tok-1": "shop-1"}"#).unwrap();
+        let db = dir.path().join("ledger.db");
+        for k in 0..KEYS {
+            let key = format!("{mode}-{k}");
+            // the first attempt: the process dies after the writes, the client hears nothing
+            let (address, mut dying) = start(&db, &clients, mode, true);
+            assert_eq!(post(&address, &key), None, "{mode}: the dying attempt answered");
+            assert_eq!(dying.wait().unwrap().code(), Some(9), "{mode}");
+            // the retry, on a restarted service, and a second retry
+            let (address, mut child) = start(&db, &clients, mode, false);
+            assert_eq!(post(&address, &key), Some(201), "{mode}: the retry");
+            assert_eq!(post(&address, &key), Some(201), "{mode}: the second retry");
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        let n: i64 = conn.query_row("SELECT count(*) FROM ledger_moves", [], |r| r.get(0)).unwrap();
+        let paid: i64 =
+            conn.query_row("SELECT cents FROM ledger_wallets WHERE name = 'B'", [], |r| r.get(0)).unwrap();
+        eprintln!(
+            "{mode}: {KEYS} keys, each first attempt killed after its writes: {n} transfers, {paid} paid"
+        );
+        moves.push((n, paid));
+    }
+    assert_eq!(moves, [(2 * KEYS, 10 * KEYS), (KEYS, 5 * KEYS)]);
+}
