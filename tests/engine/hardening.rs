@@ -346,3 +346,18 @@ fn idem_purge_deletes_only_expired_keys_in_batches() {
         .unwrap();
     assert_eq!(left, 2, "a key still inside retention was purged");
 }
+
+#[test]
+fn a_reader_that_went_away_ends_a_command_quietly_not_in_a_panic() {
+    // the pipe's read end closed before the command writes a byte: every
+    // write is EPIPE (Rust ignores SIGPIPE, so println! would panic: 101)
+    for args in [&["check", "--profile-template", "url"][..], &["check", "--profile-template", "engine"][..]]
+    {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(IDEM).args(args).stdout(writer).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -127,8 +127,8 @@ pub fn chaos(args: Chaos, policy: &Policy) -> Result<(), Failure> {
     };
     let s = chaos::run(config, policy)?;
     print_summary(seed, &s);
-    println!("wrote {}", args.out.join("chaos.json").display());
-    println!("wrote {}", args.out.join("chaos_report.md").display());
+    say!("wrote {}", args.out.join("chaos.json").display());
+    say!("wrote {}", args.out.join("chaos_report.md").display());
     if !s.exactly_once() {
         return Err(Failure("NOT exactly once: see chaos_report.md".into()));
     }
@@ -151,7 +151,7 @@ fn shell(cmd: String) -> chaos::Command {
 }
 
 fn print_summary(seed: u64, s: &Summary) {
-    println!(
+    say!(
         "seed {seed}: {} transfers intended, {} made; paid twice {}, lost {}, unintended {}; \
          {} requests, {} dropped, {} answers dropped, {} cut, {} duplicated; {} kills, {} failovers \
          ({} not run: the day had ended); {} unknown, {} keys left claimed",
@@ -172,7 +172,7 @@ fn print_summary(seed: u64, s: &Summary) {
         s.keys_left_claimed
     );
     for f in &s.failovers {
-        println!(
+        say!(
             "failover at {} ms: writes resumed after {}, {} answered 503, {} commits whose answer was lost found by the retry",
             f.at_ms,
             f.writes_resumed_ms.map_or("(not before the next)".into(), |ms| format!("{ms} ms")),
@@ -181,7 +181,7 @@ fn print_summary(seed: u64, s: &Summary) {
         );
     }
     if let Some(p) = &s.payouts {
-        println!(
+        say!(
             "payouts: {} intended, {} completed, {} failed, {} returned after paid ({} at the gateway), \
              {} left for a person; sends per payout median {} max {}; made twice {}, \
              paid twice at the gateway {}, at the gateway without an intent {}, told paid but not paid {}, \

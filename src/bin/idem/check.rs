@@ -63,19 +63,19 @@ pub fn check(
             "url" => serde_json::to_string_pretty(&http::Profile::default()),
             _ => serde_json::to_string_pretty(&lab::Profile::default()),
         };
-        println!("{}", template.map_err(|e| Failure(e.to_string()))?);
+        say!("{}", template.map_err(|e| Failure(e.to_string()))?);
         return Ok(());
     }
     let seed = seed_or_clock(seed);
     let passed = match (engine, url) {
         (Some(engine), _) => {
             let command = lab::command(&engine, &engine_arg)?;
-            println!("idem check --engine {engine:?} --seed {seed}");
+            say!("idem check --engine {engine:?} --seed {seed}");
             let target = lab::Engine { command, profile: read_profile(profile)?, seed };
             report(&check::judge(&lab::PROPERTIES, &target))
         }
         (None, Some(url)) => {
-            println!("idem check --url {url} --seed {seed}");
+            say!("idem check --url {url} --seed {seed}");
             let (src, dst) = (account_id(src), account_id(dst));
             let target = http::Target::new(&url, token, src, dst, read_profile(profile)?, seed)?;
             report(&check::judge(&http::PROPERTIES, &target))
@@ -96,6 +96,6 @@ fn read_profile<P: serde::de::DeserializeOwned + Default>(file: Option<PathBuf>)
 
 /// Prints one line per property (and a failure's steps); whether all passed.
 fn report<T: ?Sized>(results: &[(&check::Property<T>, check::Verdict)]) -> bool {
-    print!("{}", check::report(results));
+    crate::common::say(format_args!("{}", check::report(results)));
     results.iter().all(|(_, v)| !v.failed())
 }

@@ -108,23 +108,42 @@ pub fn make_parent(path: &Path) -> Result<(), Failure> {
     }
 }
 
+/// Writes to standard output. A closed pipe (the reader went away) ends
+/// the process with 141, as a death by SIGPIPE reads to a shell; another
+/// failure to write ends it with 1 and the reason.
+pub fn say(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_fmt(text).and_then(|()| out.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+        Err(e) => {
+            eprintln!("idem: cannot write to standard output: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// Writes `json` to `out` ("-": standard output) and says where it went.
 pub fn emit(out: &Path, json: &str) -> Result<(), Failure> {
     if out.as_os_str() == "-" {
-        println!("{json}");
+        say!("{json}");
     } else {
         make_parent(out)?;
         write_file(out, json)?;
-        println!("wrote {}", out.display());
+        say!("wrote {}", out.display());
     }
     Ok(())
 }
 
 /// The first line of a server: the address it listens on, once it can be
 /// used (port 0 picks one).
+/// Nobody reading it is no reason to stop serving.
 pub fn announce(address: impl std::fmt::Display) -> Result<(), Failure> {
-    println!("http://{address}");
-    std::io::Write::flush(&mut std::io::stdout()).map_err(|e| Failure(format!("stdout: {e}")))
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "http://{address}").and_then(|()| out.flush());
+    Ok(())
 }
 
 /// Binds `listen`, naming it if that fails.

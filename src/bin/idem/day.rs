@@ -30,16 +30,22 @@ pub fn prove(Prove { out, engine, db }: Prove, policy: &Policy) -> Result<(), Fa
         None => own_engine()?,
     };
     let r = day::prove(&out, policy, &engine, db.as_ref())?;
-    println!(
+    say!(
         "{} requests: {} created, {} replayed, {} rejected; {} transfers; \
          blocked {} KRW of double payment; keys paid twice: {}",
-        r.requests, r.created, r.replayed, r.rejected, r.transfers, r.double_paid_avoided, r.keys_paid_twice
+        r.requests,
+        r.created,
+        r.replayed,
+        r.rejected,
+        r.transfers,
+        r.double_paid_avoided,
+        r.keys_paid_twice
     );
     for name in day::PROVE_FILES.iter().filter(|n| db.is_none() || **n != "day.db") {
-        println!("wrote {}", out.join(name).display());
+        say!("wrote {}", out.join(name).display());
     }
     if db.is_some() {
-        println!("the day's tables are in the --db database");
+        say!("the day's tables are in the --db database");
     }
     Ok(())
 }
@@ -54,7 +60,7 @@ pub struct Gen {
 pub fn gen_(Gen { out }: Gen) -> Result<(), Failure> {
     make_parent(&out)?;
     day::generate_at(&out)?;
-    println!("wrote {}", out.display());
+    say!("wrote {}", out.display());
     Ok(())
 }
 
@@ -107,11 +113,11 @@ pub fn scenario(Scenario { files }: Scenario, policy: &Policy) -> Result<(), Fai
         let text = std::fs::read_to_string(&file)
             .map_err(|e| Failure(format!("cannot read {}: {e}", file.display())))?;
         let outcome = scenario::parse(&text).and_then(|s| scenario::run(&s, policy));
-        println!("== {}", file.display());
+        say!("== {}", file.display());
         match outcome {
-            Ok(transcript) => println!("{transcript}ok"),
+            Ok(transcript) => say!("{transcript}ok"),
             Err(failure) => {
-                print!("{}", failure.transcript);
+                crate::common::say(format_args!("{}", failure.transcript));
                 return Err(Failure(format!(
                     "{} line {}: {}",
                     file.display(),

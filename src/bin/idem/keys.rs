@@ -41,7 +41,7 @@ pub fn recover(Recover { force_live, db, release }: Recover, policy: &Policy) ->
     let claims = protocol::open_claims(&mut store, now, policy)?;
     if !release {
         for c in &claims {
-            println!("{}", line(if c.stale { "stale" } else { "live" }, &c.key, c.created_at, c.lease_until));
+            say!("{}", line(if c.stale { "stale" } else { "live" }, &c.key, c.created_at, c.lease_until));
         }
         return Ok(());
     }
@@ -54,9 +54,9 @@ pub fn recover(Recover { force_live, db, release }: Recover, policy: &Policy) ->
     }
     let released = protocol::release_claims(&mut store, now, force_live, policy)?;
     for c in claims.iter().filter(|c| released.contains(&c.key)) {
-        println!("{}", line("released", &c.key, c.created_at, c.lease_until));
+        say!("{}", line("released", &c.key, c.created_at, c.lease_until));
     }
-    println!("{}", json!({"released": released.len()}));
+    say!("{}", json!({"released": released.len()}));
     Ok(())
 }
 
@@ -80,6 +80,6 @@ pub fn purge(Purge { db, batch }: Purge, policy: &Policy) -> Result<(), Failure>
     let now = now()?;
     let mut store = store::open(&db, policy, Usage::LongLived)?;
     let purged = protocol::purge_expired(&mut store, now, batch, policy)?;
-    println!("{}", json!({"purged": purged}));
+    say!("{}", json!({"purged": purged}));
     Ok(())
 }

@@ -9,6 +9,13 @@
 
 #![forbid(unsafe_code)]
 
+/// `println!` for the commands' output, through [`common::say`]: a reader
+/// that went away (`idem keys list | head`) ends the process quietly
+/// instead of a panic (Rust ignores SIGPIPE, so `println!` would panic).
+macro_rules! say {
+    ($($arg:tt)*) => { $crate::common::say(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 mod api_edge;
 mod chaos;
 mod check;

@@ -94,7 +94,7 @@ pub fn reconcile(Reconcile { db, gateway, list }: Reconcile, policy: &Policy) ->
     payout::prepare(&mut *store, policy)?;
     if list {
         for p in payout::open(&mut *store, now()?, policy)? {
-            println!(
+            say!(
                 "{}",
                 json!({"payout_id": p.id, "downstream_key": p.downstream_key, "state": p.state.name(),
                        "amount": p.amount, "created_at": p.created_at.to_string(), "note": p.note})
@@ -106,7 +106,7 @@ pub fn reconcile(Reconcile { db, gateway, list }: Reconcile, policy: &Policy) ->
     let fixed = fixed_now()?;
     let clock = move || fixed.unwrap_or_else(Timestamp::now);
     for d in payout::reconcile(&mut *store, &gateway, &clock, policy)? {
-        println!("{}", d.to_json());
+        say!("{}", d.to_json());
     }
     Ok(())
 }
@@ -203,12 +203,12 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
     match action {
         Action::List { db, state, limit } => {
             for p in payout::listed(&mut *open(&db)?, state, limit, policy)? {
-                println!("{}", payout_line(&p));
+                say!("{}", payout_line(&p));
             }
         }
         Action::Strays { db, limit } => {
             for e in payout::stray_events(&mut *open(&db)?, limit, policy)? {
-                println!(
+                say!(
                     "{}",
                     json!({"event_id": e.event_id, "received_at": e.received_at, "type": e.kind,
                            "downstream_key": e.downstream_key, "outcome": e.outcome})
@@ -224,7 +224,7 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
                 .iter()
                 .map(|e| json!({"at": e.at.to_string(), "actor": e.actor, "was": e.was.name(), "now": e.now.name(), "why": e.why}))
                 .collect();
-            println!("{v}");
+            say!("{v}");
         }
         Action::Settle { db, id, paid, reference, failed: _, reason, by } => {
             let finding = match (paid, reference) {
@@ -232,7 +232,7 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
                 _ => payout::Finding::Failed,
             };
             match payout::settle_by_hand(&mut *open(&db)?, id, &finding, &reason, &by, now()?, policy)? {
-                Ok(p) => println!("{}", payout_line(&p)),
+                Ok(p) => say!("{}", payout_line(&p)),
                 Err(why) => return Err(Failure(why)),
             }
         }

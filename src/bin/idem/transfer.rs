@@ -76,11 +76,11 @@ pub fn transfer(args: Transfer, policy: &Policy) -> Result<ExitCode, Failure> {
     let (attempts, took) = (report.attempts(), report.took.as_secs_f64());
     Ok(match report.verdict {
         Verdict::Done { body, .. } => {
-            println!("{body}");
+            say!("{body}");
             ExitCode::SUCCESS
         }
         Verdict::Refused { status, body } => {
-            println!("{body}");
+            say!("{body}");
             eprintln!("idem: refused for good with {status} after {attempts} attempt(s); not retried");
             ExitCode::from(4)
         }
