@@ -44,6 +44,9 @@ fn a_lossy_day_with_server_kills_pays_every_transfer_exactly_once() {
     assert!(s.passed(), "{s:?}");
     assert_eq!((s.transfers_paid_twice, s.transfers_lost), (0, 0));
     assert!(s.responses_dropped > 0 && s.server_kills == 2, "no faults injected: {s:?}");
+    // the timeline beside the report: three series, a dashed mark per kill
+    let svg = std::fs::read_to_string(dir.path().join("chaos_timeline.svg")).unwrap();
+    assert_eq!((svg.matches("<polyline").count(), svg.matches(">server killed<").count()), (3, 2), "{svg}");
     assert_eq!(
         s.transfers_made + s.unknown.iter().filter(|u| u.database == "not out").count(),
         s.transfers_intended

@@ -16,6 +16,7 @@ mod clients;
 mod payouts;
 mod report;
 mod room;
+mod timeline;
 mod verdict;
 
 pub use clients::{Ending, Intent, Kind};
@@ -120,6 +121,13 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
     };
     drop(room);
     write_file(&config.out.join("chaos.json"), &to_json(&summary)?)?;
+    let marks: Vec<(f64, &str)> = tally
+        .marks
+        .iter()
+        .map(|(at, what)| (at.saturating_duration_since(day_started).as_secs_f64(), *what))
+        .collect();
+    let series = timeline::series(&intents, day_started, day_ended);
+    write_file(&config.out.join("chaos_timeline.svg"), &timeline::svg(&series, &marks))?;
     write_file(&config.out.join("chaos_report.md"), &report::report(&summary))?;
     Ok(summary)
 }
@@ -178,18 +186,26 @@ fn machine_room(
         .chain(spaced(usize::from(config.restart_db.is_some()), || Fault::RestartDb))
         .collect();
     faults.sort();
-    let mut tally =
-        Tally { kills: 0, database_restarts: 0, released: 0, failed_over: Vec::new(), failovers_not_run: 0 };
+    let mut tally = Tally {
+        kills: 0,
+        database_restarts: 0,
+        released: 0,
+        failed_over: Vec::new(),
+        failovers_not_run: 0,
+        marks: Vec::new(),
+    };
     for (at, fault) in faults {
         while clients.settled.load(Ordering::Relaxed) < at.max(1) && !clients.finished() {
             std::thread::sleep(Duration::from_millis(5));
         }
         match (fault, &config.restart_db, &config.failover) {
             (Fault::Kill, _, _) => {
+                tally.marks.push((Instant::now(), "server killed"));
                 tally.released += room.kill(tally.kills % config.instances, policy)?;
                 tally.kills += 1;
             }
             (Fault::RestartDb, Some(restart), _) => {
+                tally.marks.push((Instant::now(), "database restarted"));
                 restart().map_err(|e| HarnessError::Stopped(format!("restarting the database: {e}")))?;
                 tally.database_restarts += 1;
                 tally.released += room.release_claims(policy)?;
@@ -201,6 +217,7 @@ fn machine_room(
             (Fault::Failover, _, Some([kill, heal])) => {
                 kill().map_err(|e| HarnessError::Stopped(format!("killing the primary: {e}")))?;
                 tally.failed_over.push(Instant::now());
+                tally.marks.push((Instant::now(), "primary killed"));
                 heal().map_err(|e| HarnessError::Stopped(format!("after the failover: {e}")))?;
             }
             _ => {}

@@ -52,6 +52,9 @@ pub(super) fn report(s: &Summary) -> String {
     ));
     md.push_str(&payouts(s));
     md.push_str(&failovers(s));
+    md.push_str(
+        "\n![The day: transfers made, replays and failures per second; faults dashed](chaos_timeline.svg)\n",
+    );
     md
 }
 
@@ -88,6 +91,24 @@ fn payouts(s: &Summary) -> String {
     md
 }
 
+/// The failovers' write-unavailability windows (kill to the first new
+/// transfer), as a distribution: p50, p95, max, and how many never resumed
+/// before the next fault.
+fn distribution(s: &Summary) -> String {
+    let mut ms: Vec<u64> = s.failovers.iter().filter_map(|f| f.writes_resumed_ms).collect();
+    ms.sort_unstable();
+    let never = s.failovers.len() - ms.len();
+    let at = |q: f64| ms.get(((ms.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied();
+    let show = |v: Option<u64>| v.map_or("-".into(), |v| format!("{v} ms"));
+    format!(
+        "\nWrites unavailable after a failover, over {} failovers: p50 {}, p95 {}, max {}; not resumed before the next fault: {never}.\n",
+        s.failovers.len(),
+        show(at(0.5)),
+        show(at(0.95)),
+        show(ms.last().copied())
+    )
+}
+
 /// The failovers' table and the outcomes nobody knew.
 fn failovers(s: &Summary) -> String {
     let mut md = String::new();
@@ -109,6 +130,7 @@ fn failovers(s: &Summary) -> String {
                 f.at_ms, f.answered_503, f.answered_409, f.unanswered, f.acks_lost_found_by_retry
             ));
         }
+        md.push_str(&distribution(s));
     }
     if !s.unknown.is_empty() {
         md.push_str("\n| client | key | what the database says |\n|---:|---|---|\n");

@@ -111,6 +111,8 @@ pub(super) struct Tally {
     /// When each failover killed the primary.
     pub failed_over: Vec<Instant>,
     pub failovers_not_run: usize,
+    /// Each fault as it began, and what it was: the timeline's marks.
+    pub marks: Vec<(Instant, &'static str)>,
 }
 
 /// Reads the transfer table and the balances and judges the day.
