@@ -75,15 +75,16 @@ ci:
     bash .ci/run
 
 # A primary paused (SIGSTOP) past its leader TTL while idem serve runs: the
-# service must move to the new primary and lose nothing acknowledged. Known
-# to fail in most runs, on the cluster's side (issue 35); runs N times.
+# service must move to the new primary and lose nothing acknowledged. In the
+# suite; this runs it N times, for its failure rate (0 of 10 on the v2 API,
+# 3 of 5 on v3: see tools/pg-ha).
 failover-pause runs="3":
     #!/usr/bin/env bash
     set -uo pipefail
     failed=0
     log=$(mktemp)
     for i in $(seq {{runs}}); do
-      cargo test --release --test service a_running_service_moves -- --ignored --nocapture >"$log" 2>&1 ||
+      cargo test --release --test service a_running_service_moves -- --nocapture >"$log" 2>&1 ||
         failed=$((failed + 1))
       grep -E "resumed|lost|test result" "$log"
     done
