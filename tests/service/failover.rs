@@ -369,6 +369,49 @@ fn three_services_lose_nothing_acknowledged_when_the_primary_is_killed_an_etcd_m
     drop(services);
 }
 
+/// Both standbys lost: under `synchronous_mode_strict` the primary cannot
+/// have a commit replicated, so a transfer must not be acknowledged (its
+/// commit waits; the client hears nothing or a 503, and so does every
+/// retry); once a standby is back, the waiting commit completes and the
+/// retry gets the transfer, made once.
+#[test]
+fn with_every_standby_gone_no_transfer_is_acknowledged_and_one_back_pays_it_once() {
+    let _heavy = crate::server::heavy();
+    let Some(cluster) = Cluster::start() else { return };
+    let accounts: Vec<Account> =
+        (0..2).map(|i| Account { id: format!("a{i}"), holder: format!("h{i}"), balance: 1_000 }).collect();
+    bank::create(&Db::parse(&cluster.conninfo), &accounts).unwrap();
+    let serve = Serve::start(Path::new(&cluster.conninfo), &[("tok", "shop")], &["--pool", "4"], &[]);
+    let body = r#"{"src":"a0","dst":"a1","amount":7,"currency":"KRW"}"#;
+    let primary: u16 = cluster.ha(&["primary"]).trim().parse().unwrap();
+    for n in (1..=3).filter(|n| cluster.port + n != primary) {
+        cluster.ha(&["kill-node", &n.to_string()]);
+    }
+    // for 20 s, attempt after attempt under one key: never a 201
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(4)))
+        .build()
+        .into();
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut heard = Vec::new();
+    while Instant::now() < until {
+        heard.push(post(&agent, &serve.url, "lonely", body).map(|r| r.status().as_u16()).ok());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(!heard.contains(&Some(201)), "acknowledged with no standby: {heard:?}");
+    for n in (1..=3).filter(|n| cluster.port + n != primary) {
+        cluster.ha(&["rejoin", &n.to_string()]);
+    }
+    let seen = Seen::default();
+    let (status, answer, ..) = send_until_final(std::slice::from_ref(&serve.url), 0, "lonely", body, &seen)
+        .expect("no final answer in 120 s once the standbys were back");
+    assert_eq!(status, 201, "{answer}");
+    let table = transfers_table(&mut cluster.client());
+    assert_eq!(table.values().filter(|(_, _, amount)| *amount == 7).count(), 1, "{table:?}");
+    eprintln!("with no standby, {} attempts heard: {heard:?}; then one transfer", heard.len());
+}
+
 /// The one thing synchronous replication does not promise: a commit that
 /// was waiting for its standby when the primary died is in the old
 /// primary's WAL (committed there) and absent from the new one. Its client
