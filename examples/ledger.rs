@@ -311,16 +311,8 @@ fn beside(
         // committed, and the key's record not yet written
         std::process::exit(9);
     }
-    let response = answer_of(&m, done?).0;
-    let status = response.status();
-    let answer = match &response.status() {
-        s if s.is_success() => {
-            c.query_row("SELECT answer FROM ledger_moves ORDER BY id DESC LIMIT 1", [], |r| {
-                r.get::<_, String>(0)
-            })?
-        }
-        _ => String::new(),
-    };
+    let (response, stored) = answer_of(&m, done?);
+    let (status, answer) = (response.status(), stored.unwrap_or_default());
     c.execute(
         "INSERT INTO beside_keys VALUES (?1, ?2, ?3, ?4)",
         params![client, key, status.as_u16(), answer],

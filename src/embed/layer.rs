@@ -130,12 +130,12 @@ impl Idempotency {
 
     /// A connection with a write transaction open on it.
     async fn begin(&self) -> Option<Held> {
-        let held = match &self.store {
-            Store::Pg(pool) => Held::Pg(Box::new(pool.get().await.ok()?)),
-            Store::Sqlite(conn) => Held::Sqlite(conn.clone().lock_owned().await),
+        // SQLite: BEGIN IMMEDIATE, the write lock first, so no read is upgraded
+        let (mut held, begin) = match &self.store {
+            Store::Pg(pool) => (Held::Pg(Box::new(pool.get().await.ok()?)), "BEGIN"),
+            Store::Sqlite(conn) => (Held::Sqlite(conn.clone().lock_owned().await), "BEGIN IMMEDIATE"),
         };
-        let mut held = held;
-        held.run("BEGIN").await.then_some(held)
+        held.run(begin).await.then_some(held)
     }
 }
 
@@ -153,8 +153,7 @@ impl Held {
     async fn run(&mut self, sql: &str) -> bool {
         match self {
             Held::Pg(c) => c.batch_execute(sql).await.is_ok(),
-            // BEGIN IMMEDIATE: the write lock first, so no read is upgraded
-            Held::Sqlite(c) => c.execute_batch(if sql == "BEGIN" { "BEGIN IMMEDIATE" } else { sql }).is_ok(),
+            Held::Sqlite(c) => c.execute_batch(sql).is_ok(),
         }
     }
 
@@ -350,14 +349,9 @@ fn answer_of(reply: Reply) -> Response {
 
 /// An RFC 9457 problem.
 pub fn problem(status: StatusCode, reason: &str, detail: &str) -> Response {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": status.canonical_reason().unwrap_or(""),
-        "status": status.as_u16(),
-        "detail": detail,
-        "reason": reason,
-    });
-    let mut r = (status, body.to_string()).into_response();
+    let title = status.canonical_reason().unwrap_or("");
+    let body = crate::service::problems::body("about:blank", status.as_u16(), title, reason, detail);
+    let mut r = (status, body).into_response();
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
     r
 }

@@ -201,8 +201,9 @@ impl Keys {
                 transfer_id: None,
             }),
             // a claim is committed only with its answer: a row without one
-            // is another transaction's, still open
-            None => KeyState::InProgress { lease_until: Timestamp::now() },
+            // is another transaction's, still open (decide says in flight
+            // or take over; either is in flight here)
+            None => KeyState::InProgress { lease_until: now },
         };
         let record = KeyRecord { fingerprint: row.fingerprint, created_at, token: String::new(), state };
         Ok(match decide(&record, fingerprint, now, &self.policy) {

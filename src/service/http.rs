@@ -585,14 +585,9 @@ const HTML: &str = "text/html; charset=utf-8";
 pub(super) fn problem(status: StatusCode, reason: &str, detail: &str, note: &mut Note) -> Reply {
     note.reason.get_or_insert_with(|| reason.to_owned());
     let uri = problems::uri(reason);
-    let body = json!({
-        "type": uri,
-        "title": status.canonical_reason().unwrap_or("Error"),
-        "status": status.as_u16(),
-        "detail": detail,
-        "reason": reason,
-    });
-    let mut reply = text(status, "application/problem+json", body.to_string());
+    let title = status.canonical_reason().unwrap_or("Error");
+    let body = problems::body(&uri, status.as_u16(), title, reason, detail);
+    let mut reply = text(status, "application/problem+json", body);
     if let Ok(link) = HeaderValue::from_str(&format!("<{uri}>; rel=\"describedby\"")) {
         reply.headers_mut().insert(header::LINK, link);
     }

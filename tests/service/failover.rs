@@ -163,12 +163,14 @@ fn post(
 
 /// Sends one transfer until it has a final answer, trying the instances in
 /// turn: another one after a failure, the same key every time.
+/// A client that gives up on an attempt after `timeout` and takes every
+/// status as an answer.
+fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(timeout)).build().into()
+}
+
 fn send_until_final(urls: &[String], first: usize, key: &str, body: &str, seen: &Seen) -> Option<Answer> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .into();
+    let agent = agent(Duration::from_secs(10));
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut failed = false;
     for attempt in 0.. {
@@ -388,11 +390,7 @@ fn with_every_standby_gone_no_transfer_is_acknowledged_and_one_back_pays_it_once
         cluster.ha(&["kill-node", &n.to_string()]);
     }
     // for 20 s, attempt after attempt under one key: never a 201
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(4)))
-        .build()
-        .into();
+    let agent = agent(Duration::from_secs(4));
     let until = Instant::now() + Duration::from_secs(20);
     let mut heard = Vec::new();
     while Instant::now() < until {

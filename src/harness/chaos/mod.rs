@@ -114,7 +114,7 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
     };
     let summary = verdict::verdict(&db, &intents, &accounts, &room.proxies, &tally, &config)?;
     let summary = Summary {
-        failovers: verdict::failover_figures(&intents, &tally.failed_over, day_started, day_ended),
+        failovers: verdict::failover_figures(&intents, &tally.failed_over(), day_started, day_ended),
         keys_left_claimed: room::claims_left(&db, policy)?,
         payouts: payout_verdict,
         ..summary
@@ -186,14 +186,8 @@ fn machine_room(
         .chain(spaced(usize::from(config.restart_db.is_some()), || Fault::RestartDb))
         .collect();
     faults.sort();
-    let mut tally = Tally {
-        kills: 0,
-        database_restarts: 0,
-        released: 0,
-        failed_over: Vec::new(),
-        failovers_not_run: 0,
-        marks: Vec::new(),
-    };
+    let mut tally =
+        Tally { kills: 0, database_restarts: 0, released: 0, failovers_not_run: 0, marks: Vec::new() };
     for (at, fault) in faults {
         while clients.settled.load(Ordering::Relaxed) < at.max(1) && !clients.finished() {
             std::thread::sleep(Duration::from_millis(5));
@@ -216,8 +210,7 @@ fn machine_room(
             (Fault::Failover, _, Some(_)) if clients.finished() => tally.failovers_not_run += 1,
             (Fault::Failover, _, Some([kill, heal])) => {
                 kill().map_err(|e| HarnessError::Stopped(format!("killing the primary: {e}")))?;
-                tally.failed_over.push(Instant::now());
-                tally.marks.push((Instant::now(), "primary killed"));
+                tally.marks.push((Instant::now(), verdict::PRIMARY_KILLED));
                 heal().map_err(|e| HarnessError::Stopped(format!("after the failover: {e}")))?;
             }
             _ => {}

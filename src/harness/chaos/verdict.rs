@@ -108,11 +108,19 @@ pub(super) struct Tally {
     pub kills: usize,
     pub database_restarts: usize,
     pub released: usize,
-    /// When each failover killed the primary.
-    pub failed_over: Vec<Instant>,
     pub failovers_not_run: usize,
     /// Each fault as it began, and what it was: the timeline's marks.
     pub marks: Vec<(Instant, &'static str)>,
+}
+
+/// A failover's mark: the primary killed.
+pub(super) const PRIMARY_KILLED: &str = "primary killed";
+
+impl Tally {
+    /// When each failover killed the primary.
+    pub(super) fn failed_over(&self) -> Vec<Instant> {
+        self.marks.iter().filter(|(_, what)| *what == PRIMARY_KILLED).map(|(at, _)| *at).collect()
+    }
 }
 
 /// Reads the transfer table and the balances and judges the day.
