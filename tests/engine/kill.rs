@@ -45,7 +45,7 @@ fn kill_storm(backend: Backend) {
     let runs: usize = std::env::var("IDEM_KILL_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
     // about five attempts a key, so kills land in claims and executions, not
     // only in the replays and 409s of keys already settled
-    let keys = (runs / 5).max(16);
+    let mut keys = (runs / 5).max(16);
     let deadline = Instant::now() + Duration::from_secs(if runs <= 200 { 90 } else { 3600 });
     let mut rng = rng();
     let bank = Bank::on(backend, &mut rng, 3, false);
@@ -62,8 +62,8 @@ fn kill_storm(backend: Backend) {
         cmd
     };
     let before = bank.balances();
-    let amounts: Vec<i64> = (0..keys).map(|_| 1 + rng.below(100) as i64).collect();
-    let files = ring_requests(&bank, "kill", &amounts);
+    let mut amounts: Vec<i64> = (0..keys).map(|_| 1 + rng.below(100) as i64).collect();
+    let mut files = ring_requests(&bank, "kill", &amounts);
     // Warm the file up (schema, WAL) so kills land inside requests, too.
     // Warm the database up (schema, WAL) so kills land inside requests, and
     // time one steady-state transfer.
@@ -81,7 +81,15 @@ fn kill_storm(backend: Backend) {
     let claimed_by_the_dead = || bank.count("SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'");
     // Past `runs`, go on until some kill has landed between a claim and its
     // completion (the clock is fixed, so such a claim stays until the retries).
+    let settled = || bank.count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND idem_key LIKE 'kill-%'");
     while (done < runs || claimed_by_the_dead() == 0) && Instant::now() < deadline {
+        // Every key settled before a kill landed in a claim: only replays
+        // are left to kill, so bring fresh keys.
+        if done >= runs && settled() == keys as i64 {
+            amounts.extend((0..8).map(|_| 1 + rng.below(100) as i64));
+            keys = amounts.len();
+            files = ring_requests(&bank, "kill", &amounts);
+        }
         done += 1;
         let i = rng.below(keys as u64) as usize;
         let mut child = command(&files[i])
