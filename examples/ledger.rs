@@ -268,7 +268,10 @@ async fn transfer_beside(State(app): State<Shared>, headers: HeaderMap, body: St
     let Some(client) = caller(&app.tokens, &headers) else {
         return problem(StatusCode::UNAUTHORIZED, "unauthorized", "Who the client is was not said.");
     };
-    let key = match idem::service::http::idempotency_key(&headers, 255) {
+    let key = match idem::request::idempotency_key(
+        headers.get_all("idempotency-key").iter().map(|v| v.as_bytes()),
+        255,
+    ) {
         Ok(key) => key,
         Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail),
     };

@@ -33,6 +33,16 @@
 //!
 //! The binaries (`src/bin/`) parse the command line, read the environment,
 //! print, and choose the exit code; nothing in the library does.
+//!
+//! # Features
+//!
+//! - `cli` (default): the binaries' modules and both stores; everything
+//!   above but the engine's core and [`embed`] needs it.
+//! - `sqlite`, `postgres`: [`embed`]'s stores (`embed::sqlite`, `embed::pg`).
+//! - `axum` (default): `embed::layer`, the middleware, over the stores on.
+//!
+//! A service that embeds idem on PostgreSQL takes
+//! `idem = { version = "0.1", default-features = false, features = ["postgres", "axum"] }`.
 
 // No unsafe code, but where a function says why it needs some (four calls
 // into libc that std has no safe form of: mallopt, get/setrlimit, prctl's
@@ -45,12 +55,14 @@
 // its tests, and some 340 fields of rows and reports would need words that
 // repeat their names. The library face a team embeds (issue 34) is where a
 // reader meets rustdoc; the lint goes on with it, for that module.
+// Without `cli`, the stores' shared SQL and row types have no store to use
+// them: dead code in that build only.
+#![cfg_attr(not(feature = "cli"), allow(dead_code))]
 #![deny(unsafe_code, clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn, unreachable_pub)]
 
 pub mod canonical;
 pub mod clock;
 pub mod ledger;
-pub mod payout;
 pub mod policy;
 pub mod protocol;
 pub mod reason;
@@ -58,11 +70,21 @@ pub mod request;
 pub mod rng;
 pub mod store;
 
-pub mod api;
-pub mod client;
+// the library face: the key in the caller's own transaction
 pub mod embed;
-pub mod service;
 
+// the binaries' modules (feature `cli`, on by default)
+#[cfg(feature = "cli")]
+pub mod api;
+#[cfg(feature = "cli")]
 pub mod check;
+#[cfg(feature = "cli")]
+pub mod client;
+#[cfg(feature = "cli")]
 pub mod harness;
+#[cfg(feature = "cli")]
 pub mod outside;
+#[cfg(feature = "cli")]
+pub mod payout;
+#[cfg(feature = "cli")]
+pub mod service;

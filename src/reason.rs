@@ -100,6 +100,20 @@ impl fmt::Display for Reason {
 
 /// One of each reason the protocol gives, for the tests that must cover
 /// them all.
+/// An RFC 9457 problem's body, with the `reason` extension member
+/// `idem_api` uses: the service's (`type` its page) and the library
+/// layer's (`about:blank`: a team's service has no such pages).
+pub fn problem_body(type_uri: &str, status: u16, title: &str, reason: &str, detail: &str) -> String {
+    serde_json::json!({
+        "type": type_uri,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "reason": reason,
+    })
+    .to_string()
+}
+
 #[cfg(test)]
 pub(crate) fn examples() -> Vec<Reason> {
     // no wildcard: a new reason does not compile until it is listed below

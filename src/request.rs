@@ -361,6 +361,63 @@ fn acct_field(body: &Json, field: &'static str, name: &str, limit: usize) -> Res
     }
 }
 
+/// The `Idempotency-Key` header, from its values (each field line's bytes):
+/// an sf-string (RFC 9651), or, as Stripe's clients send it, a bare value of
+/// visible ASCII without quotes (a UUID may start with a digit, which no
+/// sf-token does). One value, not empty, at most `limit` characters; an
+/// sf-string takes no parameters. A refusal is its reason
+/// (`missing_idempotency_key`, `invalid_idempotency_key`) and its detail.
+///
+/// ```
+/// use idem::request::idempotency_key;
+/// assert_eq!(idempotency_key([&b"\"k-1\""[..]], 255), Ok("k-1".to_owned()));
+/// assert_eq!(idempotency_key([&b"8e03978e-40d5"[..]], 255), Ok("8e03978e-40d5".to_owned()));
+/// assert_eq!(idempotency_key([], 255).unwrap_err().0, "missing_idempotency_key");
+/// assert_eq!(idempotency_key([&b"\"a\""[..], b"\"b\""], 255).unwrap_err().0, "invalid_idempotency_key");
+/// ```
+pub fn idempotency_key<'a>(
+    values: impl IntoIterator<Item = &'a [u8]>,
+    limit: usize,
+) -> Result<String, (&'static str, String)> {
+    let mut values = values.into_iter();
+    let value = match (values.next(), values.next()) {
+        (Some(value), None) => value,
+        (None, _) => {
+            return Err(("missing_idempotency_key", "An Idempotency-Key header is required.".into()));
+        }
+        _ => return Err(invalid_key("The Idempotency-Key header must appear once.")),
+    };
+    // what a header value's to_str() takes: visible ASCII, spaces and tabs
+    let visible = value.iter().all(|&b| b == b'\t' || (0x20..0x7f).contains(&b));
+    let Some(text) = std::str::from_utf8(value).ok().filter(|_| visible).map(str::trim) else {
+        return Err(invalid_key("The key must be visible ASCII."));
+    };
+    let key = match sfv::Parser::new(text).parse::<sfv::Item>() {
+        Ok(sfv::Item { bare_item: sfv::BareItem::String(s), params }) if params.is_empty() => {
+            s.as_str().to_owned()
+        }
+        _ if !text.is_empty() && text.bytes().all(|b| (0x21..=0x7e).contains(&b) && b != b'"') => {
+            text.to_owned()
+        }
+        _ => {
+            return Err(invalid_key(
+                "The key must be an sf-string (\"…\") or a bare value of visible ASCII.",
+            ));
+        }
+    };
+    if key.is_empty() {
+        return Err(invalid_key("The key must not be empty."));
+    }
+    if key.chars().count() > limit {
+        return Err(invalid_key(&format!("The key must be at most {limit} characters.")));
+    }
+    Ok(key)
+}
+
+fn invalid_key(detail: &str) -> (&'static str, String) {
+    ("invalid_idempotency_key", detail.to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -370,6 +427,20 @@ mod tests {
     }
 
     const OK: &str = r#"{"client_id":"c","endpoint":"/t","idem_key":"k","body":{"src":"A","dst":"B","amount":5,"currency":"KRW"}}"#;
+
+    #[test]
+    fn the_key_header_is_one_sf_string_or_one_bare_visible_value() {
+        let key = |v: &[u8]| idempotency_key([v], 8);
+        assert_eq!(key(b"\t \"a b\" "), Ok("a b".into()), "trimmed, an sf-string may hold a space");
+        assert_eq!(key(b"3f-uuid"), Ok("3f-uuid".into()));
+        let refused = |v: &[u8]| key(v).unwrap_err().0;
+        for bad in
+            [&b"caf\xc3\xa9"[..], b"a\x01", b"\"k\";p=1", b"\"\"", b"a b", b"\"123456789\"", b"", b"\"a"]
+        {
+            assert_eq!(refused(bad), "invalid_idempotency_key", "{}", String::from_utf8_lossy(bad));
+        }
+        assert_eq!(idempotency_key([&b"12345678"[..]], 8), Ok("12345678".into()), "the limit itself");
+    }
 
     #[test]
     fn a_good_request_parses() {

@@ -48,9 +48,11 @@ use axum::extract::{FromRequestParts, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+#[cfg(feature = "postgres")]
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use std::sync::Arc;
 use tokio::sync::{Mutex, OwnedMutexGuard};
+#[cfg(feature = "postgres")]
 use tokio_postgres::Client;
 
 /// Who the client is, from the request's headers (`None`: 401).
@@ -69,13 +71,17 @@ pub struct Idempotency {
 
 #[derive(Clone)]
 enum Store {
+    #[cfg(feature = "postgres")]
     Pg(managed::Pool<Connector>),
+    #[cfg(feature = "sqlite")]
     Sqlite(Arc<Mutex<rusqlite::Connection>>),
 }
 
 /// Makes the pool's PostgreSQL connections.
+#[cfg(feature = "postgres")]
 pub struct Connector(tokio_postgres::Config);
 
+#[cfg(feature = "postgres")]
 impl managed::Manager for Connector {
     type Type = Client;
     type Error = tokio_postgres::Error;
@@ -99,6 +105,8 @@ impl Idempotency {
     /// (libpq `key=value` or a URL; at most `connections` at once) or else a
     /// SQLite file. Builds the key table if it is not there. `who` names the
     /// client of a request from its headers, as the service authenticates it.
+    // on SQLite alone, `connections` has nothing to bound: one connection
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub async fn connect(
         db: &str,
         keys: Keys,
@@ -106,6 +114,7 @@ impl Idempotency {
         who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
     ) -> Result<Idempotency, Box<dyn std::error::Error + Send + Sync>> {
         let store = match crate::store::Db::parse(db) {
+            #[cfg(feature = "postgres")]
             crate::store::Db::Postgres(spec) => {
                 let config: tokio_postgres::Config = spec.parse()?;
                 let pool: managed::Pool<Connector> = managed::Pool::builder(Connector(config))
@@ -117,12 +126,20 @@ impl Idempotency {
                 keys.migrate_pg(&mut first).await?;
                 Store::Pg(pool)
             }
+            #[cfg(feature = "sqlite")]
             crate::store::Db::Sqlite(path) => {
                 let conn = rusqlite::Connection::open(path)?;
                 conn.busy_timeout(std::time::Duration::from_secs(5))?;
                 conn.pragma_update(None, "journal_mode", "WAL")?;
                 keys.migrate_sqlite(&conn)?;
                 Store::Sqlite(Arc::new(Mutex::new(conn)))
+            }
+            #[allow(unreachable_patterns)] // with both stores built, none is left
+            _ => {
+                return Err(
+                    "this build of idem has no store for that database (features `postgres`, `sqlite`)"
+                        .into(),
+                );
             }
         };
         Ok(Idempotency { keys: Arc::new(keys), store, who: Arc::new(who), max_body: 64 * 1024 })
@@ -132,7 +149,9 @@ impl Idempotency {
     async fn begin(&self) -> Option<Held> {
         // SQLite: BEGIN IMMEDIATE, the write lock first, so no read is upgraded
         let (mut held, begin) = match &self.store {
+            #[cfg(feature = "postgres")]
             Store::Pg(pool) => (Held::Pg(Box::new(pool.get().await.ok()?)), "BEGIN"),
+            #[cfg(feature = "sqlite")]
             Store::Sqlite(conn) => (Held::Sqlite(conn.clone().lock_owned().await), "BEGIN IMMEDIATE"),
         };
         held.run(begin).await.then_some(held)
@@ -141,7 +160,9 @@ impl Idempotency {
 
 /// A connection whose transaction a request holds.
 enum Held {
+    #[cfg(feature = "postgres")]
     Pg(Box<managed::Object<Connector>>),
+    #[cfg(feature = "sqlite")]
     Sqlite(OwnedMutexGuard<rusqlite::Connection>),
 }
 
@@ -152,7 +173,9 @@ impl Held {
     // middleware's future not `Send`
     async fn run(&mut self, sql: &str) -> bool {
         match self {
+            #[cfg(feature = "postgres")]
             Held::Pg(c) => c.batch_execute(sql).await.is_ok(),
+            #[cfg(feature = "sqlite")]
             Held::Sqlite(c) => c.execute_batch(sql).is_ok(),
         }
     }
@@ -165,7 +188,9 @@ impl Held {
         fp: &str,
     ) -> Result<Option<Reply>, Error<()>> {
         match self {
+            #[cfg(feature = "postgres")]
             Held::Pg(c) => keys.claim_on(&***c, scope, key, fp).await,
+            #[cfg(feature = "sqlite")]
             Held::Sqlite(c) => keys.claim_sqlite(c, scope, key, fp),
         }
     }
@@ -178,7 +203,9 @@ impl Held {
         answer: &Answer,
     ) -> Result<(), Error<()>> {
         match self {
+            #[cfg(feature = "postgres")]
             Held::Pg(c) => keys.complete_on(&***c, scope, key, answer).await,
+            #[cfg(feature = "sqlite")]
             Held::Sqlite(c) => keys.complete_sqlite(c, scope, key, answer),
         }
     }
@@ -190,6 +217,7 @@ impl Held {
 pub struct Tx(Arc<Mutex<Option<Held>>>);
 
 impl Tx {
+    #[cfg(feature = "postgres")]
     /// On PostgreSQL, the client whose transaction is open (run the
     /// handler's statements on it; never `COMMIT` or `ROLLBACK`: the layer
     /// does); `None` on SQLite.
@@ -198,6 +226,7 @@ impl Tx {
         matches!(*held, Some(Held::Pg(_))).then_some(TxClient(held))
     }
 
+    #[cfg(feature = "sqlite")]
     /// On SQLite, the connection whose transaction is open (as for
     /// [`Tx::client`]); `None` on PostgreSQL.
     pub async fn sqlite(&self) -> Option<TxSqlite> {
@@ -207,8 +236,10 @@ impl Tx {
 }
 
 /// A locked hold on the open transaction's PostgreSQL client; derefs to it.
+#[cfg(feature = "postgres")]
 pub struct TxClient(OwnedMutexGuard<Option<Held>>);
 
+#[cfg(feature = "postgres")]
 impl std::ops::Deref for TxClient {
     type Target = Client;
     fn deref(&self) -> &Client {
@@ -221,8 +252,10 @@ impl std::ops::Deref for TxClient {
 }
 
 /// A locked hold on the open transaction's SQLite connection; derefs to it.
+#[cfg(feature = "sqlite")]
 pub struct TxSqlite(OwnedMutexGuard<Option<Held>>);
 
+#[cfg(feature = "sqlite")]
 impl std::ops::Deref for TxSqlite {
     type Target = rusqlite::Connection;
     fn deref(&self) -> &rusqlite::Connection {
@@ -268,7 +301,10 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
     let Some(client) = (idem.who)(&parts.headers) else {
         return problem(StatusCode::UNAUTHORIZED, "unauthorized", "Who the client is was not said.");
     };
-    let key = match crate::service::http::idempotency_key(&parts.headers, 255) {
+    let key = match crate::request::idempotency_key(
+        parts.headers.get_all("idempotency-key").iter().map(HeaderValue::as_bytes),
+        255,
+    ) {
         Ok(key) => key,
         Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail),
     };
@@ -350,7 +386,7 @@ fn answer_of(reply: Reply) -> Response {
 /// An RFC 9457 problem.
 pub fn problem(status: StatusCode, reason: &str, detail: &str) -> Response {
     let title = status.canonical_reason().unwrap_or("");
-    let body = crate::service::problems::body("about:blank", status.as_u16(), title, reason, detail);
+    let body = crate::reason::problem_body("about:blank", status.as_u16(), title, reason, detail);
     let mut r = (status, body).into_response();
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
     r

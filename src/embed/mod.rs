@@ -46,10 +46,17 @@ use crate::protocol::{Decision, decide};
 use crate::store::{KeyRecord, KeyState, Stored};
 use std::fmt;
 
-#[cfg(feature = "axum")]
+#[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
 pub mod layer;
+#[cfg(feature = "postgres")]
 pub mod pg;
+#[cfg(feature = "sqlite")]
 pub mod sqlite;
+
+/// How long a request waits, by default, for another transaction that
+/// holds its key before it is answered as in flight (on PostgreSQL; on
+/// SQLite the writer is one at a time, and nothing waits).
+pub const IN_FLIGHT_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Whose key it is: the client, and the operation the key is for. Two
 /// scopes never share a key.
@@ -164,7 +171,7 @@ impl Keys {
             table: format!("{prefix}idem_keys"),
             versions: format!("{prefix}idem_schema"),
             policy,
-            wait: pg::IN_FLIGHT_WAIT,
+            wait: IN_FLIGHT_WAIT,
         })
     }
 

@@ -21,10 +21,6 @@ fn db<E>(e: tokio_postgres::Error) -> Error<E> {
     Error::Db(Box::new(e))
 }
 
-/// How long a request waits, by default, for another transaction that
-/// holds its key before it is answered as in flight.
-pub const IN_FLIGHT_WAIT: Duration = Duration::from_millis(100);
-
 impl Keys {
     /// Creates or upgrades the key table; run it at start-up. Concurrent
     /// start-ups are serialised by an advisory lock.
@@ -49,7 +45,7 @@ impl Keys {
     }
 
     /// How long a request waits for another transaction holding its key
-    /// before it is answered [`Reply::InFlight`] (default [`IN_FLIGHT_WAIT`]).
+    /// before it is answered [`Reply::InFlight`] (default [`IN_FLIGHT_WAIT`](super::IN_FLIGHT_WAIT)).
     pub fn in_flight_wait(mut self, wait: Duration) -> Keys {
         self.wait = wait;
         self

@@ -349,7 +349,7 @@ async fn read_request(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", &too_large(), note));
     }
-    let key = match idempotency_key(req.headers(), app.policy.max_field_chars) {
+    let key = match request::idempotency_key(header_values(req.headers()), app.policy.max_field_chars) {
         Ok(key) => key,
         Err((reason, detail)) => return Err(problem(StatusCode::BAD_REQUEST, reason, &detail, note)),
     };
@@ -394,43 +394,9 @@ fn is_json(headers: &HeaderMap) -> bool {
     essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-/// The `Idempotency-Key` header: an sf-string (RFC 9651), or, as Stripe's
-/// clients send it, a bare value of visible ASCII without quotes (a UUID may
-/// start with a digit, which no sf-token does). One value, not empty, at
-/// most `limit` characters; an sf-string takes no parameters.
-pub fn idempotency_key(headers: &HeaderMap, limit: usize) -> Result<String, (&'static str, String)> {
-    let mut values = headers.get_all("idempotency-key").iter();
-    let (Some(value), None) = (values.next(), values.next()) else {
-        return match headers.contains_key("idempotency-key") {
-            true => Err(invalid_key("The Idempotency-Key header must appear once.")),
-            false => Err(("missing_idempotency_key", "An Idempotency-Key header is required.".into())),
-        };
-    };
-    let text = value.to_str().map_err(|_| invalid_key("The key must be visible ASCII."))?.trim();
-    let key = match sfv::Parser::new(text).parse::<sfv::Item>() {
-        Ok(sfv::Item { bare_item: sfv::BareItem::String(s), params }) if params.is_empty() => {
-            s.as_str().to_owned()
-        }
-        _ if !text.is_empty() && text.bytes().all(|b| (0x21..=0x7e).contains(&b) && b != b'"') => {
-            text.to_owned()
-        }
-        _ => {
-            return Err(invalid_key(
-                "The key must be an sf-string (\"…\") or a bare value of visible ASCII.",
-            ));
-        }
-    };
-    if key.is_empty() {
-        return Err(invalid_key("The key must not be empty."));
-    }
-    if key.chars().count() > limit {
-        return Err(invalid_key(&format!("The key must be at most {limit} characters.")));
-    }
-    Ok(key)
-}
-
-fn invalid_key(detail: &str) -> (&'static str, String) {
-    ("invalid_idempotency_key", detail.to_owned())
+/// The `Idempotency-Key` header's values, as [`request::idempotency_key`] reads them.
+pub fn header_values(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers.get_all("idempotency-key").iter().map(HeaderValue::as_bytes)
 }
 
 /// The protocol's answer as HTTP: a 201 with the stored bytes and its
@@ -586,7 +552,7 @@ pub(super) fn problem(status: StatusCode, reason: &str, detail: &str, note: &mut
     note.reason.get_or_insert_with(|| reason.to_owned());
     let uri = problems::uri(reason);
     let title = status.canonical_reason().unwrap_or("Error");
-    let body = problems::body(&uri, status.as_u16(), title, reason, detail);
+    let body = crate::reason::problem_body(&uri, status.as_u16(), title, reason, detail);
     let mut reply = text(status, "application/problem+json", body);
     if let Ok(link) = HeaderValue::from_str(&format!("<{uri}>; rel=\"describedby\"")) {
         reply.headers_mut().insert(header::LINK, link);

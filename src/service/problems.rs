@@ -146,20 +146,6 @@ pub fn of(reason: &str) -> &'static Problem {
     PROBLEMS.iter().find(|p| p.reason == reason).unwrap_or(&PROBLEMS[PROBLEMS.len() - 1])
 }
 
-/// An RFC 9457 problem's body, with the `reason` extension member
-/// `idem_api` uses: the service's (`type` its page) and the library
-/// layer's (`about:blank`: a team's service has no such pages).
-pub fn body(type_uri: &str, status: u16, title: &str, reason: &str, detail: &str) -> String {
-    serde_json::json!({
-        "type": type_uri,
-        "title": title,
-        "status": status,
-        "detail": detail,
-        "reason": reason,
-    })
-    .to_string()
-}
-
 /// The URI of `reason`'s problem type.
 pub fn uri(reason: &str) -> String {
     format!("/problems/{}", of(reason).reason)

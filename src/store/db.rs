@@ -58,7 +58,16 @@ impl Db {
     pub fn in_schema(&self, schema: &str) -> Db {
         match self {
             Db::Sqlite(_) => self.clone(),
-            Db::Postgres(spec) => Db::Postgres(super::pg::in_schema(spec, schema)),
+            Db::Postgres(spec) => {
+                let options = format!("-c search_path={schema}");
+                Db::Postgres(match spec.trim_start().starts_with("postgres") {
+                    true => {
+                        let sep = if spec.contains('?') { '&' } else { '?' };
+                        format!("{spec}{sep}options={}", options.replace(' ', "%20").replace('=', "%3D"))
+                    }
+                    false => format!("{spec} options='{options}'"),
+                })
+            }
         }
     }
 }

@@ -27,19 +27,27 @@
 //! Nothing is visible to anyone else until commit; a dropped transaction rolls
 //! back. All SQL lives below this module.
 
+// the stores themselves, and what opens and runs them (feature `cli`)
+#[cfg(feature = "cli")]
 pub mod bank;
 mod db;
 mod payouts;
+#[cfg(feature = "cli")]
 pub mod pg;
+#[cfg(feature = "cli")]
 pub mod pg_pool;
 mod record;
+#[cfg(feature = "cli")]
 pub mod sqlite;
+#[cfg(feature = "cli")]
 pub mod workers;
 
 pub use db::Db;
 pub use payouts::*;
+#[cfg(feature = "cli")]
 pub use pg_pool::{Pool, Pooled};
 pub use record::*;
+#[cfg(feature = "cli")]
 pub use workers::{GroupTx, GroupWriter, Workers};
 
 use crate::clock::Timestamp;
@@ -312,6 +320,7 @@ pub enum Usage {
 }
 
 /// Opens `db`: a PostgreSQL database, or a SQLite file, which must exist.
+#[cfg(feature = "cli")]
 pub fn open(db: &Db, policy: &Policy, usage: Usage) -> Result<Box<dyn Store + Send>, StoreError> {
     Ok(match (db, usage) {
         (Db::Postgres(spec), _) => Box::new(pg::PgStore::connect(spec, policy)?),

@@ -81,7 +81,8 @@ fn kill_storm(backend: Backend) {
     let claimed_by_the_dead = || bank.count("SELECT COUNT(*) FROM idem_key WHERE state = 'in_progress'");
     // Past `runs`, go on until some kill has landed between a claim and its
     // completion (the clock is fixed, so such a claim stays until the retries).
-    let settled = || bank.count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND idem_key LIKE 'kill-%'");
+    let settled =
+        || bank.count("SELECT COUNT(*) FROM idem_key WHERE state = 'completed' AND idem_key LIKE 'kill-%'");
     while (done < runs || claimed_by_the_dead() == 0) && Instant::now() < deadline {
         // Every key settled before a kill landed in a claim: only replays
         // are left to kill, so bring fresh keys.

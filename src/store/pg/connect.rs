@@ -163,17 +163,6 @@ pub(in crate::store) fn configure(spec: &str, policy: &Policy) -> Result<tokio_p
     Ok(config)
 }
 
-/// `spec` with `search_path` set to `schema`, in the form `spec` is in.
-pub(in crate::store) fn in_schema(spec: &str, schema: &str) -> String {
-    let options = format!("-c search_path={schema}");
-    if spec.trim_start().starts_with("postgres") {
-        let sep = if spec.contains('?') { '&' } else { '?' };
-        format!("{spec}{sep}options={}", options.replace(' ', "%20").replace('=', "%3D"))
-    } else {
-        format!("{spec} options='{options}'")
-    }
-}
-
 /// A connection error as one line, with every trace of `spec` (and the
 /// password in it) removed, in case a driver message ever echoes it.
 pub(in crate::store) fn redacted(what: &str, e: &postgres::Error, spec: &str) -> StoreError {
