@@ -16,8 +16,10 @@ use std::path::PathBuf;
 /// delays, duplicates); the server is SIGKILLed and restarted --kills
 /// times (and the database restarted by --restart-db). With --instances
 /// N, N servers share the database and each client tries them in turn;
-/// --failover N runs --failover-cmd N times (a replicated PostgreSQL's
-/// primary killed). The verdict, from the database and the clients'
+/// --failover N runs N faults of a replicated PostgreSQL (--fault: its
+/// primary killed or paused, its synchronous standby killed, its etcd's
+/// quorum lost, a switchover; mix: each in turn), and the clients go on
+/// until the last is repaired. The verdict, from the database and the clients'
 /// logs, goes to DIR/chaos.json and DIR/chaos_report.md; exit 1 if
 /// anything went out twice or was lost, or a key was left claimed.
 #[derive(clap::Args, Debug)]
@@ -41,16 +43,23 @@ pub struct Chaos {
     /// Servers running at once on the one database.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
     instances: u16,
-    /// How many times the database's primary is killed (--failover-cmd),
-    /// evenly spaced over the day.
+    /// How many faults of the replicated database (--fault), spaced over
+    /// the day; the day lasts until the last is repaired.
     #[arg(long, default_value_t = 0)]
     failover: u16,
-    /// Kills the primary; returns once it is dead.
-    #[arg(long, value_name = "CMD", default_value = "tools/pg-ha kill-primary")]
+    /// Which fault: kill, pause, standby, etcd, switchover, or mix (each in turn).
+    #[arg(long, default_value = "kill", value_parser = ["kill", "pause", "standby", "etcd", "switchover", "mix"])]
+    fault: String,
+    /// Puts a fault in place and returns; `{fault}` is replaced by its kind.
+    #[arg(long, value_name = "CMD", default_value = "tools/pg-ha inject {fault}")]
     failover_cmd: String,
-    /// Then runs until the cluster is whole again (a new primary, the old one a standby).
-    #[arg(long, value_name = "CMD", default_value = "tools/pg-ha heal")]
+    /// Then runs until the cluster is whole again (a primary, every node replicating).
+    #[arg(long, value_name = "CMD", default_value = "tools/pg-ha repair")]
     heal_cmd: String,
+    /// With --failover: prints which node is the primary (`none` if no
+    /// node takes writes), sampled twice a second for the timeline.
+    #[arg(long, value_name = "CMD", default_value = "tools/pg-ha primary-node")]
+    primary_cmd: String,
     /// The server command (default: this binary's `serve`); --db, --listen, --clients are appended.
     #[arg(long, value_name = "CMD")]
     serve: Option<String>,
@@ -119,7 +128,8 @@ pub fn chaos(args: Chaos, policy: &Policy) -> Result<(), Failure> {
         kills: args.kills.map(usize::from),
         restart_db: args.restart_db.map(shell),
         failovers,
-        failover: (failovers > 0).then(|| [shell(args.failover_cmd), shell(args.heal_cmd)]),
+        faults: db_faults(&args.fault, &args.failover_cmd, &args.heal_cmd),
+        primary: (failovers > 0).then(|| probe(args.primary_cmd)),
         budget: args.budget,
         think: args.think,
         odds: idem::outside::proxy::Odds::default(),
@@ -138,6 +148,30 @@ pub fn chaos(args: Chaos, policy: &Policy) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The faults `--fault` names, each with its commands.
+fn db_faults(fault: &str, inject: &str, repair: &str) -> Vec<chaos::DbFault> {
+    chaos::DB_FAULTS
+        .iter()
+        .filter(|(kind, _)| fault == "mix" || fault == *kind)
+        .map(|(kind, label)| chaos::DbFault {
+            kind: label,
+            inject: shell(inject.replace("{fault}", kind)),
+            repair: shell(repair.to_owned()),
+        })
+        .collect()
+}
+
+/// A command run by `sh -c` whose first line of output is the answer; a
+/// failure is `none`.
+fn probe(cmd: String) -> chaos::Probe {
+    Box::new(move || match std::process::Command::new("sh").args(["-c", &cmd]).output() {
+        Ok(out) if out.status.success() => {
+            String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("none").trim().to_owned()
+        }
+        _ => "none".into(),
+    })
+}
+
 /// A command run by `sh -c`; its output goes to stderr, since stdout is
 /// the day's summary.
 fn shell(cmd: String) -> chaos::Command {
@@ -153,7 +187,7 @@ fn shell(cmd: String) -> chaos::Command {
 fn print_summary(seed: u64, s: &Summary) {
     say!(
         "seed {seed}: {} transfers intended, {} made; paid twice {}, lost {}, unintended {}; \
-         {} requests, {} dropped, {} answers dropped, {} cut, {} duplicated; {} kills, {} failovers \
+         {} requests, {} dropped, {} answers dropped, {} cut, {} duplicated; {} kills, {} faults of the database \
          ({} not run: the day had ended); {} unknown, {} keys left claimed",
         s.transfers_intended,
         s.transfers_made,
@@ -173,9 +207,10 @@ fn print_summary(seed: u64, s: &Summary) {
     );
     for f in &s.failovers {
         say!(
-            "failover at {} ms: writes resumed after {}, {} answered 503, {} commits whose answer was lost found by the retry",
+            "{} at {} ms: writes stopped for {}, {} answered 503, {} commits whose answer was lost found by the retry",
+            f.kind,
             f.at_ms,
-            f.writes_resumed_ms.map_or("(not before the next)".into(), |ms| format!("{ms} ms")),
+            f.writes_unavailable_ms.map_or("(not resumed before the next)".into(), |ms| format!("{ms} ms")),
             f.answered_503,
             f.acks_lost_found_by_retry
         );

@@ -6,7 +6,7 @@ use super::{ACCOUNTS, Config};
 use crate::client::{self, Endpoint, Verdict};
 use crate::rng::Rng;
 use serde::Serialize;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -57,29 +57,41 @@ pub(super) struct Clients {
     pub workers: Vec<JoinHandle<()>>,
     pub settled: Arc<AtomicUsize>,
     pub intents: Arc<Mutex<Vec<Intent>>>,
+    /// While set, the clients go on past their `transfers`: the machine
+    /// room has faults left, and the day lasts as long as they need.
+    pub more: Arc<AtomicBool>,
 }
 
 impl Clients {
     /// Starts `config.clients` clients; client `c` (token `tokens[c]`)
     /// starts on instance `c` of `urls` and moves on to the next after a
     /// failure. With `payouts`, every fourth intent is a payout.
-    pub(super) fn start(config: &Config, urls: &[String], tokens: &[String], payouts: bool) -> Clients {
+    pub(super) fn start(
+        config: &Config,
+        urls: &[String],
+        tokens: &[String],
+        payouts: bool,
+        more: bool,
+    ) -> Clients {
         let settled = Arc::new(AtomicUsize::new(0));
         let intents = Arc::new(Mutex::new(Vec::new()));
+        let more = Arc::new(AtomicBool::new(more));
         let workers = (0..config.clients)
             .map(|c| {
                 let endpoints: Vec<Endpoint> = (0..urls.len())
                     .map(|i| Endpoint { url: urls[(c + i) % urls.len()].clone(), token: tokens[c].clone() })
                     .collect();
-                let (settled, intents) = (settled.clone(), intents.clone());
-                let (seed, transfers, budget, think) =
-                    (config.seed, config.transfers, config.budget, config.think);
+                let (settled, intents, more) = (settled.clone(), intents.clone(), more.clone());
+                let (seed, transfers, budget, think, clients) =
+                    (config.seed, config.transfers, config.budget, config.think, config.clients);
                 std::thread::spawn(move || {
                     let mut rng = Rng::new(seed ^ (c as u64 + 1).wrapping_mul(0x9e37_79b9));
                     let retry = client::Policy { budget, ..client::Policy::default() };
-                    for i in 0..transfers {
+                    let mut i = 0;
+                    while i < transfers || more.load(Ordering::Relaxed) {
                         let kind = if payouts && i % 4 == 3 { Kind::Payout } else { Kind::Transfer };
-                        let intent = one(&endpoints, (seed, c, i, transfers), kind, &retry, &mut rng);
+                        let intent = one(&endpoints, (seed, c, i, clients), kind, &retry, &mut rng);
+                        i += 1;
                         intents.lock().unwrap_or_else(|e| e.into_inner()).push(intent);
                         settled.fetch_add(1, Ordering::Relaxed);
                         std::thread::sleep(think);
@@ -87,7 +99,7 @@ impl Clients {
                 })
             })
             .collect();
-        Clients { workers, settled, intents }
+        Clients { workers, settled, intents, more }
     }
 
     /// Whether every client has ended all its intents.
@@ -96,10 +108,10 @@ impl Clients {
     }
 }
 
-/// Client `c`'s intent `i` (of `per_client`), sent until it ends.
+/// Client `c`'s intent `i` (of `clients` clients), sent until it ends.
 fn one(
     endpoints: &[Endpoint],
-    (seed, c, i, per_client): (u64, usize, usize, usize),
+    (seed, c, i, clients): (u64, usize, usize, usize),
     kind: Kind,
     retry: &client::Policy,
     rng: &mut Rng,
@@ -107,7 +119,7 @@ fn one(
     let src = rng.below(ACCOUNTS as u64) as usize;
     let dst = (src + 1 + rng.below(ACCOUNTS as u64 - 1) as usize) % ACCOUNTS;
     // an amount of its own names the intent in the transfer table
-    let amount = 1_000 + (c * per_client + i) as i64;
+    let amount = 1_000 + (i * clients + c) as i64;
     let key = format!("chaos-{seed}-{c}-{i}");
     let src = format!("acct-{src}");
     let (route, dst, id_member, body) = match kind {

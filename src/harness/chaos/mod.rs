@@ -21,7 +21,7 @@ mod verdict;
 
 pub use clients::{Ending, Intent, Kind};
 pub use payouts::PayoutVerdict;
-pub use verdict::{Failover, Summary, Unknown};
+pub use verdict::{DB_FAULTS, Failover, Summary, Unknown};
 
 use super::HarnessError;
 use super::files::{io_at, to_json, write_file};
@@ -38,6 +38,19 @@ use verdict::Tally;
 
 /// An action of the machine room, run from the day's own thread.
 pub type Command = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// Which node is the replicated database's primary now (`none`: no node
+/// takes writes): sampled twice a second for the timeline.
+pub type Probe = Box<dyn Fn() -> String + Send>;
+
+/// A fault of a replicated database: `inject` returns once it is in place,
+/// `repair` once the cluster is whole again. `kind` names it in the
+/// report and on the timeline (`verdict::DB_FAULTS`).
+pub struct DbFault {
+    pub kind: &'static str,
+    pub inject: Command,
+    pub repair: Command,
+}
 
 const ACCOUNTS: usize = 6;
 const OPENING_BALANCE: i64 = 1_000_000_000;
@@ -63,11 +76,14 @@ pub struct Config {
     pub kills: Option<usize>,
     /// Restarts the database once mid-day (PostgreSQL).
     pub restart_db: Option<Command>,
-    /// Kills a replicated database's primary this many times, evenly spaced
-    /// over the day: `failover[0]` returns once the primary is dead,
-    /// `failover[1]` once the cluster is whole again.
+    /// Faults of a replicated database, this many, spaced over the day,
+    /// each once the cluster is whole again after the last and the clients
+    /// have each ended an intent since; fault `k` is `faults[k % len]`.
+    /// While some are left, the clients go on past `transfers`: the day
+    /// lasts as long as its faults need.
     pub failovers: usize,
-    pub failover: Option<[Command; 2]>,
+    pub faults: Vec<DbFault>,
+    pub primary: Option<Probe>,
     /// With a gateway command (`idem gateway` and its faults; `--db` and
     /// `--listen` are appended), every fourth intent of each client is a
     /// payout through it, and the servers reconcile every second.
@@ -81,7 +97,7 @@ pub struct Config {
 }
 
 /// The day. Writes `chaos.json` and `chaos_report.md` into `config.out`.
-pub fn run(config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
+pub fn run(mut config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
     if config.instances == 0 {
         return Err(HarnessError::Stopped("no instances to run".into()));
     }
@@ -98,13 +114,23 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
     let (clients_file, tokens) = write_clients(&config)?;
     let mut room = Room::open(&config, &db, clients_file)?;
     let day_started = Instant::now();
+    let sampler = config.primary.take().map(Sampler::start);
     let urls: Vec<String> = room.proxies.iter().map(|p| p.url()).collect();
-    let clients = Clients::start(&config, &urls, &tokens, room.gateway.is_some());
-    let tally = machine_room(&config, &mut room, &clients, planned_kills, policy)?;
+    let faults_left = config.failovers > 0 && !config.faults.is_empty();
+    let clients = Clients::start(&config, &urls, &tokens, room.gateway.is_some(), faults_left);
+    let tally = machine_room(&config, &mut room, &clients, planned_kills, policy);
+    clients.more.store(false, Ordering::Relaxed);
+    let tally = tally?;
     for w in clients.workers {
         w.join().map_err(|_| HarnessError::Stopped("a client thread panicked".into()))?;
     }
     let day_ended = Instant::now();
+    let primaries: Vec<(f64, String)> = sampler
+        .map(Sampler::stop)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(at, node)| (at.saturating_duration_since(day_started).as_secs_f64(), node))
+        .collect();
     room.stop_servers();
 
     let intents = std::mem::take(&mut *clients.intents.lock().unwrap_or_else(|e| e.into_inner()));
@@ -112,13 +138,10 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
         Some(gw) => Some(payouts::settle_payouts(&db, gw, &intents, &room.log, policy)?),
         None => None,
     };
-    let summary = verdict::verdict(&db, &intents, &accounts, &room.proxies, &tally, &config)?;
-    let summary = Summary {
-        failovers: verdict::failover_figures(&intents, &tally.failed_over(), day_started, day_ended),
-        keys_left_claimed: room::claims_left(&db, policy)?,
-        payouts: payout_verdict,
-        ..summary
-    };
+    let day = (day_started, day_ended);
+    let summary = verdict::verdict(&db, &intents, &accounts, &room.proxies, &tally, &config, day)?;
+    let summary =
+        Summary { keys_left_claimed: room::claims_left(&db, policy)?, payouts: payout_verdict, ..summary };
     drop(room);
     write_file(&config.out.join("chaos.json"), &to_json(&summary)?)?;
     let marks: Vec<(f64, &str)> = tally
@@ -127,9 +150,37 @@ pub fn run(config: Config, policy: &Policy) -> Result<Summary, HarnessError> {
         .map(|(at, what)| (at.saturating_duration_since(day_started).as_secs_f64(), *what))
         .collect();
     let series = timeline::series(&intents, day_started, day_ended);
-    write_file(&config.out.join("chaos_timeline.svg"), &timeline::svg(&series, &marks))?;
+    write_file(&config.out.join("chaos_timeline.svg"), &timeline::svg(&series, &marks, &primaries))?;
     write_file(&config.out.join("chaos_report.md"), &report::report(&summary))?;
     Ok(summary)
+}
+
+/// Samples a probe twice a second on a thread of its own until stopped.
+struct Sampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Instant, String)>>,
+}
+
+impl Sampler {
+    fn start(probe: Probe) -> Sampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !done.load(Ordering::Relaxed) {
+                let at = Instant::now();
+                samples.push((at, probe()));
+                std::thread::sleep(Duration::from_millis(500).saturating_sub(at.elapsed()));
+            }
+            samples
+        });
+        Sampler { stop, thread }
+    }
+
+    fn stop(self) -> Vec<(Instant, String)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
 }
 
 /// The day's bank: `config.db`, or a new SQLite file in `config.out`.
@@ -181,25 +232,28 @@ fn machine_room(
     }
     let total = config.clients * config.transfers;
     let spaced = |n: usize, fault: fn() -> Fault| (1..=n).map(move |k| (total * k / (n + 1), fault()));
+    let db_faults = if config.faults.is_empty() { 0 } else { config.failovers };
     let mut faults: Vec<(usize, Fault)> = spaced(planned_kills, || Fault::Kill)
-        .chain(spaced(if config.failover.is_some() { config.failovers } else { 0 }, || Fault::Failover))
+        .chain(spaced(db_faults, || Fault::Failover))
         .chain(spaced(usize::from(config.restart_db.is_some()), || Fault::RestartDb))
         .collect();
     faults.sort();
     let mut tally =
         Tally { kills: 0, database_restarts: 0, released: 0, failovers_not_run: 0, marks: Vec::new() };
+    let (mut db_faults_run, mut not_before) = (0, 0);
     for (at, fault) in faults {
-        while clients.settled.load(Ordering::Relaxed) < at.max(1) && !clients.finished() {
+        while clients.settled.load(Ordering::Relaxed) < at.max(not_before).max(1) && !clients.finished() {
             std::thread::sleep(Duration::from_millis(5));
         }
-        match (fault, &config.restart_db, &config.failover) {
+        let db_fault = config.faults.get(db_faults_run % config.faults.len().max(1));
+        match (fault, &config.restart_db, db_fault) {
             (Fault::Kill, _, _) => {
-                tally.marks.push((Instant::now(), "server killed"));
+                tally.marks.push((Instant::now(), verdict::SERVER_KILLED));
                 tally.released += room.kill(tally.kills % config.instances, policy)?;
                 tally.kills += 1;
             }
             (Fault::RestartDb, Some(restart), _) => {
-                tally.marks.push((Instant::now(), "database restarted"));
+                tally.marks.push((Instant::now(), verdict::DATABASE_RESTARTED));
                 restart().map_err(|e| HarnessError::Stopped(format!("restarting the database: {e}")))?;
                 tally.database_restarts += 1;
                 tally.released += room.release_claims(policy)?;
@@ -208,10 +262,16 @@ fn machine_room(
             // failover interrupted, or the verdict counts the keys blocked.
             // A failover after the last transfer would measure nothing.
             (Fault::Failover, _, Some(_)) if clients.finished() => tally.failovers_not_run += 1,
-            (Fault::Failover, _, Some([kill, heal])) => {
-                kill().map_err(|e| HarnessError::Stopped(format!("killing the primary: {e}")))?;
-                tally.marks.push((Instant::now(), verdict::PRIMARY_KILLED));
-                heal().map_err(|e| HarnessError::Stopped(format!("after the failover: {e}")))?;
+            (Fault::Failover, _, Some(f)) => {
+                // marked as it begins: a switchover's disruption is inside it
+                let kind = f.kind;
+                tally.marks.push((Instant::now(), kind));
+                (f.inject)().map_err(|e| HarnessError::Stopped(format!("{kind}: {e}")))?;
+                (f.repair)().map_err(|e| HarnessError::Stopped(format!("after {kind}: {e}")))?;
+                db_faults_run += 1;
+                // the next fault after some traffic on the whole cluster:
+                // an intent ended by each client
+                not_before = clients.settled.load(Ordering::Relaxed) + config.clients;
             }
             _ => {}
         }

@@ -1,6 +1,6 @@
 //! `chaos_report.md`: the day's summary for a person.
 
-use super::verdict::Summary;
+use super::verdict::{Failover, Summary};
 
 /// The report: the headline verdict, what the network and the machine room
 /// did, the payouts, the failovers, and the outcomes nobody knew.
@@ -31,7 +31,7 @@ pub(super) fn report(s: &Summary) -> String {
         ("requests that found the server down", s.requests_unreachable),
         ("instances of the server", s.instances as u64),
         ("server kills (SIGKILL) and restarts", s.server_kills as u64),
-        ("failovers (the primary SIGKILLed)", s.failovers.len() as u64),
+        ("faults of the replicated database", s.failovers.len() as u64),
         ("database restarts", s.database_restarts as u64),
         ("claims of the killed released (idem recover --release)", s.claims_released_after_kills as u64),
     ] {
@@ -91,22 +91,39 @@ fn payouts(s: &Summary) -> String {
     md
 }
 
-/// The failovers' write-unavailability windows (kill to the first new
-/// transfer), as a distribution: p50, p95, max, and how many never resumed
-/// before the next fault.
-fn distribution(s: &Summary) -> String {
-    let mut ms: Vec<u64> = s.failovers.iter().filter_map(|f| f.writes_resumed_ms).collect();
-    ms.sort_unstable();
-    let never = s.failovers.len() - ms.len();
-    let at = |q: f64| ms.get(((ms.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied();
-    let show = |v: Option<u64>| v.map_or("-".into(), |v| format!("{v} ms"));
-    format!(
-        "\nWrites unavailable after a failover, over {} failovers: p50 {}, p95 {}, max {}; not resumed before the next fault: {never}.\n",
-        s.failovers.len(),
-        show(at(0.5)),
-        show(at(0.95)),
-        show(ms.last().copied())
-    )
+/// Per kind of fault: the write-unavailability windows (the longest
+/// stretch without a transfer made, from the fault to the next) as a distribution (p50, p95, max, and how many
+/// never resumed before the next fault), and what became of the intents
+/// that ended after each.
+fn by_kind(s: &Summary) -> String {
+    let mut md = String::from(
+        "\n| fault | runs | writes unavailable p50 / p95 / max | not resumed before the next | \
+         acknowledged | unknown | lost | paid twice |\n|---|---:|---|---:|---:|---:|---:|---:|\n",
+    );
+    let mut kinds: Vec<&str> = s.failovers.iter().map(|f| f.kind.as_str()).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    for kind in kinds {
+        let runs: Vec<&Failover> = s.failovers.iter().filter(|f| f.kind == kind).collect();
+        let mut ms: Vec<u64> = runs.iter().filter_map(|f| f.writes_unavailable_ms).collect();
+        ms.sort_unstable();
+        let at = |q: f64| ms.get(((ms.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied();
+        let show = |v: Option<u64>| v.map_or("-".into(), |v| format!("{:.1} s", v as f64 / 1000.0));
+        let sum = |f: fn(&Failover) -> usize| runs.iter().map(|r| f(r)).sum::<usize>();
+        md.push_str(&format!(
+            "| {kind} | {} | {} / {} / {} | {} | {} | {} | {} | {} |\n",
+            runs.len(),
+            show(at(0.5)),
+            show(at(0.95)),
+            show(ms.last().copied()),
+            runs.len() - ms.len(),
+            sum(|f| f.acknowledged),
+            sum(|f| f.unknown),
+            sum(|f| f.lost),
+            sum(|f| f.paid_twice),
+        ));
+    }
+    md
 }
 
 /// The failovers' table and the outcomes nobody knew.
@@ -114,23 +131,24 @@ fn failovers(s: &Summary) -> String {
     let mut md = String::new();
     if s.failovers_not_run > 0 {
         md.push_str(&format!(
-            "Failovers not run because every client had finished first: {} (more --transfers make a longer day).\n",
+            "Faults of the database not run because every client had finished first: {} (more --transfers make a longer day).\n",
             s.failovers_not_run
         ));
     }
     if !s.failovers.is_empty() {
+        md.push_str(&by_kind(s));
         md.push_str(
-            "\n| failover at | writes resumed after | answered 503 | answered 409 | unanswered | \
-             commits whose answer was lost, found by the retry |\n|---:|---:|---:|---:|---:|---:|\n",
+            "\n| fault | at | writes unavailable | answered 503 meanwhile | 409 | unanswered | \
+             commits whose answer was lost, found by the retry |\n|---|---:|---:|---:|---:|---:|---:|\n",
         );
         for f in &s.failovers {
-            let resumed = f.writes_resumed_ms.map_or("not before the next".into(), |ms| format!("{ms} ms"));
+            let stopped =
+                f.writes_unavailable_ms.map_or("not resumed before the next".into(), |ms| format!("{ms} ms"));
             md.push_str(&format!(
-                "| {} ms | {resumed} | {} | {} | {} | {} |\n",
-                f.at_ms, f.answered_503, f.answered_409, f.unanswered, f.acks_lost_found_by_retry
+                "| {} | {} ms | {stopped} | {} | {} | {} | {} |\n",
+                f.kind, f.at_ms, f.answered_503, f.answered_409, f.unanswered, f.acks_lost_found_by_retry
             ));
         }
-        md.push_str(&distribution(s));
     }
     if !s.unknown.is_empty() {
         md.push_str("\n| client | key | what the database says |\n|---:|---|---|\n");

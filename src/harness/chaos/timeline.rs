@@ -1,19 +1,21 @@
 //! `chaos_timeline.svg`: the day as a picture. Per slice of the day, the
 //! attempts that made a transfer, that were answered with a replay, and
 //! that failed (5xx, or no answer at all), over time; each fault of the
-//! machine room a dashed line with its name. A person sees where writes
-//! stopped and for how long.
+//! machine room a dashed line with its name; and, on a replicated
+//! database, a band under the axis shaded by which node was the primary
+//! (sampled). A person sees where writes stopped, for how long, and where
+//! the primary moved.
 
 use super::clients::Intent;
 use std::fmt::Write;
 use std::time::Instant;
 
 const WIDTH: f64 = 900.0;
-const HEIGHT: f64 = 280.0;
+const HEIGHT: f64 = 310.0;
 const LEFT: f64 = 50.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 30.0;
-const BOTTOM: f64 = 40.0;
+const BOTTOM: f64 = 70.0;
 /// How many slices the day is cut into.
 const SLICES: usize = 90;
 
@@ -46,8 +48,10 @@ pub(super) fn series(intents: &[Intent], started: Instant, ended: Instant) -> Se
     s
 }
 
-/// The picture: the series per second, the faults `marks` (when, what).
-pub(super) fn svg(s: &Series, marks: &[(f64, &str)]) -> String {
+/// The picture: the series per second, the faults `marks` (when, what),
+/// and the primary's node as sampled (from when, which; `none`: no node
+/// took writes).
+pub(super) fn svg(s: &Series, marks: &[(f64, &str)], primaries: &[(f64, String)]) -> String {
     let per_s = |n: u32| f64::from(n) / s.slice_s;
     let top = [&s.made, &s.replayed, &s.failed]
         .iter()
@@ -86,6 +90,7 @@ pub(super) fn svg(s: &Series, marks: &[(f64, &str)]) -> String {
             TOP - 6.0
         );
     }
+    primary_band(&mut out, primaries, &x, day);
     for (values, colour, name, row) in [
         (&s.made, "#1f77b4", "transfers made /s", 0),
         (&s.replayed, "#2ca02c", "replays /s", 1),
@@ -107,6 +112,42 @@ pub(super) fn svg(s: &Series, marks: &[(f64, &str)]) -> String {
     }
     out.push_str("</svg>\n");
     out
+}
+
+/// The band of the primary's node: one shade per node, red where none was.
+fn primary_band(out: &mut String, primaries: &[(f64, String)], x: &dyn Fn(f64) -> f64, day: f64) {
+    const SHADES: [&str; 4] = ["#dbe9f6", "#fde0c5", "#d9f0d3", "#e5d8ee"];
+    let y = HEIGHT - BOTTOM + 20.0;
+    let mut names: Vec<&str> = primaries.iter().map(|(_, n)| n.as_str()).filter(|n| *n != "none").collect();
+    names.sort_unstable();
+    names.dedup();
+    if !primaries.is_empty() {
+        let _ = writeln!(out, "<text x=\"4\" y=\"{:.1}\">primary</text>", y + 11.0);
+    }
+    for (k, (from, name)) in primaries.iter().enumerate() {
+        let shown: String = name.chars().filter(|c| c.is_alphanumeric() || "-_ .:".contains(*c)).collect();
+        let to = primaries.get(k + 1).map_or(day, |p| p.0);
+        let fill = match names.iter().position(|n| n == name) {
+            Some(i) => SHADES[i % SHADES.len()],
+            None => "#f4b6b6",
+        };
+        let _ = write!(
+            out,
+            "<rect x=\"{:.1}\" y=\"{y}\" width=\"{:.1}\" height=\"16\" fill=\"{fill}\"><title>{shown}</title></rect>",
+            x(*from),
+            (x(to) - x(*from)).max(0.0)
+        );
+        // a name where the primary changes
+        if k == 0 || primaries[k - 1].1 != *name {
+            let _ = write!(
+                out,
+                "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"9\">{shown}</text>",
+                x(*from) + 2.0,
+                y + 11.0
+            );
+        }
+    }
+    out.push('\n');
 }
 
 #[cfg(test)]
@@ -148,10 +189,19 @@ mod tests {
             s.made.iter().sum::<u32>() + s.replayed.iter().sum::<u32>() + s.failed.iter().sum::<u32>(),
             4
         );
-        let svg = super::svg(&s, &[(4.5, "failover")]);
+        let primaries = [(0.0, "node1".to_owned()), (4.5, "none".into()), (6.0, "node2".into())];
+        let svg = super::svg(&s, &[(4.5, "failover")], &primaries);
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert_eq!(svg.matches("<polyline").count(), 3);
         // the mark half way along the axis: 50 + 830 / 2
         assert!(svg.contains("x1=\"465.0\"") && svg.contains(">failover</text>"), "{svg}");
+        // the band: node1 from the start to the mark, none, then node2 to the end
+        for band in [
+            "x=\"50.0\" y=\"260\" width=\"415.0\" height=\"16\" fill=\"#dbe9f6\"><title>node1",
+            "x=\"465.0\" y=\"260\" width=\"138.3\" height=\"16\" fill=\"#f4b6b6\"><title>none",
+            "width=\"276.7\" height=\"16\" fill=\"#fde0c5\"><title>node2",
+        ] {
+            assert!(svg.contains(band), "{band} in {svg}");
+        }
     }
 }

@@ -66,15 +66,23 @@ pub struct Summary {
     pub payouts: Option<PayoutVerdict>,
 }
 
-/// What one failover cost the clients, from their own attempts.
+/// What one fault of the database cost the clients, from their own
+/// attempts; the intents counted are those whose last attempt ended
+/// between this fault and the next.
 #[derive(Debug, Clone, Serialize)]
 pub struct Failover {
-    /// When the primary was killed, from the start of the day.
+    /// Which fault (`DB_FAULTS`' words).
+    pub kind: String,
+    /// When the fault began, from the start of the day.
     pub at_ms: u64,
-    /// From the kill to the end of the first attempt sent after it that
-    /// made a new transfer; `None` if none did before the next failover.
-    pub writes_resumed_ms: Option<u64>,
-    /// Attempts answered 503 between the kill and the resumption.
+    /// How long writes stopped: the longest stretch, from this fault's
+    /// start to the next, without a new transfer made (from the end of the
+    /// attempt that made the last one to the end of the one that made the
+    /// next), counted from the last made before the fault; `None` if none
+    /// was made before the next fault. With many clients a healthy day's
+    /// stretches are milliseconds; the fault's is its window.
+    pub writes_unavailable_ms: Option<u64>,
+    /// Attempts that ended within that stretch: answered 503, 409, none.
     pub answered_503: usize,
     pub answered_409: usize,
     /// Attempts without an answer meanwhile (the fault proxy's too).
@@ -82,6 +90,12 @@ pub struct Failover {
     /// Attempts in flight when the primary died whose transfer was
     /// committed all the same: answered 503, then replayed to a retry.
     pub acks_lost_found_by_retry: usize,
+    /// Intents acknowledged (2xx), ended unknown, acknowledged but not in
+    /// the database, and gone out more than once.
+    pub acknowledged: usize,
+    pub unknown: usize,
+    pub lost: usize,
+    pub paid_twice: usize,
 }
 
 impl Summary {
@@ -113,13 +127,25 @@ pub(super) struct Tally {
     pub marks: Vec<(Instant, &'static str)>,
 }
 
-/// A failover's mark: the primary killed.
-pub(super) const PRIMARY_KILLED: &str = "primary killed";
+/// The machine room's own faults' marks.
+pub(super) const SERVER_KILLED: &str = "server killed";
+pub(super) const DATABASE_RESTARTED: &str = "database restarted";
+
+/// The faults of a replicated database (`tools/pg-ha inject KIND`), by
+/// kind: what the report and the timeline call each.
+pub const DB_FAULTS: [(&str, &str); 5] = [
+    ("kill", "primary killed"),
+    ("pause", "primary paused"),
+    ("standby", "sync standby killed"),
+    ("etcd", "etcd quorum lost"),
+    ("switchover", "switchover"),
+];
 
 impl Tally {
-    /// When each failover killed the primary.
-    pub(super) fn failed_over(&self) -> Vec<Instant> {
-        self.marks.iter().filter(|(_, what)| *what == PRIMARY_KILLED).map(|(at, _)| *at).collect()
+    /// When each fault of the database began, and which it was.
+    pub(super) fn db_faults(&self) -> Vec<(Instant, &'static str)> {
+        let ours = [SERVER_KILLED, DATABASE_RESTARTED];
+        self.marks.iter().filter(|(_, what)| !ours.contains(what)).copied().collect()
     }
 }
 
@@ -131,19 +157,15 @@ pub(super) fn verdict(
     proxies: &[Proxy],
     tally: &Tally,
     config: &Config,
+    day: (Instant, Instant),
 ) -> Result<Summary, HarnessError> {
     let (transfers, balances) = bank::ledger(db)?;
     let payouts = bank::payouts(db)?;
-    let by_amount: BTreeMap<i64, &Intent> = intents.iter().map(|i| (i.amount, i)).collect();
-    let mut made: BTreeMap<i64, Vec<i64>> = BTreeMap::new(); // amount → transfer ids
-    let mut unintended = 0;
-    for t in &transfers {
-        match by_amount.get(&t.amount) {
-            Some(i) if i.src == t.src && i.dst == t.dst => made.entry(t.amount).or_default().push(t.id),
-            _ => unintended += 1,
-        }
-    }
-    let (lost, misattributed) = told_but_missing(intents, &transfers);
+    let (made, unintended) = made_of(intents, &transfers);
+    let lost =
+        |i: &Intent| i.kind == Kind::Transfer && i.told.is_some_and(|t| transfers.iter().all(|r| r.id != t));
+    let twice = |i: &Intent| made.get(&i.amount).is_some_and(|v| v.len() > 1);
+    let failovers = failover_figures(intents, &tally.db_faults(), day, (&lost, &twice));
     let unknown: Vec<Unknown> = intents
         .iter()
         .filter(|i| i.verdict == Ending::Unknown)
@@ -176,15 +198,15 @@ pub(super) fn verdict(
         requests_per_instance: proxies.iter().map(|p| p.counts.requests.load(Ordering::Relaxed)).collect(),
         server_kills: tally.kills,
         database_restarts: tally.database_restarts,
-        failovers: Vec::new(),
+        failovers,
         failovers_not_run: tally.failovers_not_run,
         claims_released_after_kills: tally.released,
         outcomes_unknown: unknown.len(),
         transfers_made: transfers.len(),
         transfers_paid_twice: made.values().map(|v| v.len().saturating_sub(1)).sum(),
-        transfers_lost: lost,
+        transfers_lost: intents.iter().filter(|i| lost(i)).count(),
         transfers_unintended: unintended,
-        answers_misattributed: misattributed,
+        answers_misattributed: misattributed(intents, &transfers),
         balances_conserved: conserved(accounts, &transfers, &payouts, &balances),
         time_to_certainty_ms_p50: p50,
         time_to_certainty_ms_p99: p99,
@@ -209,20 +231,29 @@ fn time_to_certainty(intents: &[Intent]) -> (u64, u64) {
     (percentile(50), percentile(99))
 }
 
-/// Transfers a client was told about that the database does not hold, and
-/// answers that named another intent's transfer.
-fn told_but_missing(intents: &[Intent], transfers: &[bank::TransferRow]) -> (usize, usize) {
-    let (mut lost, mut misattributed) = (0, 0);
-    for i in intents.iter().filter(|i| i.kind == Kind::Transfer) {
-        if let Some(told) = i.told {
-            match transfers.iter().find(|t| t.id == told) {
-                None => lost += 1,
-                Some(t) if t.amount != i.amount => misattributed += 1,
-                Some(_) => {}
-            }
+/// The transfers each intent made (by its amount: the ids), and how many
+/// transfers no intent made.
+fn made_of(intents: &[Intent], transfers: &[bank::TransferRow]) -> (BTreeMap<i64, Vec<i64>>, usize) {
+    let by_amount: BTreeMap<i64, &Intent> = intents.iter().map(|i| (i.amount, i)).collect();
+    let mut made: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
+    let mut unintended = 0;
+    for t in transfers {
+        match by_amount.get(&t.amount) {
+            Some(i) if i.src == t.src && i.dst == t.dst => made.entry(t.amount).or_default().push(t.id),
+            _ => unintended += 1,
         }
     }
-    (lost, misattributed)
+    (made, unintended)
+}
+
+/// Answers that named another intent's transfer.
+fn misattributed(intents: &[Intent], transfers: &[bank::TransferRow]) -> usize {
+    let named = |i: &&Intent| i.told.and_then(|told| transfers.iter().find(|t| t.id == told));
+    intents
+        .iter()
+        .filter(|i| i.kind == Kind::Transfer)
+        .filter(|i| named(i).is_some_and(|t| t.amount != i.amount))
+        .count()
 }
 
 /// For an intent whose client never knew: what the database says of it.
@@ -270,43 +301,66 @@ fn conserved(
         && *balances == want
 }
 
-/// Each failover's cost, read from the clients' attempts: the window from
-/// the kill to the first new transfer made by an attempt sent after it.
-pub(super) fn failover_figures(
+/// Each fault's cost, read from the clients' attempts: the window from the
+/// fault to the first new transfer made by an attempt sent after it; and
+/// the intents that ended before the next fault.
+/// What the database says of an intent.
+type Judge<'a> = dyn Fn(&Intent) -> bool + 'a;
+
+/// `lost` and `twice` say of an intent what the database does: acknowledged
+/// but missing, gone out more than once.
+fn failover_figures(
     intents: &[Intent],
-    kills: &[Instant],
-    day_started: Instant,
-    day_ended: Instant,
+    faults: &[(Instant, &'static str)],
+    (day_started, day_ended): (Instant, Instant),
+    (lost, twice): (&Judge, &Judge),
 ) -> Vec<Failover> {
     let tries = || intents.iter().flat_map(|i| i.tries.iter());
-    kills
+    let mut made: Vec<Instant> = tries()
+        .filter(|t| !t.replayed && t.status.is_some_and(|s| (200..300).contains(&s)))
+        .map(|t| t.ended)
+        .collect();
+    made.sort_unstable();
+    faults
         .iter()
         .enumerate()
-        .map(|(k, &killed)| {
-            let next = kills.get(k + 1).copied().unwrap_or(day_ended);
-            let resumed = tries()
-                .filter(|t| t.sent >= killed && t.ended < next && !t.replayed)
-                .filter(|t| t.status.is_some_and(|s| (200..300).contains(&s)))
-                .map(|t| t.ended)
-                .min();
-            let until = resumed.unwrap_or(next);
+        .map(|(k, &(began, kind))| {
+            let next = faults.get(k + 1).map_or(day_ended, |f| f.0);
+            let last_before = made.iter().rev().find(|&&m| m <= began).copied().unwrap_or(began);
+            let after: Vec<Instant> = made.iter().copied().filter(|&m| m > began && m < next).collect();
+            // the longest stretch without a transfer made
+            let stretch = std::iter::once(last_before)
+                .chain(after.iter().copied())
+                .zip(after.iter().copied())
+                .max_by_key(|(from, to)| to.duration_since(*from));
+            let (from, until) = stretch.unwrap_or((began, next));
             let meanwhile = |status: Option<u16>| {
-                tries().filter(|t| t.ended >= killed && t.ended <= until && t.status == status).count()
+                tries().filter(|t| t.ended >= from && t.ended <= until && t.status == status).count()
             };
             let acks_lost = intents
                 .iter()
                 .filter(|i| i.tries.last().is_some_and(|t| t.replayed))
                 .filter(|i| {
-                    i.tries.iter().any(|t| t.sent < killed && t.ended >= killed && t.status == Some(503))
+                    i.tries.iter().any(|t| t.sent < began && t.ended >= began && t.status == Some(503))
                 })
                 .count();
+            let ended_here: Vec<&Intent> = intents
+                .iter()
+                .filter(|i| i.tries.last().is_some_and(|t| t.ended >= began && t.ended < next))
+                .collect();
+            let count = |f: &dyn Fn(&Intent) -> bool| ended_here.iter().filter(|i| f(i)).count();
             Failover {
-                at_ms: killed.duration_since(day_started).as_millis() as u64,
-                writes_resumed_ms: resumed.map(|r| r.duration_since(killed).as_millis() as u64),
+                kind: kind.to_owned(),
+                at_ms: began.duration_since(day_started).as_millis() as u64,
+                writes_unavailable_ms: stretch.map(|(from, to)| to.duration_since(from).as_millis() as u64),
                 answered_503: meanwhile(Some(503)),
                 answered_409: meanwhile(Some(409)),
                 unanswered: meanwhile(None),
                 acks_lost_found_by_retry: acks_lost,
+                acknowledged: count(&|i| i.verdict == Ending::Done),
+                unknown: count(&|i| i.verdict == Ending::Unknown),
+                lost: count(lost),
+                paid_twice: count(twice),
             }
         })
         .collect()
