@@ -41,7 +41,7 @@ impl Cluster {
             return None;
         }
         let root = tempfile::tempdir().unwrap();
-        let mut cluster = Cluster { root, port: free_ports(26), conninfo: String::new() };
+        let mut cluster = Cluster { root, port: free_ports(60), conninfo: String::new() };
         cluster.conninfo = cluster.ha(&["start"]);
         assert!(cluster.conninfo.contains("target_session_attrs=read-write"), "{}", cluster.conninfo);
         Some(cluster)
@@ -600,7 +600,7 @@ fn idem_chaos_over_three_instances_through_every_fault_of_the_database_pays_ever
     let Some(cluster) = Cluster::start() else { return };
     let out = tempfile::tempdir().unwrap();
     let run = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["chaos", "--instances", "3", "--fault", "mix", "--failover", "5", "--clients", "16"])
+        .args(["chaos", "--instances", "3", "--fault", "mix", "--failover", "6", "--clients", "16"])
         .args(["--transfers", "15", "--seed", "20261203", "--budget", "30s"])
         .args(["--failover-cmd", &format!("{HA} inject {{fault}}"), "--heal-cmd", &format!("{HA} repair")])
         .args(["--primary-cmd", &format!("{HA} primary-node")])
@@ -644,7 +644,8 @@ fn idem_chaos_over_three_instances_through_every_fault_of_the_database_pays_ever
     // the primary gone, paused or without a quorum stopped writes for
     // seconds, with clients sending all along
     for f in faults.iter().filter(|f| {
-        ["primary killed", "primary paused", "etcd quorum lost"].contains(&f["kind"].as_str().unwrap())
+        ["primary killed", "primary paused", "etcd quorum lost", "primary partitioned"]
+            .contains(&f["kind"].as_str().unwrap())
     }) {
         assert!(f["writes_unavailable_ms"].as_u64().unwrap() > 2_000, "{f}");
         assert!(f["answered_503"].as_u64().unwrap() + f["unanswered"].as_u64().unwrap() > 0, "{f}");

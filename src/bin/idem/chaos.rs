@@ -18,7 +18,7 @@ use std::path::PathBuf;
 /// N, N servers share the database and each client tries them in turn;
 /// --failover N runs N faults of a replicated PostgreSQL (--fault: its
 /// primary killed or paused, its synchronous standby killed, its etcd's
-/// quorum lost, a switchover; mix: each in turn), and the clients go on
+/// quorum lost, a switchover, the primary partitioned; mix: each in turn), and the clients go on
 /// until the last is repaired. The verdict, from the database and the clients'
 /// logs, goes to DIR/chaos.json and DIR/chaos_report.md; exit 1 if
 /// anything went out twice or was lost, or a key was left claimed.
@@ -47,8 +47,12 @@ pub struct Chaos {
     /// the day; the day lasts until the last is repaired.
     #[arg(long, default_value_t = 0)]
     failover: u16,
-    /// Which fault: kill, pause, standby, etcd, switchover, or mix (each in turn).
-    #[arg(long, default_value = "kill", value_parser = ["kill", "pause", "standby", "etcd", "switchover", "mix"])]
+    /// Which fault: kill, pause, standby, etcd, switchover, partition, or mix (each in turn).
+    #[arg(
+        long,
+        default_value = "kill",
+        value_parser = ["kill", "pause", "standby", "etcd", "switchover", "partition", "mix"]
+    )]
     fault: String,
     /// Puts a fault in place and returns; `{fault}` is replaced by its kind.
     #[arg(long, value_name = "CMD", default_value = "tools/pg-ha inject {fault}")]

@@ -133,12 +133,13 @@ pub(super) const DATABASE_RESTARTED: &str = "database restarted";
 
 /// The faults of a replicated database (`tools/pg-ha inject KIND`), by
 /// kind: what the report and the timeline call each.
-pub const DB_FAULTS: [(&str, &str); 5] = [
+pub const DB_FAULTS: [(&str, &str); 6] = [
     ("kill", "primary killed"),
     ("pause", "primary paused"),
     ("standby", "sync standby killed"),
     ("etcd", "etcd quorum lost"),
     ("switchover", "switchover"),
+    ("partition", "primary partitioned"),
 ];
 
 impl Tally {
