@@ -89,3 +89,17 @@ failover-pause runs="3":
       grep -E "resumed|lost|test result" "$log"
     done
     echo "failed $failed of {{runs}}"
+
+# Faults of the replicated database, many times over, with the distribution
+# per kind (docs/postgresql.md): a fresh tools/pg-ha cluster, three idem
+# serve, 16 clients, N faults (mix: kill, pause, standby, etcd, switchover,
+# partition in turn). The report is out/chaos-faults/chaos_report.md.
+chaos-faults faults="24" kind="mix":
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet
+    export PG_HA_ROOT=$(mktemp -d) PG_HA_PORT=${PG_HA_PORT:-5500}
+    trap 'tools/pg-ha destroy' EXIT
+    db=$(tools/pg-ha start)
+    target/release/idem chaos --instances 3 --fault {{kind}} --failover {{faults}} --clients 16 \
+      --transfers 15 --budget 30s --db "$db" --out out/chaos-faults
