@@ -242,13 +242,17 @@ fn transfer<S: Store>(
 
 /// Whether an outcome says the database went away under the request
 /// (`protocol::handle` answers that as a 503 `unavailable`).
-fn unavailable(outcome: &Result<Outcome, StoreError>) -> bool {
-    matches!(outcome, Ok(Outcome::Respond(r)) if r.reason == Some(Reason::Unavailable))
+/// Whether the request answered 503 for the database: gone (a failover, a
+/// restart) or a statement past its timeout (a lock wait, or a primary
+/// paused under it: its commits may have reached a standby).
+fn unanswered_by_the_database(outcome: &Result<Outcome, StoreError>) -> bool {
+    matches!(outcome, Ok(Outcome::Respond(r)) if matches!(r.reason, Some(Reason::Unavailable | Reason::Busy)))
 }
 
 /// Claims left behind by requests that answered 503 because the database
-/// went away (a failover, a restart): the protocol's own release ran while
-/// it was still away. Each is released before the next transfer on the
+/// went away or stopped answering (a failover, a restart, a primary paused
+/// past a statement's timeout): the protocol's own release ran while it
+/// was still away, or on the old primary, whose timeline is then discarded. Each is released before the next transfer on the
 /// pool runs, so its key does not wait out the whole lease (minutes) for an
 /// attempt that is over. Safe whatever happened meanwhile: a release only
 /// deletes a key still `in_progress` under this attempt's token, so a
@@ -276,7 +280,7 @@ struct OnPool {
     policy: &'static Policy,
     clock: Clock,
     health: Arc<Health>,
-    /// Claims left by requests answered 503 `unavailable` (see [`Orphans`]):
+    /// Claims left by requests answered 503 `unavailable` or `busy` (see [`Orphans`]):
     /// released before the next transfer runs.
     orphans: Arc<Mutex<Orphans>>,
     /// Transfers running, for [`Executor::drain`].
@@ -294,7 +298,7 @@ impl OnPool {
             .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
         let ctx = Ctx { policy: self.policy, now: (self.clock)(), token: &token };
         let outcome = protocol::handle_steps(&mut *conn, req, ctx).await;
-        if unavailable(&outcome) {
+        if unanswered_by_the_database(&outcome) {
             self.orphans.lock().unwrap_or_else(|e| e.into_inner()).add(req.key.clone(), token);
         }
         outcome
