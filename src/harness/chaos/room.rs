@@ -86,7 +86,7 @@ impl Room {
     /// Asks every server to drain and stop (SIGTERM), and waits for it.
     #[allow(unsafe_code)] // kill(2) with SIGTERM: std's Child::kill only sends SIGKILL
     pub(super) fn stop_servers(&mut self) {
-        for server in &mut self.servers {
+        for mut server in self.servers.drain(..) {
             // SAFETY: kill(2) takes plain integers; the pid is our own child's,
             // not yet waited for, so it cannot name another process.
             unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
@@ -184,6 +184,14 @@ pub(super) struct GatewayProcess {
     child: Child,
     pub url: String,
     pub ledger: PathBuf,
+}
+
+/// A day that stops early (a fault's command failed) leaves no server
+/// running behind it.
+impl Drop for Room {
+    fn drop(&mut self) {
+        self.stop_servers();
+    }
 }
 
 impl Drop for GatewayProcess {
