@@ -429,10 +429,18 @@ fn a_commit_still_waiting_for_its_standby_when_the_primary_died_is_paid_once_by_
     let old = primary - cluster.port;
     let sync = cluster.ha(&["sync-standby"]);
     let other = (1..=3u16).map(|n| n.to_string()).find(|n| *n != old.to_string() && *n != sync).unwrap();
-    // both standbys stop: under strict synchronous mode the primary can
+    // The primary's Patroni is frozen first, so that etcd keeps naming
+    // `sync` as the synchronous standby: a Patroni that sees its standbys
+    // gone records that it has none (`/sync` without one), and then no
+    // node may promote once the primary dies. Whether it did so before the
+    // kill below was a race (lost in CI under load, and in 1 of 3 runs
+    // alone). The scenario is the primary dying while a commit waits for
+    // its standby; what its Patroni would have written meanwhile is not.
+    cluster.ha(&["freeze-patroni", &old.to_string()]);
+    // both standbys die: under strict synchronous mode the primary can
     // commit locally but never acknowledge
-    cluster.ha(&["stop-node", &sync]);
-    cluster.ha(&["stop-node", &other]);
+    cluster.ha(&["kill-node", &sync]);
+    cluster.ha(&["kill-node", &other]);
     let at_old = format!("host=127.0.0.1 port={primary} user=postgres dbname=postgres");
     let mut old_db = postgres::Client::connect(&at_old, postgres::NoTls).unwrap();
     let gone = Instant::now();
