@@ -163,8 +163,9 @@ pub(super) fn verdict(
     let (transfers, balances) = bank::ledger(db)?;
     let payouts = bank::payouts(db)?;
     let (made, unintended) = made_of(intents, &transfers);
-    let lost =
-        |i: &Intent| i.kind == Kind::Transfer && i.told.is_some_and(|t| transfers.iter().all(|r| r.id != t));
+    // looked up once per intent, more than once per day: by id, not by scan
+    let by_id: BTreeMap<i64, &bank::TransferRow> = transfers.iter().map(|t| (t.id, t)).collect();
+    let lost = |i: &Intent| i.kind == Kind::Transfer && i.told.is_some_and(|t| !by_id.contains_key(&t));
     let twice = |i: &Intent| made.get(&i.amount).is_some_and(|v| v.len() > 1);
     let failovers = failover_figures(intents, &tally.db_faults(), day, (&lost, &twice));
     let unknown: Vec<Unknown> = intents
@@ -207,7 +208,7 @@ pub(super) fn verdict(
         transfers_paid_twice: made.values().map(|v| v.len().saturating_sub(1)).sum(),
         transfers_lost: intents.iter().filter(|i| lost(i)).count(),
         transfers_unintended: unintended,
-        answers_misattributed: misattributed(intents, &transfers),
+        answers_misattributed: misattributed(intents, &by_id),
         balances_conserved: conserved(accounts, &transfers, &payouts, &balances),
         time_to_certainty_ms_p50: p50,
         time_to_certainty_ms_p99: p99,
@@ -248,8 +249,8 @@ fn made_of(intents: &[Intent], transfers: &[bank::TransferRow]) -> (BTreeMap<i64
 }
 
 /// Answers that named another intent's transfer.
-fn misattributed(intents: &[Intent], transfers: &[bank::TransferRow]) -> usize {
-    let named = |i: &&Intent| i.told.and_then(|told| transfers.iter().find(|t| t.id == told));
+fn misattributed(intents: &[Intent], by_id: &BTreeMap<i64, &bank::TransferRow>) -> usize {
+    let named = |i: &&Intent| i.told.and_then(|told| by_id.get(&told));
     intents
         .iter()
         .filter(|i| i.kind == Kind::Transfer)
@@ -302,14 +303,13 @@ fn conserved(
         && *balances == want
 }
 
-/// Each fault's cost, read from the clients' attempts: the window from the
-/// fault to the first new transfer made by an attempt sent after it; and
-/// the intents that ended before the next fault.
 /// What the database says of an intent.
 type Judge<'a> = dyn Fn(&Intent) -> bool + 'a;
 
-/// `lost` and `twice` say of an intent what the database does: acknowledged
-/// but missing, gone out more than once.
+/// Each fault's cost, read from the clients' attempts: the longest stretch
+/// without a transfer made before the next fault, the attempts that ended
+/// within it, and the intents that ended before the next fault, judged by
+/// `lost` and `twice` (acknowledged but missing, gone out more than once).
 fn failover_figures(
     intents: &[Intent],
     faults: &[(Instant, &'static str)],
