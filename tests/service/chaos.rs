@@ -160,3 +160,15 @@ fn the_verdict_catches_a_server_that_keeps_no_keys() {
     let report = std::fs::read_to_string(dir.path().join("chaos_report.md")).unwrap();
     assert!(report.contains("**NOT exactly once.**"), "{report}");
 }
+
+#[test]
+fn the_verdict_counts_acknowledged_transfers_the_database_does_not_keep_as_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/naive_server.py");
+    let serve = ["python3", naive, "--lose-every", "7"].map(String::from).to_vec();
+    let mut cfg = config(dir.path(), None, serve);
+    cfg.kills = Some(0);
+    let s = run(cfg, Policy::embedded()).unwrap();
+    assert!(!s.exactly_once(), "{s:?}");
+    assert!(s.transfers_lost > 0, "{s:?}");
+}
