@@ -171,6 +171,9 @@ fn correct_engines_of_other_styles_pass_and_each_broken_one_fails_on_its_own_pro
         // once on one account always do, five on one key not every run
         ("no-busy-timeout", &["hot"], &["days", "race"]),
         ("loose-amount", &["400"], &["days"]),
+        ("stale-id", &["new"], &["days"]),
+        ("no-funds-check", &["refusals"], &["days"]),
+        ("unreadable-crash", &["hostile"], &[]),
     ];
     let mut jobs: Vec<Job<'_, Run>> = Vec::new();
     for (_, args) in &correct {
@@ -357,6 +360,7 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         ("http_service.py --mistake plain-errors (open)", py(Some("plain-errors")), OPEN),
         ("http_service.py --mistake bare-key-refused (open)", py(Some("bare-key-refused")), OPEN),
         ("http_service.py --mistake other-statuses (open)", py(Some("other-statuses")), OPEN),
+        ("http_service.py --mistake replay-header-always (open)", py(Some("replay-header-always")), OPEN),
     ];
     // each mistake, the properties it must fail, and those it may fail too;
     // a mistake is judged under the open profile, an open choice made the
@@ -379,6 +383,17 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         ("token-scope", &["scope"], &[]),
         ("lost-update", &["drain"], &[]),
         ("no-key-processed", &["no key"], &[]),
+        ("no-fingerprint", &["mismatch"], &[]),
+        ("raw-fingerprint", &["reorder"], &[]),
+        // a key forgotten once answered: every retry after an answer is made again
+        ("in-flight-only", &["replay", "reorder", "mismatch", "\"K\"=K", "scope", "lost"], &["race"]),
+        ("unknown-500", &["refusal"], &[]),
+        // every first answer marked a replay: wrong wherever a first answer is judged
+        (
+            "replay-header-always",
+            &["new"],
+            &["replay", "reorder", "\"K\"=K", "scope", "race", "lost", "400", "auth"],
+        ),
         ("bare-key-refused", &["\"K\"=K"], &[]),
         (
             "other-statuses",

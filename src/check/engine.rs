@@ -13,7 +13,9 @@
 pub use super::lab::{BrokenDatabase, Engine, Profile, Unparseable, command};
 
 use super::CheckError;
-use super::lab::{Answer, Bank, ENDPOINT, Envelope, Setting, reordered, request, run_nonce};
+use super::lab::{
+    Answer, Bank, ENDPOINT, Envelope, Setting, expect_named_row, reordered, request, run_nonce,
+};
 use super::{Property, Trace, model, short};
 use crate::rng::Rng;
 use rusqlite::Connection;
@@ -40,11 +42,7 @@ fn expect_fresh(t: &mut Trace, answer: &Answer) -> Option<Envelope> {
 fn fresh_transfer(t: &mut Trace, s: &Setting) -> Result<(), CheckError> {
     let first = s.bank.send(t, &s.request(&s.key, s.amount), &[])?;
     if let Some(e) = expect_fresh(t, &first) {
-        let (_, rows) = s.bank.ledger()?;
-        let id = e.transfer_id().unwrap_or_default();
-        t.expect(rows.iter().any(|r| r.id == id && r.amount == s.amount), || {
-            format!("no transfer row with the answered transfer_id {id} and amount {}", s.amount)
-        });
+        expect_named_row(t, &e, &s.bank.ledger()?.1, s.amount);
     }
     s.bank.expect_ledger(t, &s.bank.moved(s.amount), 1)
 }

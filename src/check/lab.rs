@@ -190,6 +190,15 @@ pub struct Row {
     pub amount: i64,
 }
 
+/// Expects a fresh 201 to name its own transfer: a row with the answered
+/// `transfer_id` and the amount sent (the lab: "body holds a transfer_id").
+pub fn expect_named_row(t: &mut Trace, e: &Envelope, rows: &[Row], amount: i64) {
+    let id = e.transfer_id().unwrap_or_default();
+    t.expect(rows.iter().any(|r| r.id == id && r.amount == amount), || {
+        format!("no transfer row with the answered transfer_id {id} and amount {amount}")
+    });
+}
+
 /// A fresh bank: a SQLite file holding only `account`, with random ids and
 /// balances.
 pub struct Bank {

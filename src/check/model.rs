@@ -4,7 +4,7 @@
 //! day is shrunk, one step at a time, to the shortest day that still fails.
 
 use super::CheckError;
-use super::lab::{Answer, Bank, Engine, Envelope, Profile, Setting, reordered, request};
+use super::lab::{Answer, Bank, Engine, Envelope, Profile, Setting, expect_named_row, reordered, request};
 use super::{Trace, short};
 use crate::rng::Rng;
 use std::collections::BTreeMap;
@@ -55,9 +55,11 @@ fn style(rng: &mut Rng) -> Style {
 pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<(), CheckError> {
     let mut rng = Rng::new(engine.seed ^ 0x5eed);
     for _ in 0..4 {
-        // half the steps retry an earlier one, as clients do, in another style
+        // half the steps retry an earlier one, as clients do, in another
+        // style; a crashed request is retried at once, as its client would,
+        // so every day that crashes also judges what a crash left behind
         let mut day: Vec<Op> = Vec::new();
-        for _ in 0..10 {
+        while day.len() < 10 {
             let op = match day.len() {
                 n if n > 0 && rng.below(2) == 0 => {
                     Op { style: style(&mut rng), ..day[rng.below(n as u64) as usize] }
@@ -65,6 +67,9 @@ pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<
                 _ => random_op(&mut rng, 3),
             };
             day.push(op);
+            if op.style == Style::CrashAfterClaim {
+                day.push(Op { style: Style::Plain, ..op });
+            }
         }
         let seed = rng.next_u64();
         let (failed, steps) = run_day(engine, setting, &day, seed)?;
@@ -152,6 +157,9 @@ fn run_day(
         let answer = bank.send(&mut t, &text, if crash { &["--crash-after-claim"] } else { &[] })?;
         model.judge(&mut t, op, &answer);
         let (now, rows) = bank.ledger()?;
+        if let Some(e) = answer.answered().filter(|e| e.fresh_201() && !crash) {
+            expect_named_row(&mut t, e, &rows, op.amount);
+        }
         t.expect(now == model.balances && rows.len() == model.transfers, || {
             format!(
                 "the ledger is {now:?} with {} transfers; the model says {:?} with {}",
@@ -257,9 +265,12 @@ fn first_use(
     p: &Profile,
 ) -> (bool, &'static str) {
     if op.src >= accounts {
-        (e.is_some_and(|e| refusal(e, p.unknown_account_status)), "a stored refusal (unknown account)")
+        (e.is_some_and(|e| refusal(e, p.unknown_account_status)), "a refusal, replay false (unknown account)")
     } else if balances[op.src] < op.amount {
-        (e.is_some_and(|e| refusal(e, p.insufficient_funds_status)), "a stored refusal (insufficient funds)")
+        (
+            e.is_some_and(|e| refusal(e, p.insufficient_funds_status)),
+            "a refusal, replay false (insufficient funds)",
+        )
     } else {
         balances[op.src] -= op.amount;
         balances[op.dst] += op.amount;

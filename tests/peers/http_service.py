@@ -18,6 +18,9 @@ other choice (tests/peers/service-declared.json):
   bare-key-refused     a key that is not an sf-string ("...") is refused, 400
   other-statuses       200 for a transfer made, 422 for a malformed body, 403
                        for a bad token
+  replay-header-always every answer, first ones too, is marked
+                       Idempotent-Replayed: the draft names no header, so
+                       this is wrong only for a service that declares it
 
 Each other --mistake is one error `idem check` must catch on the property
 it breaks:
@@ -34,13 +37,20 @@ it breaks:
   token-scope          the scope is the token, not its client
   lost-update          balances read, then written back absolute
   no-key-processed     a request without a key is processed
+  no-fingerprint       another body under a used key replays the first answer
+  raw-fingerprint      the fingerprint is of the bytes sent, not the JSON
+  in-flight-only       a key is held only while its request runs, then
+                       forgotten: a retry after the answer is made again
+  unknown-500          an unknown account is not looked for: the KeyError is
+                       answered 500 by the catch-all, and its key freed
 """
 import argparse, datetime, hashlib, http.server, json, sqlite3, threading, time, traceback
 
 MISTAKES = ["chunked", "no-replay-header", "recompute", "lookup-insert", "invalid-consumes", "refusals-not-stored",
             "get-across-clients", "no-retry-after", "no-scope", "key-before-auth", "doubled-auth", "plain-errors",
             "leak", "quoted-distinct", "token-scope", "lost-update", "no-key-processed", "bare-key-refused",
-            "other-statuses"]
+            "other-statuses", "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500",
+            "replay-header-always"]
 p = argparse.ArgumentParser()
 p.add_argument("--db", required=True)
 p.add_argument("--listen", default="127.0.0.1:0")
@@ -149,7 +159,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                     "body": json.dumps({"reason": "invalid_request", "status": 400})})
             return self.problem(400, "invalid_request")
         scope = ("" if mistake == "no-scope" else who, key if key is not None else str(time.time_ns()))
-        fp = canonical(t)
+        fp = hashlib.sha256(raw).hexdigest() if mistake == "raw-fingerprint" else canonical(t)
         if mistake == "lookup-insert":
             with lock:
                 seen = keys.get(scope)
@@ -165,7 +175,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if seen is None:
                     keys[scope] = {"fp": fp, "done": False}
         if seen is not None:
-            if seen["fp"] != fp and seen["fp"]:
+            if seen["fp"] != fp and seen["fp"] and mistake != "no-fingerprint":
                 return self.problem(422, "fingerprint_mismatch")
             if not seen["done"]:
                 extra = [] if mistake == "no-retry-after" else [("Retry-After", "1")]
@@ -177,9 +187,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 body = json.dumps(rebuilt)
             return self.answer(seen["status"], body, True)
         time.sleep(0.005)  # the transfer's own work
-        status, body = self.transfer(who, t)
+        try:
+            status, body = self.transfer(who, t)
+        except KeyError:  # unknown-500: the framework's catch-all
+            with lock:
+                del keys[scope]
+            return self.problem(500, "internal_error")
         with lock:
-            if status in (402, 404) and mistake == "refusals-not-stored":
+            if mistake == "in-flight-only" or status in (402, 404) and mistake == "refusals-not-stored":
                 del keys[scope]
             else:
                 keys[scope] = {"fp": fp, "done": True, "status": status, "body": body}
@@ -192,7 +207,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 seen = balances.get(src), balances.get(dst)
             time.sleep(0.02)
         with lock:
-            if src not in balances or dst not in balances:
+            if (src not in balances or dst not in balances) and mistake != "unknown-500":
                 return 404, json.dumps({"reason": "unknown_account", "status": 404})
             have = seen[0] if mistake == "lost-update" else balances[src]
             if have < amount:
@@ -210,7 +225,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return 201, body
 
     def answer(self, status, body, replayed):
-        extra = [("Idempotent-Replayed", "true")] if replayed and mistake != "no-replay-header" else []
+        marked = replayed and mistake != "no-replay-header" or mistake == "replay-header-always"
+        extra = [("Idempotent-Replayed", "true")] if marked else []
         if status == 201:
             return self.reply(200 if mistake == "other-statuses" else 201, body, [("Content-Type", "application/json"),
                                           ("Location", f"/v1/transfers/{json.loads(body)['transfer_id']}")] + extra)

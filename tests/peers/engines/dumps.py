@@ -39,12 +39,18 @@ must catch on the property it breaks:
   crash-moves-money   --crash-after-claim exits after moving the money
   no-busy-timeout     waits for no lock: racers die with "database is locked"
   loose-amount        takes true, 1.5 and "100" for amounts
+  stale-id            answers the id read as MAX(transfer_id) before its insert:
+                      the transfer before, not its own
+  no-funds-check      moves money the source does not have
+  unreadable-crash    lets an unreadable request file's OSError escape:
+                      a traceback and exit 1, not the lab's exit 3
 """
 import argparse, datetime, hashlib, json, os, sqlite3, sys, time, uuid
 
 MISTAKES = ["lookup", "completed-first", "raw-fingerprint", "recompute", "global", "no-endpoint",
             "purge-all", "purge-text", "purge-expiry", "invalid-stored", "lost-update",
-            "no-fingerprint", "replay-200", "crash-moves-money", "no-busy-timeout", "loose-amount"]
+            "no-fingerprint", "replay-200", "crash-moves-money", "no-busy-timeout", "loose-amount",
+            "stale-id", "no-funds-check", "unreadable-crash"]
 p = argparse.ArgumentParser()
 CHOICES = ["refusals-evaluated", "zero-amount", "js-numbers", "digit-strings", "exit3-unparseable",
            "json-broken-db", "409-in-flight", "crash-answers"]
@@ -121,6 +127,8 @@ if a.purge_before is not None:
 try:
     raw = open(a.request, "rb").read()
 except (OSError, TypeError) as e:
+    if mistake == "unreadable-crash":
+        raise
     print(f"cannot read the request: {e}", file=sys.stderr)
     sys.exit(3)
 
@@ -253,10 +261,12 @@ dst = db.execute("SELECT balance FROM account WHERE acct_id = ?", (body["dst"],)
 amount = body["amount"]
 if src is None or dst is None:
     status, reason, out = 404, "no such account", None
-elif src[0] < amount:
+elif src[0] < amount and mistake != "no-funds-check":
     status, reason, out = 402, "not enough money", None
 else:
     now = utc_now().isoformat()
+    if mistake == "stale-id":  # the id it "will get", read before its insert, then not added to
+        stale = db.execute("SELECT COALESCE(MAX(transfer_id), 0) FROM transfer").fetchone()[0]
     tid = db.execute("INSERT INTO transfer (src, dst, amount, currency, created_at) VALUES (?, ?, ?, ?, ?)",
                      (body["src"], body["dst"], amount, body["currency"], now)).lastrowid
     if mistake == "lost-update":
@@ -266,6 +276,8 @@ else:
         db.execute("UPDATE account SET balance = balance - ? WHERE acct_id = ?", (amount, body["src"]))
         db.execute("UPDATE account SET balance = balance + ? WHERE acct_id = ?", (amount, body["dst"]))
     left = db.execute("SELECT balance FROM account WHERE acct_id = ?", (body["src"],)).fetchone()[0]
+    if mistake == "stale-id":
+        tid = stale
     status, reason = 201, None
     out = {"transfer_id": tid, "src": body["src"], "dst": body["dst"], "amount": amount,
            "currency": body["currency"], "created_at": now, "balance_after": left}
