@@ -369,6 +369,7 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         // its stored refusal, unmarked, is also what a service that evaluates
         // refusals again would answer: the refusal property may pass it
         ("no-replay-header", &["replay", "reorder", "\"K\"=K", "scope", "lost"], &["race", "refusal"]),
+        ("refusals-not-stored", &["refusal"], &[]),
         ("recompute", &["replay", "reorder"], &[]),
         ("lookup-insert", &["race"], &[]),
         ("invalid-consumes", &["400"], &[]),

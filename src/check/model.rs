@@ -51,6 +51,36 @@ fn style(rng: &mut Rng) -> Style {
     }
 }
 
+/// More than three accounts hold together (each under 1 000 000): a
+/// request no source can pay.
+const UNPAYABLE: i64 = 5_000_000;
+
+/// Beside what the dice bring, every day holds, each at a random place
+/// under keys of its own (3 to 7: the dice use 0 to 2): a request from an
+/// account that does not exist; one its source cannot pay; a crash after
+/// the claim, retried at once; and a transfer, other money from the same
+/// source, the transfer's retry reordered, and its key under another
+/// amount. So a verdict on what one of them judges does not hang on the seed.
+fn cover(rng: &mut Rng, day: &mut Vec<Op>, accounts: usize) {
+    let (src, dst) = (rng.below(accounts as u64) as usize, rng.below(accounts as u64 - 1) as usize);
+    let dst = (src + 1 + dst) % accounts;
+    let unknown =
+        Op { client: rng.below(2) as u8, key: 3, src: accounts, dst, amount: 100, style: Style::Plain };
+    let unpayable = Op { key: 4, src, amount: UNPAYABLE, ..unknown };
+    let crash = Op { key: 5, src, style: Style::CrashAfterClaim, ..unknown };
+    let pay = Op { key: 6, src, ..unknown };
+    let blocks = [
+        vec![unknown],
+        vec![unpayable],
+        vec![crash, Op { style: Style::Plain, ..crash }],
+        vec![pay, Op { key: 7, ..pay }, Op { style: Style::Reordered, ..pay }, Op { amount: 101, ..pay }],
+    ];
+    for ops in blocks {
+        let at = rng.below(day.len() as u64 + 1) as usize;
+        day.splice(at..at, ops);
+    }
+}
+
 /// Four random days; the first that fails is shrunk and reported.
 pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<(), CheckError> {
     let mut rng = Rng::new(engine.seed ^ 0x5eed);
@@ -71,6 +101,7 @@ pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<
                 day.push(Op { style: Style::Plain, ..op });
             }
         }
+        cover(&mut rng, &mut day, 3);
         let seed = rng.next_u64();
         let (failed, steps) = run_day(engine, setting, &day, seed)?;
         if failed {
