@@ -349,7 +349,9 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
         held.run("ROLLBACK").await;
         return Response::from_parts(head, Body::from(bytes));
     }
-    let answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
+    let mut answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
+    answer.content_type =
+        head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
     if held.complete(&idem.keys, &scope, &key, &answer).await.is_err() || !held.run("COMMIT").await {
         // whether it committed is unknown: the retry replays it or runs it
         held.run("ROLLBACK").await;
@@ -363,9 +365,14 @@ fn answer_of(reply: Reply) -> Response {
     match reply {
         Reply::Replayed(a) | Reply::Fresh(a) => {
             let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::OK);
+            let media_type = a.content_type.and_then(|t| HeaderValue::from_str(&t).ok());
             let mut r = (status, a.body).into_response();
             let h = r.headers_mut();
-            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            // what the first answer said; JSON when it said none (or was stored before the column)
+            h.insert(
+                header::CONTENT_TYPE,
+                media_type.unwrap_or(HeaderValue::from_static("application/json")),
+            );
             h.insert("idempotent-replayed", HeaderValue::from_static("true"));
             r
         }

@@ -84,12 +84,21 @@ pub struct Answer {
     pub status: u16,
     /// The body, as the first request was answered.
     pub body: String,
+    /// The body's media type, when the work said one: a replay carries it
+    /// as the first answer did (a stored refusal stays problem+json).
+    pub content_type: Option<String>,
 }
 
 impl Answer {
     /// An answer of `status` with `body`.
     pub fn new(status: u16, body: impl Into<String>) -> Answer {
-        Answer { status, body: body.into() }
+        Answer { status, body: body.into(), content_type: None }
+    }
+
+    /// The same answer, with the body's media type.
+    pub fn content_type(mut self, media_type: impl Into<String>) -> Answer {
+        self.content_type = Some(media_type.into());
+        self
     }
 }
 
@@ -200,6 +209,7 @@ impl Keys {
     /// the request is new (no row, or the row is past retention).
     fn judge(&self, row: Row, fingerprint: &str, now: Timestamp) -> Result<Option<Reply>, String> {
         let created_at = Timestamp::parse(&row.created_at).map_err(|e| e.to_string())?;
+        let content_type = row.answer.as_ref().and_then(|a| a.content_type.clone());
         let state = match row.answer {
             Some(answer) => KeyState::Completed(Stored {
                 status: answer.status,
@@ -216,7 +226,9 @@ impl Keys {
         Ok(match decide(&record, fingerprint, now, &self.policy) {
             Decision::Expired => None,
             Decision::Mismatch => Some(Reply::Mismatch),
-            Decision::Replay(s) => Some(Reply::Replayed(Answer { status: s.status, body: s.body })),
+            Decision::Replay(s) => {
+                Some(Reply::Replayed(Answer { status: s.status, body: s.body, content_type }))
+            }
             Decision::InProgress | Decision::TakeOver => Some(Reply::InFlight),
         })
     }
@@ -224,19 +236,22 @@ impl Keys {
     /// The versioned steps that build the key table, in order; a database
     /// holds the first `n` of them once its schema table says version `n`.
     fn migrations(&self, blob: &str) -> Vec<String> {
-        vec![format!(
-            "CREATE TABLE {t} (
-               client_id TEXT NOT NULL,
-               endpoint TEXT NOT NULL,
-               idem_key TEXT NOT NULL,
-               fingerprint TEXT NOT NULL,
-               created_at TEXT NOT NULL,
-               status INTEGER,
-               body {blob},
-               PRIMARY KEY (client_id, endpoint, idem_key)
-             )",
-            t = self.table
-        )]
+        vec![
+            format!(
+                "CREATE TABLE {t} (
+                   client_id TEXT NOT NULL,
+                   endpoint TEXT NOT NULL,
+                   idem_key TEXT NOT NULL,
+                   fingerprint TEXT NOT NULL,
+                   created_at TEXT NOT NULL,
+                   status INTEGER,
+                   body {blob},
+                   PRIMARY KEY (client_id, endpoint, idem_key)
+                 )",
+                t = self.table
+            ),
+            format!("ALTER TABLE {} ADD COLUMN content_type TEXT", self.table),
+        ]
     }
 }
 

@@ -130,10 +130,11 @@ impl Keys {
         let status = i32::from(answer.status);
         c.execute(
             &format!(
-                "UPDATE {} SET status = $4, body = $5 WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3",
+                "UPDATE {} SET status = $4, body = $5, content_type = $6 \
+                 WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3",
                 self.table
             ),
-            &[&scope.client, &scope.endpoint, &key, &status, &answer.body],
+            &[&scope.client, &scope.endpoint, &key, &status, &answer.body, &answer.content_type],
         )
         .await
         .map_err(db)?;
@@ -150,7 +151,7 @@ impl Keys {
         now: Timestamp,
     ) -> Result<Option<Reply>, Error<E>> {
         let read = format!(
-            "SELECT fingerprint, created_at, status, body FROM {} \
+            "SELECT fingerprint, created_at, status, body, content_type FROM {} \
              WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3 FOR UPDATE",
             self.table
         );
@@ -164,13 +165,16 @@ impl Keys {
         let row = Row {
             fingerprint: r.get(0),
             created_at: r.get(1),
-            answer: status.map(|s| Answer::new(u16::try_from(s).unwrap_or(500), body.unwrap_or_default())),
+            answer: status.map(|s| Answer {
+                content_type: r.get(4),
+                ..Answer::new(u16::try_from(s).unwrap_or(500), body.unwrap_or_default())
+            }),
         };
         if let Some(reply) = self.judge(row, fingerprint, now).map_err(|e| Error::Db(e.into()))? {
             return Ok(Some(reply));
         }
         let renew = format!(
-            "UPDATE {} SET fingerprint = $4, created_at = $5, status = NULL, body = NULL \
+            "UPDATE {} SET fingerprint = $4, created_at = $5, status = NULL, body = NULL, content_type = NULL \
              WHERE client_id = $1 AND endpoint = $2 AND idem_key = $3",
             self.table
         );

@@ -80,7 +80,7 @@ impl Keys {
         let row = conn
             .query_row(
                 &format!(
-                    "SELECT fingerprint, created_at, status, body FROM {} \
+                    "SELECT fingerprint, created_at, status, body, content_type FROM {} \
                      WHERE client_id = ?1 AND endpoint = ?2 AND idem_key = ?3",
                     self.table
                 ),
@@ -88,10 +88,12 @@ impl Keys {
                 |r| {
                     let status: Option<u16> = r.get(2)?;
                     let body: Option<String> = r.get(3)?;
+                    let content_type: Option<String> = r.get(4)?;
                     Ok(Row {
                         fingerprint: r.get(0)?,
                         created_at: r.get(1)?,
-                        answer: status.map(|s| Answer::new(s, body.unwrap_or_default())),
+                        answer: status
+                            .map(|s| Answer { content_type, ..Answer::new(s, body.unwrap_or_default()) }),
                     })
                 },
             )
@@ -126,10 +128,11 @@ impl Keys {
     ) -> Result<(), Error<E>> {
         conn.execute(
             &format!(
-                "UPDATE {} SET status = ?4, body = ?5 WHERE client_id = ?1 AND endpoint = ?2 AND idem_key = ?3",
+                "UPDATE {} SET status = ?4, body = ?5, content_type = ?6 \
+                 WHERE client_id = ?1 AND endpoint = ?2 AND idem_key = ?3",
                 self.table
             ),
-            params![scope.client, scope.endpoint, key, answer.status, answer.body],
+            params![scope.client, scope.endpoint, key, answer.status, answer.body, answer.content_type],
         )
         .map_err(db)?;
         Ok(())

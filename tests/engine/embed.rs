@@ -19,6 +19,12 @@ fn sqlite() -> (idem::embed::sqlite::Connection, Keys) {
     (db, keys)
 }
 
+/// The refusal of a payment ann cannot make: a stored business answer, in
+/// a media type of its own that its replays must keep.
+fn funds_refusal() -> Answer {
+    Answer::new(402, r#"{"refused":"funds"}"#).content_type("application/problem+json")
+}
+
 /// Pays `cents` from ann to bob, refusing (a stored business answer) what
 /// ann cannot pay, failing (an error) a payment of 13.
 fn pay_sqlite(cents: i64) -> impl Fn(&rusqlite::Transaction<'_>) -> Result<Answer, String> {
@@ -31,12 +37,13 @@ fn pay_sqlite(cents: i64) -> impl Fn(&rusqlite::Transaction<'_>) -> Result<Answe
             .execute("UPDATE wallet SET cents = cents - ?1 WHERE owner = 'ann' AND cents >= ?1", [cents])
             .map_err(|e| e.to_string())?;
         if moved == 0 {
-            return Ok(Answer::new(402, r#"{"refused":"funds"}"#));
+            return Ok(funds_refusal());
         }
         tx.execute("UPDATE wallet SET cents = cents + ?1 WHERE owner = 'bob'", [cents])
             .map_err(|e| e.to_string())?;
         tx.execute("INSERT INTO movement (cents) VALUES (?1)", [cents]).map_err(|e| e.to_string())?;
-        Ok(Answer::new(201, format!(r#"{{"movement":{},"cents":{cents}}}"#, tx.last_insert_rowid())))
+        Ok(Answer::new(201, format!(r#"{{"movement":{},"cents":{cents}}}"#, tx.last_insert_rowid()))
+            .content_type("application/json"))
     }
 }
 
@@ -79,13 +86,37 @@ fn sqlite_a_failed_work_rolls_back_with_its_claim_and_a_refusal_is_stored() {
     let ok = keys.run_sqlite(&mut db, &me, "k", r#"{"cents":5}"#, pay_sqlite(5)).unwrap();
     assert!(matches!(ok, Reply::Fresh(ref a) if a.status == 201), "{ok:?}");
     let refused = keys.run_sqlite(&mut db, &me, "poor", r#"{"cents":5000}"#, pay_sqlite(5000)).unwrap();
-    assert_eq!(refused, Reply::Fresh(Answer::new(402, r#"{"refused":"funds"}"#)));
+    assert_eq!(refused, Reply::Fresh(funds_refusal()));
     // money arrives; the retry still gets the stored refusal, not a payment
     db.execute("UPDATE wallet SET cents = 99999 WHERE owner = 'ann'", []).unwrap();
     let again = keys.run_sqlite(&mut db, &me, "poor", r#"{"cents":5000}"#, pay_sqlite(5000)).unwrap();
-    assert_eq!(again, Reply::Replayed(Answer::new(402, r#"{"refused":"funds"}"#)));
+    assert_eq!(again, Reply::Replayed(funds_refusal()));
     assert!(matches!(keys.run_sqlite(&mut db, &me, "", "{}", pay_sqlite(1)), Err(Error::Key)));
     assert!(matches!(keys.run_sqlite(&mut db, &me, "x", "{nope", pay_sqlite(1)), Err(Error::Body(_))));
+}
+
+#[test]
+fn sqlite_a_key_table_of_version_1_is_upgraded_and_its_answers_replay_as_json() {
+    let (mut db, keys) = sqlite();
+    let me = Scope::new("c1", "POST /pay");
+    keys.run_sqlite(&mut db, &me, "old", r#"{"cents":1}"#, pay_sqlite(1)).unwrap();
+    // the table as version 1 left it: no content_type column
+    db.execute_batch(
+        "ALTER TABLE shop_idem_keys DROP COLUMN content_type; DELETE FROM shop_idem_schema WHERE version = 2",
+    )
+    .unwrap();
+    keys.migrate_sqlite(&db).unwrap();
+    let again = keys.run_sqlite(&mut db, &me, "old", r#"{"cents":1}"#, pay_sqlite(1)).unwrap();
+    assert!(matches!(again, Reply::Replayed(Answer { status: 201, content_type: None, .. })), "{again:?}");
+    let next = keys.run_sqlite(&mut db, &me, "new", r#"{"cents":2}"#, pay_sqlite(2)).unwrap();
+    assert!(matches!(next, Reply::Fresh(Answer { content_type: Some(_), .. })), "{next:?}");
+    assert_eq!(
+        keys.run_sqlite(&mut db, &me, "new", r#"{"cents":2}"#, pay_sqlite(2)).unwrap(),
+        match next {
+            Reply::Fresh(a) => Reply::Replayed(a),
+            other => other,
+        }
+    );
 }
 
 #[test]
@@ -154,7 +185,7 @@ async fn pay_pg(tx: &tokio_postgres::Transaction<'_>, cents: i64) -> Result<Answ
         .await
         .map_err(e)?;
     if moved == 0 {
-        return Ok(Answer::new(402, r#"{"refused":"funds"}"#));
+        return Ok(funds_refusal());
     }
     tx.execute("UPDATE wallet SET cents = cents + $1 WHERE owner = 'bob'", &[&cents]).await.map_err(e)?;
     let id: i32 = tx
@@ -165,7 +196,7 @@ async fn pay_pg(tx: &tokio_postgres::Transaction<'_>, cents: i64) -> Result<Answ
         .await
         .map_err(e)?
         .get(0);
-    Ok(Answer::new(201, format!(r#"{{"movement":{id},"cents":{cents}}}"#)))
+    Ok(Answer::new(201, format!(r#"{{"movement":{id},"cents":{cents}}}"#)).content_type("application/json"))
 }
 
 async fn ann_bob_pg(client: &tokio_postgres::Client) -> (i64, i64, i64) {

@@ -86,14 +86,35 @@ fn start(
 
 /// POSTs a transfer of 5 under `key`; the answer's status, if one came.
 fn post(address: &str, key: &str) -> Option<u16> {
-    let body = r#"{"src":"A","dst":"B","amount":5,"currency":"KRW"}"#;
+    send(address, key, r#"{"src":"A","dst":"B","amount":5,"currency":"KRW"}"#).map(|h| h.status)
+}
+
+/// POSTs `body` under `key` as client tok-1; the answer, if one came.
+fn send(address: &str, key: &str, body: &str) -> Option<idem::check::http::Http> {
     let request = format!(
         "POST /v1/transfers HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-1\r\nIdempotency-Key: \"{key}\"\r\n\
          Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    let answer = idem::check::http::exchange(address.parse().unwrap(), request.as_bytes());
-    answer.ok().map(|h| h.status)
+    idem::check::http::exchange(address.parse().unwrap(), request.as_bytes()).ok()
+}
+
+#[test]
+fn a_stored_refusal_is_replayed_in_the_media_type_it_was_answered_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let clients = dir.path().join("clients.json");
+    std::fs::write(&clients, r#"{"tok-1": "shop-1"}"#).unwrap();
+    let (address, mut child) = start(&dir.path().join("ledger.db"), &clients, "inside", false);
+    let unknown = r#"{"src":"nobody","dst":"B","amount":5,"currency":"KRW"}"#;
+    let first = send(&address, "refused-1", unknown).unwrap();
+    let again = send(&address, "refused-1", unknown).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!((first.status, again.status, again.body.as_str()), (404, 404, first.body.as_str()));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{:?}", again.headers);
+    for answer in [&first, &again] {
+        assert_eq!(answer.header("content-type"), Some("application/problem+json"), "{:?}", answer.headers);
+    }
 }
 
 #[test]
