@@ -240,8 +240,6 @@ fn transfer<S: Store>(
     protocol::handle(store, req, Ctx { policy, now: clock(), token: &token }, &mut |_| Flow::Continue)
 }
 
-/// Whether an outcome says the database went away under the request
-/// (`protocol::handle` answers that as a 503 `unavailable`).
 /// Whether the request answered 503 for the database: gone (a failover, a
 /// restart) or a statement past its timeout (a lock wait, or a primary
 /// paused under it: its commits may have reached a standby).
@@ -252,9 +250,10 @@ fn unanswered_by_the_database(outcome: &Result<Outcome, StoreError>) -> bool {
 /// Claims left behind by requests that answered 503 because the database
 /// went away or stopped answering (a failover, a restart, a primary paused
 /// past a statement's timeout): the protocol's own release ran while it
-/// was still away, or on the old primary, whose timeline is then discarded. Each is released before the next transfer on the
-/// pool runs, so its key does not wait out the whole lease (minutes) for an
-/// attempt that is over. Safe whatever happened meanwhile: a release only
+/// was still away, or on the old primary, whose timeline is then
+/// discarded. Each is released before the next transfer on the pool runs,
+/// so its key does not wait out the whole lease (minutes) for an attempt
+/// that is over. Safe whatever happened meanwhile: a release only
 /// deletes a key still `in_progress` under this attempt's token, so a
 /// claim that never reached the new primary, or an execution that did
 /// commit, is left as it is.

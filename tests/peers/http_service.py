@@ -46,11 +46,12 @@ it breaks:
 """
 import argparse, datetime, hashlib, http.server, json, sqlite3, threading, time, traceback
 
-MISTAKES = ["chunked", "no-replay-header", "recompute", "lookup-insert", "invalid-consumes", "refusals-not-stored",
-            "get-across-clients", "no-retry-after", "no-scope", "key-before-auth", "doubled-auth", "plain-errors",
-            "leak", "quoted-distinct", "token-scope", "lost-update", "no-key-processed", "bare-key-refused",
-            "other-statuses", "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500",
-            "replay-header-always"]
+CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after", "plain-errors", "bare-key-refused",
+           "other-statuses", "replay-header-always"]
+ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
+          "doubled-auth", "leak", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
+          "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500"]
+MISTAKES = CHOICES + ERRORS
 p = argparse.ArgumentParser()
 p.add_argument("--db", required=True)
 p.add_argument("--listen", default="127.0.0.1:0")
