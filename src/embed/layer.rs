@@ -42,7 +42,7 @@
 //! request, a 5xx) rolls back the handler's writes with the claim, and the
 //! key stays free for the corrected request.
 
-use super::{Answer, Error, Keys, Reply, Scope};
+use super::{Answer, Keys, Reply, Scope};
 use axum::body::{Body, to_bytes};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
@@ -145,69 +145,120 @@ impl Idempotency {
         Ok(Idempotency { keys: Arc::new(keys), store, who: Arc::new(who), max_body: 64 * 1024 })
     }
 
-    /// A connection with a write transaction open on it.
-    async fn begin(&self) -> Option<Held> {
-        // SQLite: BEGIN IMMEDIATE, the write lock first, so no read is upgraded
-        let (mut held, begin) = match &self.store {
+    /// A connection with a write transaction open on it and the key claimed
+    /// in it; or the reply the key's row gives instead, or `None` when the
+    /// database failed (the transaction is then ended either way).
+    async fn claim(&self, scope: &Scope, key: &str, fingerprint: &str) -> Result<Held, Option<Reply>> {
+        let mut held = match &self.store {
             #[cfg(feature = "postgres")]
-            Store::Pg(pool) => (Held::Pg(Box::new(pool.get().await.ok()?)), "BEGIN"),
+            Store::Pg(pool) => Held { conn: Conn::Pg(Some(pool.get().await.map_err(|_| None)?)), open: true },
             #[cfg(feature = "sqlite")]
-            Store::Sqlite(conn) => (Held::Sqlite(conn.clone().lock_owned().await), "BEGIN IMMEDIATE"),
+            Store::Sqlite(conn) => Held { conn: Conn::Sqlite(conn.clone().lock_owned().await), open: true },
         };
-        held.run(begin).await.then_some(held)
+        let claimed = match &mut held.conn {
+            // BEGIN and the claim go together: one round trip
+            #[cfg(feature = "postgres")]
+            Conn::Pg(c) => match c {
+                Some(c) => self.keys.claim_on::<_, ()>(&**c, true, scope, key, fingerprint).await,
+                None => return Err(None),
+            },
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => {
+                // BEGIN IMMEDIATE: SQLite's write lock first, so no read is upgraded
+                match c.execute_batch("BEGIN IMMEDIATE") {
+                    Ok(()) => self.keys.claim_sqlite::<()>(c, scope, key, fingerprint),
+                    Err(e) => Err(super::Error::Db(Box::new(e))),
+                }
+            }
+        };
+        match claimed {
+            Ok(None) => Ok(held),
+            Ok(Some(reply)) => {
+                held.rollback().await;
+                Err(Some(reply))
+            }
+            Err(_) => {
+                held.rollback().await;
+                Err(None)
+            }
+        }
     }
 }
 
-/// A connection whose transaction a request holds.
-enum Held {
+/// A connection whose write transaction a request holds. Dropped with the
+/// transaction still open (a handler that panicked, a runtime shutting
+/// down), it ends it: SQLite rolls back at once; a PostgreSQL connection is
+/// closed, never returned to the pool, and the server rolls its transaction
+/// back as it goes. No connection goes back to a pool mid-transaction.
+struct Held {
+    conn: Conn,
+    /// Whether the transaction may still be open: set until a COMMIT or
+    /// ROLLBACK went through.
+    open: bool,
+}
+
+enum Conn {
+    // `None` only once dropped
     #[cfg(feature = "postgres")]
-    Pg(Box<managed::Object<Connector>>),
+    Pg(Option<managed::Object<Connector>>),
     #[cfg(feature = "sqlite")]
     Sqlite(OwnedMutexGuard<rusqlite::Connection>),
 }
 
+impl Drop for Held {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        match &mut self.conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(c) => drop(c.take().map(managed::Object::take)),
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => {
+                let _ = c.execute_batch("ROLLBACK");
+            }
+        }
+    }
+}
+
 impl Held {
-    /// Runs `sql` (BEGIN, COMMIT, ROLLBACK); whether it went through.
+    /// Rolls the transaction back; if that fails, dropping `self` ends it.
     // `&mut self` throughout: a SQLite connection is not `Sync`, so a
     // shared borrow of one held across an await would make the
     // middleware's future not `Send`
-    async fn run(&mut self, sql: &str) -> bool {
-        match self {
+    async fn rollback(&mut self) {
+        let done = match &mut self.conn {
             #[cfg(feature = "postgres")]
-            Held::Pg(c) => c.batch_execute(sql).await.is_ok(),
+            Conn::Pg(c) => match c {
+                Some(c) => c.batch_execute("ROLLBACK").await.is_ok(),
+                None => false,
+            },
             #[cfg(feature = "sqlite")]
-            Held::Sqlite(c) => c.execute_batch(sql).is_ok(),
-        }
+            Conn::Sqlite(c) => c.execute_batch("ROLLBACK").is_ok(),
+        };
+        self.open = !done;
     }
 
-    async fn claim(
-        &mut self,
-        keys: &Keys,
-        scope: &Scope,
-        key: &str,
-        fp: &str,
-    ) -> Result<Option<Reply>, Error<()>> {
-        match self {
+    /// Stores `answer` with the key and commits, in one round trip on
+    /// PostgreSQL; whether it committed (`false`: it may have, or not).
+    async fn complete(&mut self, keys: &Keys, scope: &Scope, key: &str, answer: &Answer) -> bool {
+        let committed = match &mut self.conn {
             #[cfg(feature = "postgres")]
-            Held::Pg(c) => keys.claim_on(&***c, scope, key, fp).await,
+            Conn::Pg(c) => match c {
+                Some(c) => keys.complete_and_commit(c, scope, key, answer).await,
+                None => false,
+            },
             #[cfg(feature = "sqlite")]
-            Held::Sqlite(c) => keys.claim_sqlite(c, scope, key, fp),
+            Conn::Sqlite(c) => {
+                keys.complete_sqlite::<()>(c, scope, key, answer).is_ok() && c.execute_batch("COMMIT").is_ok()
+            }
+        };
+        if committed {
+            self.open = false;
+        } else {
+            self.rollback().await;
         }
-    }
-
-    async fn complete(
-        &mut self,
-        keys: &Keys,
-        scope: &Scope,
-        key: &str,
-        answer: &Answer,
-    ) -> Result<(), Error<()>> {
-        match self {
-            #[cfg(feature = "postgres")]
-            Held::Pg(c) => keys.complete_on(&***c, scope, key, answer).await,
-            #[cfg(feature = "sqlite")]
-            Held::Sqlite(c) => keys.complete_sqlite(c, scope, key, answer),
-        }
+        committed
     }
 }
 
@@ -223,7 +274,7 @@ impl Tx {
     /// does); `None` on SQLite.
     pub async fn client(&self) -> Option<TxClient> {
         let held = self.0.clone().lock_owned().await;
-        matches!(*held, Some(Held::Pg(_))).then_some(TxClient(held))
+        matches!(*held, Some(Held { conn: Conn::Pg(Some(_)), .. })).then_some(TxClient(held))
     }
 
     #[cfg(feature = "sqlite")]
@@ -231,7 +282,7 @@ impl Tx {
     /// [`Tx::client`]); `None` on PostgreSQL.
     pub async fn sqlite(&self) -> Option<TxSqlite> {
         let held = self.0.clone().lock_owned().await;
-        matches!(*held, Some(Held::Sqlite(_))).then_some(TxSqlite(held))
+        matches!(*held, Some(Held { conn: Conn::Sqlite(_), .. })).then_some(TxSqlite(held))
     }
 }
 
@@ -244,7 +295,7 @@ impl std::ops::Deref for TxClient {
     type Target = Client;
     fn deref(&self) -> &Client {
         match &*self.0 {
-            Some(Held::Pg(c)) => c,
+            Some(Held { conn: Conn::Pg(Some(c)), .. }) => c,
             // checked when made, and held since: nothing can change it
             _ => unreachable!("a TxClient holds a PostgreSQL transaction"),
         }
@@ -260,7 +311,7 @@ impl std::ops::Deref for TxSqlite {
     type Target = rusqlite::Connection;
     fn deref(&self) -> &rusqlite::Connection {
         match &*self.0 {
-            Some(Held::Sqlite(c)) => c,
+            Some(Held { conn: Conn::Sqlite(c), .. }) => c,
             _ => unreachable!("a TxSqlite holds a SQLite transaction"),
         }
     }
@@ -318,43 +369,60 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
     };
     parts.extensions.insert(Caller(client.clone()));
     let scope = Scope::new(client, format!("{} {}", parts.method, parts.uri.path()));
-    let Some(mut held) = idem.begin().await else {
-        return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "No database connection.");
-    };
-    match held.claim(&idem.keys, &scope, &key, &fingerprint).await {
-        Ok(None) => {}
-        Ok(Some(reply)) => {
-            held.run("ROLLBACK").await;
-            return answer_of(reply);
-        }
-        Err(_) => {
-            held.run("ROLLBACK").await;
-            return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
-        }
+    // From the claim on, the request runs to its end in a task of its own:
+    // a client that hangs up, or a timeout layer that drops this future,
+    // leaves the handler to finish and its answer to be stored, so the
+    // retry replays it (Stripe's and brandur's choice: a started request
+    // finishes). A handler that panics ends its task: its writes and its
+    // claim roll back (`Held`'s drop), and the retry runs it afresh.
+    let request = Request::from_parts(parts, Body::from(bytes));
+    match tokio::spawn(run(idem, scope, key, fingerprint, request, next)).await {
+        Ok(response) => response,
+        Err(_) => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "handler_failed",
+            "The handler failed; nothing it did was kept, and the key is free.",
+        ),
     }
+}
+
+/// Claims the key, runs the handler in the claim's transaction, stores its
+/// answer and commits.
+async fn run(
+    idem: Idempotency,
+    scope: Scope,
+    key: String,
+    fingerprint: String,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let held = match idem.claim(&scope, &key, &fingerprint).await {
+        Ok(held) => held,
+        Err(Some(reply)) => return answer_of(reply),
+        Err(None) => return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed."),
+    };
     let slot = Arc::new(Mutex::new(Some(held)));
-    parts.extensions.insert(Tx(slot.clone()));
-    let response = next.run(Request::from_parts(parts, Body::from(bytes))).await;
+    request.extensions_mut().insert(Tx(slot.clone()));
+    let response = next.run(request).await;
     let Some(mut held) = slot.lock().await.take() else {
         return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
     };
     let (head, body) = response.into_parts();
     let kept = head.status.is_success() || head.extensions.get::<Business>().is_some();
     let Ok(bytes) = to_bytes(body, usize::MAX).await else {
-        held.run("ROLLBACK").await;
+        held.rollback().await;
         return problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", "The answer could not be read.");
     };
     if !kept {
         // not an answer to keep: the handler's writes go with the claim
-        held.run("ROLLBACK").await;
+        held.rollback().await;
         return Response::from_parts(head, Body::from(bytes));
     }
     let mut answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
     answer.content_type =
         head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
-    if held.complete(&idem.keys, &scope, &key, &answer).await.is_err() || !held.run("COMMIT").await {
+    if !held.complete(&idem.keys, &scope, &key, &answer).await {
         // whether it committed is unknown: the retry replays it or runs it
-        held.run("ROLLBACK").await;
         return problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", "Whether it was done is unknown: retry.");
     }
     Response::from_parts(head, Body::from(bytes))

@@ -150,6 +150,8 @@ pub struct Keys {
     versions: String,
     policy: Policy,
     wait: std::time::Duration,
+    #[cfg(feature = "postgres")]
+    sql: pg::Sql,
 }
 
 /// Why a table prefix was refused.
@@ -176,8 +178,11 @@ impl Keys {
             return Err(BadPrefix(prefix.to_owned()));
         }
         let policy = Policy::embedded().clone();
+        let table = format!("{prefix}idem_keys");
         Ok(Keys {
-            table: format!("{prefix}idem_keys"),
+            #[cfg(feature = "postgres")]
+            sql: pg::Sql::new(&table),
+            table,
             versions: format!("{prefix}idem_schema"),
             policy,
             wait: IN_FLIGHT_WAIT,

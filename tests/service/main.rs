@@ -8,6 +8,7 @@
 mod common;
 mod server;
 
+mod abandon;
 mod availability;
 mod chaos;
 mod client;

@@ -1,0 +1,249 @@
+//! The library's layer under an abandonment storm, on both stores: clients
+//! that hang up before their body is sent, while their handler runs or
+//! while it waits for a row lock, and handlers that panic after their
+//! writes. Afterwards every key is retried until it answers: each must
+//! have paid exactly once (never twice, never stuck at 409), every answer a
+//! client heard must be the one its retry replays, and the requests that
+//! did not hang up must have met nothing but 201 and 409 (no 503 left
+//! behind by someone else's abandoned transaction).
+
+use crate::common::pg;
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::from_fn_with_state;
+use axum::response::{IntoResponse, Response};
+use axum::{Router, routing::post};
+use idem::embed::Keys;
+use idem::embed::layer::{Idempotency, Tx, idempotent};
+use idem::rng::Rng;
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const WALLETS: i64 = 4;
+const OPENING: i64 = 1_000_000;
+const KEYS: u64 = 500;
+const ATTEMPTS: u64 = 3_000;
+const CLIENTS: u64 = 12;
+
+/// The caller's own tables (nothing of idem's): wallets, and one row per
+/// execution of a key's request.
+const SCHEMA: &str = "CREATE TABLE wallet (id BIGINT PRIMARY KEY, cents BIGINT NOT NULL);
+                      CREATE TABLE moves (id {serial}, key TEXT NOT NULL, cents BIGINT NOT NULL)";
+
+#[test]
+fn sqlite_an_abandonment_storm_pays_every_key_once_and_strands_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("storm.db");
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch(&SCHEMA.replace("{serial}", "INTEGER PRIMARY KEY")).unwrap();
+    for w in 0..WALLETS {
+        conn.execute("INSERT INTO wallet VALUES (?1, ?2)", [w, OPENING]).unwrap();
+    }
+    drop(conn);
+    let moves = storm(&path.display().to_string());
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let mut select = conn.prepare("SELECT key, id, cents FROM moves").unwrap();
+    let rows = select.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)));
+    let rows: Vec<_> = rows.unwrap().map(Result::unwrap).collect();
+    drop(select);
+    let total: i64 = conn.query_row("SELECT sum(cents) FROM wallet", [], |r| r.get(0)).unwrap();
+    judge(moves, rows, total);
+}
+
+#[test]
+fn postgres_an_abandonment_storm_pays_every_key_once_and_strands_none() {
+    let Some(server) = pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    pg::execute(&spec, &SCHEMA.replace("{serial}", "BIGSERIAL PRIMARY KEY"));
+    for w in 0..WALLETS {
+        pg::execute(&spec, &format!("INSERT INTO wallet VALUES ({w}, {OPENING})"));
+    }
+    let moves = storm(&spec);
+    let mut c = pg::client(&spec);
+    let rows = c.query("SELECT key, id, cents FROM moves", &[]).unwrap();
+    let rows = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    let total: i64 = c.query_one("SELECT sum(cents)::bigint FROM wallet", &[]).unwrap().get(0);
+    judge(moves, rows, total);
+}
+
+/// What the storm heard, per key: every answer a client read to its end.
+type Heard = BTreeMap<String, Vec<(u16, String)>>;
+
+/// Runs the storm against the layer on `db`, then retries every key until
+/// it answers; returns what was heard, and fails on a stuck key or on an
+/// answer other than 201 or 409.
+fn storm(db: &str) -> Heard {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let address = runtime.block_on(serve(db));
+    let heard: Arc<Mutex<Heard>> = Arc::default();
+    std::thread::scope(|s| {
+        for c in 0..CLIENTS {
+            let heard = heard.clone();
+            s.spawn(move || {
+                let mut rng = Rng::new(0x5eed_0000 + c);
+                for _ in 0..ATTEMPTS / CLIENTS {
+                    let key = format!("k-{}", rng.below(KEYS));
+                    if let Some(answer) = attempt(address, &key, &mut rng) {
+                        heard.lock().unwrap().entry(key).or_default().push(answer);
+                    }
+                }
+            });
+        }
+    });
+    let mut heard = Arc::into_inner(heard).unwrap().into_inner().unwrap();
+    for k in 0..KEYS {
+        let key = format!("k-{k}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let last = loop {
+            let answer = send(address, &key, Mode::Whole).expect("a retry is answered");
+            if answer.0 != 409 || Instant::now() > deadline {
+                break answer;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_ne!(last.0, 409, "{key} is stuck in progress 10 s after the storm");
+        heard.entry(key).or_default().push(last);
+    }
+    runtime.shutdown_timeout(Duration::from_secs(5));
+    heard
+}
+
+/// Every key paid once, every 201 heard the same as the key's last answer
+/// (a replay of it), no answer but 201 and 409, and no cent made or lost.
+fn judge(heard: Heard, moves: Vec<(String, i64, i64)>, total: i64) {
+    let mut paid: HashMap<&str, Vec<i64>> = HashMap::new();
+    for (key, id, _) in &moves {
+        paid.entry(key).or_default().push(*id);
+    }
+    let twice: Vec<_> = paid.iter().filter(|(_, ids)| ids.len() > 1).collect();
+    assert!(twice.is_empty(), "keys paid more than once: {twice:?}");
+    for (key, answers) in &heard {
+        let last = answers.last().unwrap();
+        assert_eq!(last.0, 201, "{key}: {last:?}");
+        let odd: Vec<_> = answers.iter().filter(|(s, _)| ![201, 409].contains(s)).collect();
+        assert!(odd.is_empty(), "{key}: answers other than 201 and 409: {odd:?}");
+        let id = paid.get(key.as_str()).map(|ids| ids[0]);
+        assert_eq!(last.1, format!(r#"{{"move":{}}}"#, id.unwrap_or(-1)), "{key}: the answer names its move");
+        for answer in answers.iter().filter(|(s, _)| *s == 201) {
+            assert_eq!(answer, last, "{key}: a 201 heard differs from its replay");
+        }
+    }
+    assert_eq!(paid.len() as u64, KEYS, "every key paid");
+    let heard_201 = heard.values().flatten().filter(|(s, _)| *s == 201).count();
+    let heard_409 = heard.values().flatten().filter(|(s, _)| *s == 409).count();
+    eprintln!(
+        "abandonment storm: {ATTEMPTS} attempts on {KEYS} keys, then one retry each: {} moves, \
+         {heard_201} answers 201 and {heard_409} answers 409 heard, none else",
+        moves.len()
+    );
+    let debited: i64 = moves.iter().map(|(_, _, cents)| cents).sum();
+    assert_eq!(total, WALLETS * OPENING - debited, "the wallets hold what the moves say");
+}
+
+/// The layer on `db` over [`pay`], served on loopback.
+async fn serve(db: &str) -> SocketAddr {
+    let idem = Idempotency::connect(db, Keys::new("storm_").unwrap(), 8, |h| {
+        h.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+    })
+    .await
+    .unwrap();
+    let app = Router::new().route("/pay", post(pay)).route_layer(from_fn_with_state(idem, idempotent));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    address
+}
+
+/// Debits `cents` from the key's wallet and records the move, then waits
+/// `x-sleep-ms` holding the wallet's row (others queue on it), then
+/// panics if `x-panic` says so, else answers the move's id.
+async fn pay(tx: Tx, headers: HeaderMap, body: String) -> Response {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let key = header("idempotency-key").trim_matches('"').to_owned();
+    let cents: i64 = body.trim_start_matches(r#"{"cents":"#).trim_end_matches('}').parse().unwrap();
+    let wallet = i64::from(key.bytes().map(u32::from).sum::<u32>()) % WALLETS;
+    let id: i64 = match tx.client().await {
+        Some(c) => {
+            c.execute("UPDATE wallet SET cents = cents - $2 WHERE id = $1", &[&wallet, &cents]).await.unwrap();
+            let sql = "INSERT INTO moves (key, cents) VALUES ($1, $2) RETURNING id";
+            c.query_one(sql, &[&key, &cents]).await.unwrap().get(0)
+        }
+        None => {
+            let c = tx.sqlite().await.unwrap();
+            c.execute("UPDATE wallet SET cents = cents - ?2 WHERE id = ?1", [wallet, cents]).unwrap();
+            c.execute("INSERT INTO moves (key, cents) VALUES (?1, ?2)", rusqlite::params![key, cents]).unwrap();
+            c.last_insert_rowid()
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(header("x-sleep-ms").parse().unwrap_or(0))).await;
+    assert!(header("x-panic").is_empty(), "the handler panics after its writes");
+    (StatusCode::CREATED, format!(r#"{{"move":{id}}}"#)).into_response()
+}
+
+/// How a client sends its request.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// Hangs up after half the body.
+    HalfBody,
+    /// Sends it all, hangs up after this many ms, answered or not.
+    HangUp(u64),
+    /// Asks the handler to panic after its writes.
+    Panic,
+    /// Sends it all and reads the answer.
+    Whole,
+}
+
+/// One attempt of a random kind; the answer, if it was read.
+fn attempt(address: SocketAddr, key: &str, rng: &mut Rng) -> Option<(u16, String)> {
+    let mode = match rng.below(100) {
+        0..15 => Mode::HalfBody,
+        15..55 => Mode::HangUp(rng.below(12)),
+        55..63 => Mode::Panic,
+        _ => Mode::Whole,
+    };
+    let answer = send(address, key, mode);
+    if matches!(mode, Mode::Panic) {
+        // the panic's own answer, when the key was claimed: 500, nothing kept
+        let status = answer.map(|(status, _)| status);
+        assert!(matches!(status, None | Some(500 | 201 | 409)), "{key}: a panicking handler answered {status:?}");
+        return None;
+    }
+    answer
+}
+
+/// Sends `key`'s request (always the same body for a key) as `mode` says,
+/// the handler holding its row 0 to 5 ms; the status and body read back.
+fn send(address: SocketAddr, key: &str, mode: Mode) -> Option<(u16, String)> {
+    let cents = 1 + key.bytes().map(u64::from).sum::<u64>() % 97;
+    let body = format!(r#"{{"cents":{cents}}}"#);
+    let sleep_ms = idem::rng::mix(cents) % 6;
+    let panic = if matches!(mode, Mode::Panic) { "x-panic: 1\r\n" } else { "" };
+    let head = format!(
+        "POST /pay HTTP/1.1\r\nHost: x\r\nX-Client: shop\r\nIdempotency-Key: \"{key}\"\r\n\
+         X-Sleep-Ms: {sleep_ms}\r\n{panic}Content-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    );
+    let mut stream = TcpStream::connect(address).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    match mode {
+        Mode::HalfBody => {
+            let _ = stream.write_all(format!("{head}{}", &body[..body.len() / 2]).as_bytes());
+            return None;
+        }
+        Mode::HangUp(ms) => {
+            let _ = stream.write_all(format!("{head}{body}").as_bytes());
+            std::thread::sleep(Duration::from_millis(ms));
+            let _ = stream.shutdown(Shutdown::Both);
+            return None;
+        }
+        Mode::Panic | Mode::Whole => stream.write_all(format!("{head}{body}").as_bytes()).ok()?,
+    }
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let status = text.get(9..12)?.parse().ok()?;
+    let (_, body) = text.split_once("\r\n\r\n")?;
+    Some((status, body.to_owned()))
+}
