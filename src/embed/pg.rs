@@ -46,9 +46,7 @@ impl Sql {
                 "UPDATE {table} SET fingerprint = $4, created_at = $5, status = NULL, body = NULL, \
                  content_type = NULL WHERE {KEY}"
             ),
-            complete: format!(
-                "UPDATE {table} SET status = $4, body = $5, content_type = $6 WHERE {KEY}"
-            ),
+            complete: format!("UPDATE {table} SET status = $4, body = $5, content_type = $6 WHERE {KEY}"),
         }
     }
 }
@@ -190,10 +188,8 @@ impl Keys {
     ) -> bool {
         let status = i32::from(answer.status);
         let args = completion(scope, &key, &status, answer);
-        let (done, committed) = tokio::join!(
-            c.execute_typed(&self.sql.complete, &args),
-            c.batch_execute("COMMIT"),
-        );
+        let (done, committed) =
+            tokio::join!(c.execute_typed(&self.sql.complete, &args), c.batch_execute("COMMIT"),);
         matches!(done, Ok(1)) && committed.is_ok()
     }
 

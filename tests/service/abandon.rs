@@ -166,14 +166,17 @@ async fn pay(tx: Tx, headers: HeaderMap, body: String) -> Response {
     let wallet = i64::from(key.bytes().map(u32::from).sum::<u32>()) % WALLETS;
     let id: i64 = match tx.client().await {
         Some(c) => {
-            c.execute("UPDATE wallet SET cents = cents - $2 WHERE id = $1", &[&wallet, &cents]).await.unwrap();
+            c.execute("UPDATE wallet SET cents = cents - $2 WHERE id = $1", &[&wallet, &cents])
+                .await
+                .unwrap();
             let sql = "INSERT INTO moves (key, cents) VALUES ($1, $2) RETURNING id";
             c.query_one(sql, &[&key, &cents]).await.unwrap().get(0)
         }
         None => {
             let c = tx.sqlite().await.unwrap();
             c.execute("UPDATE wallet SET cents = cents - ?2 WHERE id = ?1", [wallet, cents]).unwrap();
-            c.execute("INSERT INTO moves (key, cents) VALUES (?1, ?2)", rusqlite::params![key, cents]).unwrap();
+            c.execute("INSERT INTO moves (key, cents) VALUES (?1, ?2)", rusqlite::params![key, cents])
+                .unwrap();
             c.last_insert_rowid()
         }
     };
@@ -207,7 +210,10 @@ fn attempt(address: SocketAddr, key: &str, rng: &mut Rng) -> Option<(u16, String
     if matches!(mode, Mode::Panic) {
         // the panic's own answer, when the key was claimed: 500, nothing kept
         let status = answer.map(|(status, _)| status);
-        assert!(matches!(status, None | Some(500 | 201 | 409)), "{key}: a panicking handler answered {status:?}");
+        assert!(
+            matches!(status, None | Some(500 | 201 | 409)),
+            "{key}: a panicking handler answered {status:?}"
+        );
         return None;
     }
     answer

@@ -1,0 +1,99 @@
+//! What the library's layer costs on PostgreSQL in round trips, counted
+//! by the network hop (`idem::outside::hop`, which counts the chunks sent
+//! to the server: one per round trip a client waits out), against a bare
+//! handler doing the same writes in its own BEGIN … COMMIT, in the same
+//! run. The layer sends its claim with the BEGIN and its completion with
+//! the COMMIT, typed (no prepare): a new key costs no round trip more than
+//! the bare handler; the draft's budget, asserted here, is two.
+
+use crate::common::pg;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::middleware::from_fn_with_state;
+use axum::response::{IntoResponse, Response};
+use axum::{Router, routing::post};
+use idem::embed::Keys;
+use idem::embed::layer::{Idempotency, Tx, idempotent};
+use idem::outside::hop::Hop;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tower::ServiceExt;
+
+const REQUESTS: u64 = 40;
+
+/// The handler's writes, on a client whose transaction is open.
+async fn pay(c: &tokio_postgres::Client) -> Response {
+    let debit = c.execute("UPDATE wallet SET cents = cents - 1 WHERE id = 1", &[]).await;
+    let moved = c.query_one("INSERT INTO moves (cents) VALUES (1) RETURNING id", &[]).await;
+    match (debit, moved) {
+        (Ok(1), Ok(row)) => {
+            (StatusCode::CREATED, format!(r#"{{"move":{}}}"#, row.get::<_, i64>(0))).into_response()
+        }
+        _ => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
+async fn bare(State(c): State<Arc<tokio_postgres::Client>>) -> Response {
+    if c.batch_execute("BEGIN").await.is_err() {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    let answer = pay(&c).await;
+    match c.batch_execute("COMMIT").await {
+        Ok(()) => answer,
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
+async fn layered(tx: Tx) -> Response {
+    match tx.client().await {
+        Some(c) => pay(&c).await,
+        None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+/// Round trips per request through `app`, each request under a new key.
+async fn trips(app: &Router, hop: &Hop, tag: &str) -> f64 {
+    let send = |i: u64| {
+        let request = axum::http::Request::post("/pay")
+            .header("x-client", "shop")
+            .header("idempotency-key", format!("\"{tag}-{i}\""))
+            .body(axum::body::Body::from(r#"{"cents":1}"#))
+            .unwrap();
+        app.clone().oneshot(request)
+    };
+    // the connection is made, and warm, before counting
+    assert_eq!(send(u64::MAX).await.unwrap().status(), StatusCode::CREATED, "{tag}");
+    let before = hop.to_server.load(Ordering::Relaxed);
+    for i in 0..REQUESTS {
+        assert_eq!(send(i).await.unwrap().status(), StatusCode::CREATED, "{tag}");
+    }
+    (hop.to_server.load(Ordering::Relaxed) - before) as f64 / REQUESTS as f64
+}
+
+#[test]
+fn the_layer_costs_at_most_two_round_trips_over_the_bare_handler_on_postgres() {
+    let Some(server) = pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    pg::execute(
+        &spec,
+        "CREATE TABLE wallet (id BIGINT PRIMARY KEY, cents BIGINT NOT NULL);
+         INSERT INTO wallet VALUES (1, 1000000000);
+         CREATE TABLE moves (id BIGSERIAL PRIMARY KEY, cents BIGINT NOT NULL)",
+    );
+    // one thread: what one request sends is written before the hop reads it
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (bare_trips, layer_trips) = runtime.block_on(async {
+        let (hop, through) = Hop::to_postgres(&spec, Duration::ZERO).unwrap();
+        let (client, connection) = tokio_postgres::connect(&through, tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        let bare_app = Router::new().route("/pay", post(bare)).with_state(Arc::new(client));
+        let who = |h: &axum::http::HeaderMap| h.get("x-client").map(|_| "shop".to_owned());
+        let idem = Idempotency::connect(&through, Keys::new("trips_").unwrap(), 1, who).await.unwrap();
+        let layer_app =
+            Router::new().route("/pay", post(layered)).route_layer(from_fn_with_state(idem, idempotent));
+        (trips(&bare_app, &hop, "bare").await, trips(&layer_app, &hop, "layer").await)
+    });
+    eprintln!("round trips a request: bare handler {bare_trips:.2}, through the layer {layer_trips:.2}");
+    assert!(layer_trips <= bare_trips + 2.0, "the layer: {layer_trips:.2} round trips, bare {bare_trips:.2}");
+}
