@@ -5,9 +5,11 @@
 //! have paid exactly once (never twice, never stuck at 409), every answer a
 //! client heard must be the one its retry replays, and the requests that
 //! did not hang up must have met nothing but 201 and 409 (no 503 left
-//! behind by someone else's abandoned transaction).
+//! behind by someone else's abandoned transaction). The same storm, less
+//! the panics, runs against `idem serve` on PostgreSQL.
 
 use crate::common::pg;
+use crate::server::Serve;
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
@@ -42,14 +44,15 @@ fn sqlite_an_abandonment_storm_pays_every_key_once_and_strands_none() {
         conn.execute("INSERT INTO wallet VALUES (?1, ?2)", [w, OPENING]).unwrap();
     }
     drop(conn);
-    let moves = storm(&path.display().to_string());
+    let runtime = runtime();
+    let moves = storm(&Target::layer(runtime.block_on(serve(&path.display().to_string()))));
     let conn = rusqlite::Connection::open(&path).unwrap();
     let mut select = conn.prepare("SELECT key, id, cents FROM moves").unwrap();
     let rows = select.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)));
     let rows: Vec<_> = rows.unwrap().map(Result::unwrap).collect();
     drop(select);
     let total: i64 = conn.query_row("SELECT sum(cents) FROM wallet", [], |r| r.get(0)).unwrap();
-    judge(moves, rows, total);
+    judge(moves, rows, total, WALLETS * OPENING, "move");
 }
 
 #[test]
@@ -60,23 +63,84 @@ fn postgres_an_abandonment_storm_pays_every_key_once_and_strands_none() {
     for w in 0..WALLETS {
         pg::execute(&spec, &format!("INSERT INTO wallet VALUES ({w}, {OPENING})"));
     }
-    let moves = storm(&spec);
+    let runtime = runtime();
+    let moves = storm(&Target::layer(runtime.block_on(serve(&spec))));
     let mut c = pg::client(&spec);
     let rows = c.query("SELECT key, id, cents FROM moves", &[]).unwrap();
     let rows = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
     let total: i64 = c.query_one("SELECT sum(cents)::bigint FROM wallet", &[]).unwrap().get(0);
-    judge(moves, rows, total);
+    judge(moves, rows, total, WALLETS * OPENING, "move");
+}
+
+#[test]
+fn idem_serve_on_postgres_through_an_abandonment_storm_pays_every_key_once() {
+    let Some(server) = pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    pg::execute(
+        &spec,
+        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance BIGINT NOT NULL)",
+    );
+    for w in 0..WALLETS {
+        pg::execute(&spec, &format!("INSERT INTO account VALUES ('w{w}', 'h', {OPENING})"));
+    }
+    let serve = Serve::start(std::path::Path::new(&spec), &[("tok-storm", "shop")], &["--pool", "8"], &[]);
+    let address = serve.url.trim_start_matches("http://").parse().unwrap();
+    let moves = storm(&Target {
+        address,
+        path: "/v1/transfers",
+        auth: "Authorization: Bearer tok-storm",
+        body: |cents, wallet| {
+            let dst = (wallet + 1) % WALLETS;
+            format!(r#"{{"src":"w{wallet}","dst":"w{dst}","amount":{cents},"currency":"KRW"}}"#)
+        },
+        panics: false,
+    });
+    serve.stop();
+    let mut c = pg::client(&spec);
+    // a transfer whose key did not complete with it would be listed under no key
+    let sql = "SELECT coalesce(k.idem_key, 'no key'), t.transfer_id, t.amount
+               FROM transfer t LEFT JOIN idem_key k ON k.transfer_id = t.transfer_id";
+    let rows = c.query(sql, &[]).unwrap();
+    let rows = rows.iter().map(|r| (r.get(0), r.get(1), 0)).collect();
+    let total: i64 = c.query_one("SELECT sum(balance)::bigint FROM account", &[]).unwrap().get(0);
+    judge(moves, rows, total, WALLETS * OPENING, "transfer_id");
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
 /// What the storm heard, per key: every answer a client read to its end.
 type Heard = BTreeMap<String, Vec<(u16, String)>>;
 
-/// Runs the storm against the layer on `db`, then retries every key until
-/// it answers; returns what was heard, and fails on a stuck key or on an
-/// answer other than 201 or 409.
-fn storm(db: &str) -> Heard {
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let address = runtime.block_on(serve(db));
+/// Where the storm's requests go, and how a key's request looks there.
+struct Target {
+    address: SocketAddr,
+    path: &'static str,
+    /// The header line that names the client.
+    auth: &'static str,
+    /// The body of a key's request: its amount and its wallet.
+    body: fn(i64, i64) -> String,
+    /// Whether the handler panics when asked (the layer's test handler).
+    panics: bool,
+}
+
+impl Target {
+    /// The layer's test service at `address`.
+    fn layer(address: SocketAddr) -> Target {
+        Target {
+            address,
+            path: "/pay",
+            auth: "X-Client: shop",
+            body: |cents, _| format!(r#"{{"cents":{cents}}}"#),
+            panics: true,
+        }
+    }
+}
+
+/// Runs the storm against `target`, then retries every key until it
+/// answers; returns what was heard, and fails on a stuck key.
+fn storm(target: &Target) -> Heard {
     let heard: Arc<Mutex<Heard>> = Arc::default();
     std::thread::scope(|s| {
         for c in 0..CLIENTS {
@@ -85,7 +149,7 @@ fn storm(db: &str) -> Heard {
                 let mut rng = Rng::new(0x5eed_0000 + c);
                 for _ in 0..ATTEMPTS / CLIENTS {
                     let key = format!("k-{}", rng.below(KEYS));
-                    if let Some(answer) = attempt(address, &key, &mut rng) {
+                    if let Some(answer) = attempt(target, &key, &mut rng) {
                         heard.lock().unwrap().entry(key).or_default().push(answer);
                     }
                 }
@@ -97,7 +161,7 @@ fn storm(db: &str) -> Heard {
         let key = format!("k-{k}");
         let deadline = Instant::now() + Duration::from_secs(10);
         let last = loop {
-            let answer = send(address, &key, Mode::Whole).expect("a retry is answered");
+            let answer = send(target, &key, Mode::Whole).expect("a retry is answered");
             if answer.0 != 409 || Instant::now() > deadline {
                 break answer;
             }
@@ -106,13 +170,14 @@ fn storm(db: &str) -> Heard {
         assert_ne!(last.0, 409, "{key} is stuck in progress 10 s after the storm");
         heard.entry(key).or_default().push(last);
     }
-    runtime.shutdown_timeout(Duration::from_secs(5));
     heard
 }
 
 /// Every key paid once, every 201 heard the same as the key's last answer
-/// (a replay of it), no answer but 201 and 409, and no cent made or lost.
-fn judge(heard: Heard, moves: Vec<(String, i64, i64)>, total: i64) {
+/// (a replay of it) and naming its payment (the body's `field`), no answer
+/// but 201 and 409, and the wallets holding `expected` less the moves'
+/// cents.
+fn judge(heard: Heard, moves: Vec<(String, i64, i64)>, total: i64, expected: i64, field: &str) {
     let mut paid: HashMap<&str, Vec<i64>> = HashMap::new();
     for (key, id, _) in &moves {
         paid.entry(key).or_default().push(*id);
@@ -124,8 +189,9 @@ fn judge(heard: Heard, moves: Vec<(String, i64, i64)>, total: i64) {
         assert_eq!(last.0, 201, "{key}: {last:?}");
         let odd: Vec<_> = answers.iter().filter(|(s, _)| ![201, 409].contains(s)).collect();
         assert!(odd.is_empty(), "{key}: answers other than 201 and 409: {odd:?}");
-        let id = paid.get(key.as_str()).map(|ids| ids[0]);
-        assert_eq!(last.1, format!(r#"{{"move":{}}}"#, id.unwrap_or(-1)), "{key}: the answer names its move");
+        let id = paid.get(key.as_str()).map_or(-1, |ids| ids[0]);
+        let named = serde_json::from_str::<serde_json::Value>(&last.1).ok().and_then(|v| v[field].as_i64());
+        assert_eq!(named, Some(id), "{key}: the answer names its payment: {}", last.1);
         for answer in answers.iter().filter(|(s, _)| *s == 201) {
             assert_eq!(answer, last, "{key}: a 201 heard differs from its replay");
         }
@@ -139,7 +205,7 @@ fn judge(heard: Heard, moves: Vec<(String, i64, i64)>, total: i64) {
         moves.len()
     );
     let debited: i64 = moves.iter().map(|(_, _, cents)| cents).sum();
-    assert_eq!(total, WALLETS * OPENING - debited, "the wallets hold what the moves say");
+    assert_eq!(total, expected - debited, "the wallets hold what the moves say");
 }
 
 /// The layer on `db` over [`pay`], served on loopback.
@@ -163,7 +229,7 @@ async fn pay(tx: Tx, headers: HeaderMap, body: String) -> Response {
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
     let key = header("idempotency-key").trim_matches('"').to_owned();
     let cents: i64 = body.trim_start_matches(r#"{"cents":"#).trim_end_matches('}').parse().unwrap();
-    let wallet = i64::from(key.bytes().map(u32::from).sum::<u32>()) % WALLETS;
+    let wallet = wallet(&key);
     let id: i64 = match tx.client().await {
         Some(c) => {
             c.execute("UPDATE wallet SET cents = cents - $2 WHERE id = $1", &[&wallet, &cents])
@@ -185,6 +251,11 @@ async fn pay(tx: Tx, headers: HeaderMap, body: String) -> Response {
     (StatusCode::CREATED, format!(r#"{{"move":{id}}}"#)).into_response()
 }
 
+/// The wallet a key's request pays from.
+fn wallet(key: &str) -> i64 {
+    i64::from(key.bytes().map(u32::from).sum::<u32>()) % WALLETS
+}
+
 /// How a client sends its request.
 #[derive(Clone, Copy)]
 enum Mode {
@@ -199,14 +270,14 @@ enum Mode {
 }
 
 /// One attempt of a random kind; the answer, if it was read.
-fn attempt(address: SocketAddr, key: &str, rng: &mut Rng) -> Option<(u16, String)> {
+fn attempt(target: &Target, key: &str, rng: &mut Rng) -> Option<(u16, String)> {
     let mode = match rng.below(100) {
         0..15 => Mode::HalfBody,
         15..55 => Mode::HangUp(rng.below(12)),
-        55..63 => Mode::Panic,
+        55..63 if target.panics => Mode::Panic,
         _ => Mode::Whole,
     };
-    let answer = send(address, key, mode);
+    let answer = send(target, key, mode);
     if matches!(mode, Mode::Panic) {
         // the panic's own answer, when the key was claimed: 500, nothing kept
         let status = answer.map(|(status, _)| status);
@@ -221,18 +292,20 @@ fn attempt(address: SocketAddr, key: &str, rng: &mut Rng) -> Option<(u16, String
 
 /// Sends `key`'s request (always the same body for a key) as `mode` says,
 /// the handler holding its row 0 to 5 ms; the status and body read back.
-fn send(address: SocketAddr, key: &str, mode: Mode) -> Option<(u16, String)> {
-    let cents = 1 + key.bytes().map(u64::from).sum::<u64>() % 97;
-    let body = format!(r#"{{"cents":{cents}}}"#);
-    let sleep_ms = idem::rng::mix(cents) % 6;
+fn send(target: &Target, key: &str, mode: Mode) -> Option<(u16, String)> {
+    let cents = 1 + key.bytes().map(i64::from).sum::<i64>() % 97;
+    let body = (target.body)(cents, wallet(key));
+    let sleep_ms = idem::rng::mix(cents as u64) % 6;
     let panic = if matches!(mode, Mode::Panic) { "x-panic: 1\r\n" } else { "" };
     let head = format!(
-        "POST /pay HTTP/1.1\r\nHost: x\r\nX-Client: shop\r\nIdempotency-Key: \"{key}\"\r\n\
+        "POST {} HTTP/1.1\r\nHost: x\r\n{}\r\nIdempotency-Key: \"{key}\"\r\n\
          X-Sleep-Ms: {sleep_ms}\r\n{panic}Content-Type: application/json\r\nContent-Length: {}\r\n\
          Connection: close\r\n\r\n",
+        target.path,
+        target.auth,
         body.len()
     );
-    let mut stream = TcpStream::connect(address).ok()?;
+    let mut stream = TcpStream::connect(target.address).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
     match mode {
         Mode::HalfBody => {
