@@ -45,7 +45,8 @@ use crate::store::{
 mod steps;
 mod upkeep;
 
-pub use steps::{Steps, claim_steps, execute_steps, handle_steps};
+pub use crate::store::Steps;
+pub use steps::{claim_steps, execute_steps, handle_steps};
 pub use upkeep::{OpenClaim, open_claims, purge, purge_expired, release_claims};
 
 /// One response, as printed: `{"status","replay","reason","body"}`.

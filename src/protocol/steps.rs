@@ -3,36 +3,7 @@
 //! decided by the same functions, each step one round trip.
 
 use super::*;
-
-/// The steps of a request on a store that is awaited rather than called
-/// (the service's PostgreSQL pool): the operations [`Store::claim`],
-/// [`store::Tx::replace_claim`], [`Store::execute`] and
-/// [`store::Tx::release`] with the same guarantees, each one round trip.
-pub trait Steps: Send {
-    fn claim(
-        &mut self,
-        key: &ScopedKey,
-        claim: &Claim,
-        accounts: [&AcctId; 2],
-    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
-    fn replace_claim(
-        &mut self,
-        key: &ScopedKey,
-        seen: &KeyRecord,
-        claim: &Claim,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-    fn execute(
-        &mut self,
-        x: Execution<'_>,
-        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
-        crash: &mut (dyn FnMut() -> bool + Send),
-    ) -> impl Future<Output = Result<Executed, StoreError>> + Send;
-    fn release(
-        &mut self,
-        key: &ScopedKey,
-        token: &str,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-}
+use crate::store::Steps;
 
 /// [`handle`] on [`Steps`]: the same steps, each decided by the same
 /// functions, without fault hooks.

@@ -310,6 +310,36 @@ impl<S: Store + ?Sized> Store for Box<S> {
     }
 }
 
+/// The steps of a request on a store that is awaited rather than called
+/// (the service's PostgreSQL pool): the operations [`Store::claim`],
+/// [`Tx::replace_claim`], [`Store::execute`] and
+/// [`Tx::release`] with the same guarantees, each one round trip.
+pub trait Steps: Send {
+    fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: [&AcctId; 2],
+    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    fn execute(
+        &mut self,
+        x: Execution<'_>,
+        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
+        crash: &mut (dyn FnMut() -> bool + Send),
+    ) -> impl Future<Output = Result<Executed, StoreError>> + Send;
+    fn release(
+        &mut self,
+        key: &ScopedKey,
+        token: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
 /// How long a process keeps its store: SQLite tunes checkpoints for each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Usage {

@@ -1,6 +1,6 @@
 //! The PostgreSQL store as `idem serve` runs a request on it: tokio-postgres
 //! connections awaited on the service's own runtime, in a deadpool pool, so
-//! no thread waits on a socket. A request's steps ([`crate::protocol::Steps`]) run
+//! no thread waits on a socket. A request's steps ([`super::Steps`]) run
 //! here, the claim and the execution one statement each; the statements,
 //! their arguments and the reading of their rows are the synchronous
 //! store's (`pg.rs`), which still runs everything else (payouts, reads,
@@ -11,10 +11,10 @@
 //! deadline here frees the request; the connection is then dropped from the
 //! pool (its state is unknown) and the answer is 503 `unavailable`.
 
+use super::Steps;
 use super::pg::{self, Ahead, ClaimArgs, ClaimRow, Hot, PgStore, PlanArgs, Shape};
 use super::{Backoff, Claim, Executed, Execution, KeyRecord, Plan, Seen, StoreError};
 use crate::policy::Policy;
-use crate::protocol::Steps;
 use crate::request::{AcctId, ScopedKey};
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use postgres::error::SqlState;
