@@ -31,6 +31,7 @@
 #[cfg(feature = "cli")]
 pub mod bank;
 mod db;
+mod keys;
 mod payouts;
 #[cfg(feature = "cli")]
 pub mod pg;
@@ -43,6 +44,7 @@ pub mod sqlite;
 pub mod workers;
 
 pub use db::Db;
+pub use keys::{Dialect, KeyTable};
 pub use payouts::*;
 #[cfg(feature = "cli")]
 pub use pg_pool::{Pool, Pooled};

@@ -30,9 +30,9 @@
 //! No error produced here carries the connection string or its password.
 
 use super::{
-    Account, Audit, CREATED_HEAD, Claim, Durability, Executed, Execution, KeyRecord, KeyRow, KeyState,
-    NewTransfer, PURGEABLE, PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Plan, Premise,
-    Reads, Seen, Store, StoreError, Stored, Tx, audit_sql,
+    Account, Audit, CREATED_HEAD, Claim, Dialect, Durability, Executed, Execution, KeyRecord, KeyRow,
+    KeyState, KeyTable, NewTransfer, PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Plan,
+    Premise, Reads, Seen, Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -51,6 +51,12 @@ mod statements;
 
 pub(in crate::store) use connect::*;
 use schema::*;
+
+/// The engine's key table and its statements.
+fn keys() -> &'static KeyTable {
+    static KEYS: std::sync::OnceLock<KeyTable> = std::sync::OnceLock::new();
+    KEYS.get_or_init(|| KeyTable::new("idem_key", Dialect::Postgres))
+}
 pub(in crate::store) use statements::*;
 
 pub struct PgStore {
@@ -394,6 +400,7 @@ impl Tx for PgTx<'_> {
                     &response.transfer_id,
                     &at,
                     &token,
+                    &None::<&str>, // the engine's answers are JSON
                 ],
             )
             .map_err(pg)?;
@@ -444,29 +451,11 @@ impl Tx for PgTx<'_> {
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
         let (before, limit) = (before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX));
-        self.client
-            .execute(
-                &format!(
-                    "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
-                   (SELECT client_id, endpoint, idem_key FROM idem_key
-                    WHERE created_at < $1 AND {PURGEABLE} ORDER BY created_at LIMIT $2)",
-                ),
-                &[&before, &limit, &PAYOUTS],
-            )
-            .map_err(pg)
+        self.client.execute(&keys().purge, &[&before, &limit, &PAYOUTS]).map_err(pg)
     }
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
-        let rows = self
-            .client
-            .query(
-                &format!(
-                    "SELECT {KEY_COLUMNS}, client_id, endpoint, idem_key FROM idem_key WHERE state = 'in_progress'
-                     ORDER BY created_at, client_id, endpoint, idem_key"
-                ),
-                &[],
-            )
-            .map_err(pg)?;
+        let rows = self.client.query(&keys().in_progress, &[]).map_err(pg)?;
         rows.iter()
             .map(|r| {
                 let key = ScopedKey { client_id: r.get(9), endpoint: r.get(10), idem_key: r.get(11) };

@@ -4,7 +4,12 @@
 use super::*;
 
 /// The comment that marks `idem_key` as this schema version.
-pub(super) const SCHEMA_MARK: &str = "idem schema 1";
+/// Version 2 added `content_type`, the key table's one shape
+/// (`store::keys`); a table of version 1 is upgraded on connect.
+pub(super) const SCHEMA_MARK: &str = "idem schema 2";
+
+/// The mark of version 1, which a connection upgrades.
+const SCHEMA_MARK_1: &str = "idem schema 1";
 
 /// Any constant: serialises schema creation across racing first calls.
 pub(super) const SCHEMA_LOCK: i64 = 0x1de3_5c4e_3a00_0001;
@@ -110,15 +115,16 @@ pub(super) fn create_schema(client: &mut Client, shape: &Shape) -> Result<(), St
     }
     let mark: Option<String> =
         tx.query_one("SELECT obj_description(to_regclass('idem_key'), 'pg_class')", &[]).map_err(pg)?.get(0);
-    match mark.as_deref() {
+    let upgrade = match mark.as_deref() {
         Some(SCHEMA_MARK) => return Ok(()), // another first call got here first
+        Some(SCHEMA_MARK_1) => "ALTER TABLE idem_key ADD COLUMN content_type text;",
         Some(other) if !other.is_empty() => {
             return Err(StoreError::Schema(format!(
                 "idem_key is marked {other:?}; this idem understands {SCHEMA_MARK:?}"
             )));
         }
-        _ => {}
-    }
+        _ => "",
+    };
     let t = &shape.acct_type;
     // Times are RFC 3339 UTC text of fixed width in the C collation, so text
     // order is time order, and the same bytes as on SQLite.
@@ -130,25 +136,10 @@ pub(super) fn create_schema(client: &mut Client, shape: &Shape) -> Result<(), St
              amount      bigint NOT NULL CHECK (amount > 0),
              currency    text NOT NULL,
              created_at  text COLLATE \"C\" NOT NULL);
-         CREATE TABLE IF NOT EXISTS idem_key (
-             client_id    text NOT NULL,
-             endpoint     text NOT NULL,
-             idem_key     text NOT NULL,
-             fingerprint  text NOT NULL,
-             state        text NOT NULL CHECK (state IN ('in_progress', 'completed')),
-             token        text NOT NULL,
-             created_at   text COLLATE \"C\" NOT NULL,
-             lease_until  text COLLATE \"C\" NOT NULL,
-             status       integer,
-             reason       text,
-             body         text,
-             transfer_id  bigint UNIQUE,
-             completed_at text,
-             PRIMARY KEY (client_id, endpoint, idem_key),
-             CHECK ((state = 'completed') = (status IS NOT NULL AND body IS NOT NULL AND completed_at IS NOT NULL)),
-             CHECK (transfer_id IS NULL OR state = 'completed'));
-         CREATE INDEX IF NOT EXISTS idem_key_created_at ON idem_key (created_at);
-         COMMENT ON TABLE idem_key IS '{SCHEMA_MARK}';"
+         {}
+         {upgrade}
+         COMMENT ON TABLE idem_key IS '{SCHEMA_MARK}';",
+        keys().create("idem_key_created_at", Dialect::Postgres)
     ))
     .map_err(pg)?;
     tx.commit().map_err(pg)

@@ -76,15 +76,10 @@ impl Hot {
             ),
             format!("SELECT true, {record}, {}", from("(SELECT 1) one", 4, 5)),
             execute_sql(shape),
-            format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE}"),
+            keys().read.clone(),
             format!("SELECT 1 FROM idem_key WHERE {KEY_WHERE} FOR UPDATE NOWAIT"),
-            format!(
-                "UPDATE idem_key SET fingerprint = $4, state = 'in_progress', token = $5,
-                        created_at = $6, lease_until = $7, status = NULL, reason = NULL,
-                        body = NULL, transfer_id = NULL, completed_at = NULL
-                 WHERE {KEY_WHERE} AND token = $8 AND state = $9"
-            ),
-            format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $4"),
+            keys().replace_claim.clone(),
+            keys().release.clone(),
         ]
     }
 
@@ -103,17 +98,9 @@ impl Statements {
         let mut p = |sql: &str| client.prepare(sql);
         Ok(Statements {
             hot,
-            insert_claim: p(
-                "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
-                 VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
-                 ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING",
-            )?,
+            insert_claim: p(&keys().insert_claim)?,
             lock_key: p(&format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE} FOR UPDATE"))?,
-            complete: p(&format!(
-                "UPDATE idem_key SET state = 'completed', status = $4, reason = $5, body = $6,
-                        transfer_id = $7, completed_at = $8
-                 WHERE {KEY_WHERE} AND state = 'in_progress' AND token = $9"
-            ))?,
+            complete: p(&keys().complete)?,
             lock_account: p(&format!(
                 "SELECT acct_id::text, balance::text FROM account WHERE acct_id = $1::text::{t} FOR UPDATE"
             ))?,

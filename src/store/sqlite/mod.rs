@@ -16,8 +16,8 @@
 //! module for why that is safe).
 
 use super::{
-    Account, Audit, Claim, Durability, Failure, KeyRecord, KeyRow, NewTransfer, PAYOUT_V1_COLUMNS, PURGEABLE,
-    PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, RECORD_COLUMNS, Reads, Store, StoreError,
+    Account, Audit, Claim, Dialect, Durability, Failure, KeyRecord, KeyRow, KeyTable, NewTransfer,
+    PAYOUT_V1_COLUMNS, PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Reads, Store, StoreError,
     Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
@@ -250,9 +250,14 @@ fn completed_body(
     .map_err(backend)
 }
 
+/// The engine's key table and its statements.
+fn keys() -> &'static KeyTable {
+    static KEYS: std::sync::OnceLock<KeyTable> = std::sync::OnceLock::new();
+    KEYS.get_or_init(|| KeyTable::new("idem_key", Dialect::Sqlite))
+}
+
 fn read_key(conn: &Connection, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-    let sql = format!("SELECT {RECORD_COLUMNS} FROM idem_key WHERE {KEY_WHERE}");
-    conn.prepare_cached(&sql)
+    conn.prepare_cached(&keys().read)
         .and_then(|mut s| {
             s.query_row((&key.client_id, &key.endpoint, &key.idem_key), |r| record_at(r, 0)).optional()
         })
@@ -310,8 +315,6 @@ fn corrupt(column: &str, why: String) -> rusqlite::Error {
     rusqlite::Error::InvalidColumnName(format!("corrupt idem_key.{column}: {why}"))
 }
 
-const KEY_WHERE: &str = "client_id = ?1 AND endpoint = ?2 AND idem_key = ?3";
-
 impl SqliteTx<'_> {
     /// Runs `sql` with the key as ?1..?3, the claim as ?4..?7 and, for a
     /// compare-and-set, the `(token, state)` seen as ?8, ?9.
@@ -335,16 +338,7 @@ impl SqliteTx<'_> {
 
 impl Tx for SqliteTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
-        let inserted = self
-            .write_claim(
-                "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
-                 VALUES (?1, ?2, ?3, ?4, 'in_progress', ?5, ?6, ?7)
-                 ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING",
-                key,
-                claim,
-                None,
-            )
-            .map_err(backend)?;
+        let inserted = self.write_claim(&keys().insert_claim, key, claim, None).map_err(backend)?;
         match inserted {
             1 => Ok(None),
             // The primary key is the arbiter: nothing inserted means the key exists.
@@ -360,14 +354,8 @@ impl Tx for SqliteTx<'_> {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
-        let state = seen.state.name();
-        let sql = format!(
-            "UPDATE idem_key SET fingerprint = ?4, state = 'in_progress', token = ?5,
-                    created_at = ?6, lease_until = ?7, status = NULL, reason = NULL,
-                    body = NULL, transfer_id = NULL, completed_at = NULL
-             WHERE {KEY_WHERE} AND token = ?8 AND state = ?9"
-        );
-        self.write_claim(&sql, key, claim, Some((&seen.token, state))).map(|n| n == 1).map_err(backend)
+        let seen = Some((seen.token.as_str(), seen.state.name()));
+        self.write_claim(&keys().replace_claim, key, claim, seen).map(|n| n == 1).map_err(backend)
     }
 
     fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
@@ -381,13 +369,8 @@ impl Tx for SqliteTx<'_> {
         response: &Stored,
         at: Timestamp,
     ) -> Result<bool, StoreError> {
-        let sql = format!(
-            "UPDATE idem_key SET state = 'completed', status = ?4, reason = ?5, body = ?6,
-                    transfer_id = ?7, completed_at = ?8
-             WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?9"
-        );
         self.conn
-            .prepare_cached(&sql)
+            .prepare_cached(&keys().complete)
             .and_then(|mut s| {
                 s.execute((
                     &key.client_id,
@@ -399,6 +382,7 @@ impl Tx for SqliteTx<'_> {
                     response.transfer_id,
                     at.to_string(),
                     token,
+                    None::<&str>, // the engine's answers are JSON
                 ))
             })
             .map(|n| n == 1)
@@ -406,9 +390,8 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
-        let sql = format!("DELETE FROM idem_key WHERE {KEY_WHERE} AND state = 'in_progress' AND token = ?4");
         self.conn
-            .prepare_cached(&sql)
+            .prepare_cached(&keys().release)
             .and_then(|mut s| s.execute((&key.client_id, &key.endpoint, &key.idem_key, token)))
             .map(|n| n == 1)
             .map_err(backend)
@@ -460,14 +443,8 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
-        // SQLite numbers ?N by N, but $N by first appearance
-        let sql = format!(
-            "DELETE FROM idem_key WHERE (client_id, endpoint, idem_key) IN
-               (SELECT client_id, endpoint, idem_key FROM idem_key
-                WHERE created_at < ?1 AND {PURGEABLE} ORDER BY created_at LIMIT ?2)",
-        );
         self.conn
-            .prepare_cached(&sql.replace('$', "?"))
+            .prepare_cached(&keys().purge)
             .and_then(|mut s| {
                 s.execute((before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX), PAYOUTS))
             })
@@ -476,14 +453,10 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
-        let sql = format!(
-            "SELECT client_id, endpoint, idem_key, {RECORD_COLUMNS} FROM idem_key WHERE state = 'in_progress'
-             ORDER BY created_at, client_id, endpoint, idem_key"
-        );
-        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let mut stmt = self.conn.prepare_cached(&keys().in_progress).map_err(backend)?;
         let rows = stmt.query_map([], |r| {
-            let key = ScopedKey { client_id: r.get(0)?, endpoint: r.get(1)?, idem_key: r.get(2)? };
-            Ok((key, record_at(r, 3)?))
+            let key = ScopedKey { client_id: r.get(9)?, endpoint: r.get(10)?, idem_key: r.get(11)? };
+            Ok((key, record_at(r, 0)?))
         });
         rows.and_then(|rows| rows.collect()).map_err(backend)
     }

@@ -5,8 +5,11 @@
 use super::*;
 
 /// Bumped whenever the tables below change shape.
-pub const SCHEMA_VERSION: i64 = 1;
+/// Version 2 added `idem_key.content_type`, the key table's one shape
+/// (`store::keys`); a file of version 1 is upgraded on open.
+pub const SCHEMA_VERSION: i64 = 2;
 
+/// The engine's tables besides the key table, whose shape is `store::keys`'s.
 pub(super) const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS transfer (
     transfer_id INTEGER PRIMARY KEY,
@@ -16,33 +19,13 @@ CREATE TABLE IF NOT EXISTS transfer (
     currency    TEXT NOT NULL,
     created_at  TEXT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS idem_key (
-    client_id    TEXT NOT NULL,
-    endpoint     TEXT NOT NULL,
-    idem_key     TEXT NOT NULL,
-    fingerprint  TEXT NOT NULL,
-    state        TEXT NOT NULL CHECK (state IN ('in_progress', 'completed')),
-    token        TEXT NOT NULL,
-    created_at   TEXT NOT NULL,
-    lease_until  TEXT NOT NULL,
-    status       INTEGER,
-    reason       TEXT,
-    body         TEXT,
-    transfer_id  INTEGER UNIQUE,
-    completed_at TEXT,
-    PRIMARY KEY (client_id, endpoint, idem_key),
-    -- a completed key always has its response; only a completed key has a transfer
-    CHECK ((state = 'completed') = (status IS NOT NULL AND body IS NOT NULL AND completed_at IS NOT NULL)),
-    CHECK (transfer_id IS NULL OR state = 'completed')
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS idem_key_created_at ON idem_key (created_at);
 ";
 
 /// Everything checked on every open. Only the checks that read come first;
 /// a file refused by them is left exactly as it was.
 pub(super) fn prepare(conn: &Connection) -> Result<(), StoreError> {
     let v = user_version(conn)?;
-    if v != 0 && v != SCHEMA_VERSION {
+    if !(0..=SCHEMA_VERSION).contains(&v) {
         return Err(StoreError::Schema(format!(
             "database has schema version {v}; this idem understands version {SCHEMA_VERSION}"
         )));
@@ -55,7 +38,7 @@ pub(super) fn prepare(conn: &Connection) -> Result<(), StoreError> {
     }
     check_account(conn)?;
     ensure_wal(conn)?;
-    if v == 0 {
+    if v < SCHEMA_VERSION {
         create_schema(conn)?;
     }
     Ok(())
@@ -107,13 +90,19 @@ pub(super) fn check_shapes(conn: &Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Creates the engine's tables. Two first calls may race here; the version
-/// re-read under the write lock makes the loser a no-op.
+/// Creates the engine's tables, or upgrades those of an older version. Two
+/// first calls may race here; the version re-read under the write lock
+/// makes the loser a no-op.
 pub(super) fn create_schema(conn: &Connection) -> Result<(), StoreError> {
     conn.execute_batch("BEGIN IMMEDIATE").map_err(backend)?;
     let created = (|| {
-        if user_version(conn)? == 0 {
+        if user_version(conn)? < SCHEMA_VERSION {
             conn.execute_batch(SCHEMA).map_err(backend)?;
+            conn.execute_batch(&keys().create("idem_key_created_at", Dialect::Sqlite)).map_err(backend)?;
+            // a table of version 1, or the file's own of the engine's shape
+            if !columns(conn, "idem_key")?.iter().any(|c| c == "content_type") {
+                conn.execute_batch("ALTER TABLE idem_key ADD COLUMN content_type TEXT").map_err(backend)?;
+            }
             conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(backend)?;
         }
         conn.execute_batch("COMMIT").map_err(backend)

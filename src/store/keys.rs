@@ -1,0 +1,167 @@
+//! The key table: its one shape, and the statements on it, written once.
+//!
+//! Every key idem keeps is a row of this shape, whoever keeps it: the
+//! engine's stores (`idem_key`, beside `account` and `transfer`) and the
+//! library (a table of the caller's naming, in the caller's database). The
+//! statements are written here once for any table name, in PostgreSQL's
+//! `$n` form; SQLite runs the same text with `?n`, which it numbers by `n`
+//! too. What each must guarantee is [`super::Tx`]'s contract: the primary
+//! key decides who claims, every change to an existing key is a
+//! compare-and-set on the version seen.
+//!
+//! `content_type` is the stored answer's media type, which the library
+//! keeps (a refusal answered as problem+json replays as one); the engine's
+//! answers are JSON and leave it NULL.
+
+use super::record::{PURGEABLE, RECORD_COLUMNS};
+
+/// The two SQL dialects the key table is written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    Sqlite,
+    Postgres,
+}
+
+/// A key table's name and its statements, formatted once. Each statement's
+/// parameters: the key `$1..$3`, then as its doc says.
+#[derive(Debug, Clone)]
+pub struct KeyTable {
+    pub name: String,
+    /// `$4` fingerprint, `$5` token, `$6` created_at, `$7` lease_until;
+    /// inserts the claim unless the key exists.
+    pub insert_claim: String,
+    /// The key's record ([`RECORD_COLUMNS`]), then `content_type`.
+    pub read: String,
+    /// [`KeyTable::read`], the row locked without waiting (PostgreSQL).
+    pub read_nowait: String,
+    /// The claim as for `insert_claim`, only if `$8` token and `$9` state
+    /// are still the version seen.
+    pub replace_claim: String,
+    /// `$4` status, `$5` reason, `$6` body, `$7` transfer_id, `$8`
+    /// completed_at, `$10` content_type; only if `$9` token holds it in
+    /// progress.
+    pub complete: String,
+    /// Deletes the key if `$4` token holds it in progress.
+    pub release: String,
+    /// Deletes up to `$2` keys created before `$1`, oldest first, never the
+    /// claim of a payout (endpoint `$3`). No key parameters.
+    pub purge: String,
+    /// Every key in progress, its record first and then its scope, oldest
+    /// first. No parameters.
+    pub in_progress: String,
+}
+
+const KEY: &str = "client_id = $1 AND endpoint = $2 AND idem_key = $3";
+
+impl KeyTable {
+    /// The statements on the table `name` (a name the caller has checked:
+    /// it is pasted into the SQL).
+    pub fn new(name: &str, dialect: Dialect) -> KeyTable {
+        let t = name;
+        let claim = "fingerprint, state, token, created_at, lease_until";
+        let table = KeyTable {
+            name: name.to_owned(),
+            insert_claim: format!(
+                "INSERT INTO {t} (client_id, endpoint, idem_key, {claim})
+                 VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
+                 ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING"
+            ),
+            read: format!("SELECT {RECORD_COLUMNS}, content_type FROM {t} WHERE {KEY}"),
+            read_nowait: format!(
+                "SELECT {RECORD_COLUMNS}, content_type FROM {t} WHERE {KEY} FOR UPDATE NOWAIT"
+            ),
+            replace_claim: format!(
+                "UPDATE {t} SET fingerprint = $4, state = 'in_progress', token = $5,
+                        created_at = $6, lease_until = $7, status = NULL, reason = NULL,
+                        body = NULL, transfer_id = NULL, completed_at = NULL, content_type = NULL
+                 WHERE {KEY} AND token = $8 AND state = $9"
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 'completed', status = $4, reason = $5, body = $6,
+                        transfer_id = $7, completed_at = $8, content_type = $10
+                 WHERE {KEY} AND state = 'in_progress' AND token = $9"
+            ),
+            release: format!("DELETE FROM {t} WHERE {KEY} AND state = 'in_progress' AND token = $4"),
+            purge: format!(
+                "DELETE FROM {t} WHERE (client_id, endpoint, idem_key) IN
+                   (SELECT client_id, endpoint, idem_key FROM {t}
+                    WHERE created_at < $1 AND {PURGEABLE} ORDER BY created_at LIMIT $2)"
+            ),
+            in_progress: format!(
+                "SELECT {RECORD_COLUMNS}, client_id, endpoint, idem_key FROM {t} WHERE state = 'in_progress'
+                 ORDER BY created_at, client_id, endpoint, idem_key"
+            ),
+        };
+        match dialect {
+            Dialect::Postgres => table,
+            Dialect::Sqlite => table.numbered_with_question_marks(),
+        }
+    }
+
+    /// The same statements with `?n` for `$n` (the texts hold no other `$`).
+    fn numbered_with_question_marks(self) -> KeyTable {
+        let q = |s: String| s.replace('$', "?");
+        KeyTable {
+            name: self.name,
+            insert_claim: q(self.insert_claim),
+            read: q(self.read),
+            read_nowait: q(self.read_nowait),
+            replace_claim: q(self.replace_claim),
+            complete: q(self.complete),
+            release: q(self.release),
+            purge: q(self.purge),
+            in_progress: q(self.in_progress),
+        }
+    }
+
+    /// Creates the table and its index on `created_at` (the purge's order)
+    /// if they are not there; `index` names the index, which PostgreSQL
+    /// puts in the table's schema.
+    pub fn create(&self, index: &str, dialect: Dialect) -> String {
+        // Times are RFC 3339 UTC text of fixed width; in the C collation text
+        // order is time order, and the bytes are the same on both databases.
+        let (time, id, rest) = match dialect {
+            Dialect::Sqlite => ("TEXT", "INTEGER", " WITHOUT ROWID"),
+            Dialect::Postgres => ("text COLLATE \"C\"", "bigint", ""),
+        };
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                 client_id    text NOT NULL,
+                 endpoint     text NOT NULL,
+                 idem_key     text NOT NULL,
+                 fingerprint  text NOT NULL,
+                 state        text NOT NULL CHECK (state IN ('in_progress', 'completed')),
+                 token        text NOT NULL,
+                 created_at   {time} NOT NULL,
+                 lease_until  {time} NOT NULL,
+                 status       integer,
+                 reason       text,
+                 body         text,
+                 transfer_id  {id} UNIQUE,
+                 completed_at text,
+                 content_type text,
+                 PRIMARY KEY (client_id, endpoint, idem_key),
+                 -- a completed key always has its response; only a completed key has a transfer
+                 CHECK ((state = 'completed') = (status IS NOT NULL AND body IS NOT NULL AND completed_at IS NOT NULL)),
+                 CHECK (transfer_id IS NULL OR state = 'completed')
+             ){rest};
+             CREATE INDEX IF NOT EXISTS {index} ON {t} (created_at);",
+            t = self.name
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_numbers_the_same_parameters() {
+        let pg = KeyTable::new("k", Dialect::Postgres);
+        let lite = KeyTable::new("k", Dialect::Sqlite);
+        assert!(
+            lite.complete.contains("?10") && lite.complete.contains("?9") && !lite.complete.contains('$')
+        );
+        assert_eq!(lite.complete.replace('?', "$"), pg.complete);
+    }
+}
