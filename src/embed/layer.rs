@@ -149,17 +149,18 @@ impl Idempotency {
     /// in it; or the reply the key's row gives instead, or `None` when the
     /// database failed (the transaction is then ended either way).
     async fn claim(&self, scope: &Scope, key: &str, fingerprint: &str) -> Result<Held, Option<Reply>> {
-        let mut held = match &self.store {
+        let held = match &self.store {
             #[cfg(feature = "postgres")]
-            Store::Pg(pool) => Held { conn: Conn::Pg(Some(pool.get().await.map_err(|_| None)?)), open: true },
+            Store::Pg(pool) => Conn::Pg(Some(Box::new(pool.get().await.map_err(|_| None)?))),
             #[cfg(feature = "sqlite")]
-            Store::Sqlite(conn) => Held { conn: Conn::Sqlite(conn.clone().lock_owned().await), open: true },
+            Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
         };
+        let mut held = Held { conn: held, token: String::new(), open: true };
         let claimed = match &mut held.conn {
             // BEGIN and the claim go together: one round trip
             #[cfg(feature = "postgres")]
             Conn::Pg(c) => match c {
-                Some(c) => self.keys.claim_on::<_, ()>(&**c, true, scope, key, fingerprint).await,
+                Some(c) => self.keys.claim_on::<_, ()>(&***c, true, scope, key, fingerprint).await,
                 None => return Err(None),
             },
             #[cfg(feature = "sqlite")]
@@ -172,8 +173,11 @@ impl Idempotency {
             }
         };
         match claimed {
-            Ok(None) => Ok(held),
-            Ok(Some(reply)) => {
+            Ok(Ok(token)) => {
+                held.token = token;
+                Ok(held)
+            }
+            Ok(Err(reply)) => {
                 held.rollback().await;
                 Err(Some(reply))
             }
@@ -192,6 +196,8 @@ impl Idempotency {
 /// back as it goes. No connection goes back to a pool mid-transaction.
 struct Held {
     conn: Conn,
+    /// The claim's token, which the completion must still find.
+    token: String,
     /// Whether the transaction may still be open: set until a COMMIT or
     /// ROLLBACK went through.
     open: bool,
@@ -200,7 +206,7 @@ struct Held {
 enum Conn {
     // `None` only once dropped
     #[cfg(feature = "postgres")]
-    Pg(Option<managed::Object<Connector>>),
+    Pg(Option<Box<managed::Object<Connector>>>),
     #[cfg(feature = "sqlite")]
     Sqlite(OwnedMutexGuard<rusqlite::Connection>),
 }
@@ -212,7 +218,7 @@ impl Drop for Held {
         }
         match &mut self.conn {
             #[cfg(feature = "postgres")]
-            Conn::Pg(c) => drop(c.take().map(managed::Object::take)),
+            Conn::Pg(c) => drop(c.take().map(|c| managed::Object::take(*c))),
             #[cfg(feature = "sqlite")]
             Conn::Sqlite(c) => {
                 let _ = c.execute_batch("ROLLBACK");
@@ -245,12 +251,13 @@ impl Held {
         let committed = match &mut self.conn {
             #[cfg(feature = "postgres")]
             Conn::Pg(c) => match c {
-                Some(c) => keys.complete_and_commit(c, scope, key, answer).await,
+                Some(c) => keys.complete_and_commit(c, scope, key, &self.token, answer).await,
                 None => false,
             },
             #[cfg(feature = "sqlite")]
             Conn::Sqlite(c) => {
-                keys.complete_sqlite::<()>(c, scope, key, answer).is_ok() && c.execute_batch("COMMIT").is_ok()
+                keys.complete_sqlite::<()>(c, scope, key, &self.token, answer).is_ok()
+                    && c.execute_batch("COMMIT").is_ok()
             }
         };
         if committed {

@@ -42,8 +42,8 @@
 use crate::canonical::{Json, fingerprint};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::protocol::{Decision, decide};
-use crate::store::{KeyRecord, KeyState, Stored};
+use crate::protocol::{Ctx, Decision, after_claim, fresh_claim, fresh_token};
+use crate::store::{Claim, Dialect, KeyRecord, KeyTable};
 use std::fmt;
 
 #[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
@@ -57,6 +57,10 @@ pub mod sqlite;
 /// holds its key before it is answered as in flight (on PostgreSQL; on
 /// SQLite the writer is one at a time, and nothing waits).
 pub const IN_FLIGHT_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The purge spares the claims in progress of one endpoint (the engine's
+/// payouts, whose gateway may have paid); the library has none to spare.
+const NO_ENDPOINT: &str = "";
 
 /// Whose key it is: the client, and the operation the key is for. Two
 /// scopes never share a key.
@@ -144,14 +148,22 @@ impl<E: fmt::Debug + fmt::Display> std::error::Error for Error<E> {}
 
 /// The key table's place in the caller's database, and how long a key is
 /// kept. One value serves every request; it holds no connection.
+///
+/// The table has the shape of the key table `idem serve` and `idem_api`
+/// keep (`store::keys`), and is read and written by the same statements.
 #[derive(Debug, Clone)]
 pub struct Keys {
+    /// `{prefix}idem_keys`
     table: String,
+    /// the index on `created_at`, named in the table's schema
+    index: String,
     versions: String,
     policy: Policy,
     wait: std::time::Duration,
+    #[cfg(feature = "sqlite")]
+    sqlite: KeyTable,
     #[cfg(feature = "postgres")]
-    sql: pg::Sql,
+    pg: KeyTable,
 }
 
 /// Why a table prefix was refused.
@@ -177,14 +189,16 @@ impl Keys {
         if !ok || prefix.len() > 40 {
             return Err(BadPrefix(prefix.to_owned()));
         }
-        let policy = Policy::embedded().clone();
         let table = format!("{prefix}idem_keys");
         Ok(Keys {
+            #[cfg(feature = "sqlite")]
+            sqlite: KeyTable::new(&table, Dialect::Sqlite),
             #[cfg(feature = "postgres")]
-            sql: pg::Sql::new(&table),
+            pg: KeyTable::new(&table, Dialect::Postgres),
             table,
+            index: format!("{name}idem_keys_created_at"),
             versions: format!("{prefix}idem_schema"),
-            policy,
+            policy: Policy::embedded().clone(),
             wait: IN_FLIGHT_WAIT,
         })
     }
@@ -210,37 +224,38 @@ impl Keys {
         Ok(fingerprint(&json))
     }
 
-    /// What the key's committed row says about this request: `None` when
-    /// the request is new (no row, or the row is past retention).
-    fn judge(&self, row: Row, fingerprint: &str, now: Timestamp) -> Result<Option<Reply>, String> {
-        let created_at = Timestamp::parse(&row.created_at).map_err(|e| e.to_string())?;
-        let content_type = row.answer.as_ref().and_then(|a| a.content_type.clone());
-        let state = match row.answer {
-            Some(answer) => KeyState::Completed(Stored {
-                status: answer.status,
-                reason: None,
-                body: answer.body,
-                transfer_id: None,
-            }),
-            // a claim is committed only with its answer: a row without one
-            // is another transaction's, still open (decide says in flight
-            // or take over; either is in flight here)
-            None => KeyState::InProgress { lease_until: now },
-        };
-        let record = KeyRecord { fingerprint: row.fingerprint, created_at, token: String::new(), state };
-        Ok(match decide(&record, fingerprint, now, &self.policy) {
-            Decision::Expired => None,
-            Decision::Mismatch => Some(Reply::Mismatch),
-            Decision::Replay(s) => {
-                Some(Reply::Replayed(Answer { status: s.status, body: s.body, content_type }))
-            }
-            Decision::InProgress | Decision::TakeOver => Some(Reply::InFlight),
+    /// A claim of the key for a request whose body has `fingerprint`, by a
+    /// fresh token, now.
+    fn claim<E>(&self, fingerprint: &str) -> Result<Claim, Error<E>> {
+        let token = fresh_token().map_err(|e| Error::Db(e.to_string().into()))?;
+        let ctx = Ctx { policy: &self.policy, now: Timestamp::now(), token: &token };
+        Ok(fresh_claim(fingerprint, ctx))
+    }
+
+    /// What a claim that found the key's committed row (`existing`, whose
+    /// answer has `content_type`) does, as the engine decides it
+    /// ([`crate::protocol::after_claim`]): write `claim` over it (a key past
+    /// retention, or a claim whose lease ran out), or answer without
+    /// running the work.
+    fn over(&self, existing: &KeyRecord, content_type: Option<String>, claim: Claim) -> Result<Claim, Reply> {
+        let token = claim.token.clone();
+        let ctx = Ctx { policy: &self.policy, now: claim.created_at, token: &token };
+        after_claim(existing, claim, ctx).map_err(|decision| match decision {
+            Decision::Replay(s) => Reply::Replayed(Answer { status: s.status, body: s.body, content_type }),
+            Decision::Mismatch => Reply::Mismatch,
+            Decision::InProgress | Decision::TakeOver | Decision::Expired => Reply::InFlight,
         })
     }
 
     /// The versioned steps that build the key table, in order; a database
     /// holds the first `n` of them once its schema table says version `n`.
-    fn migrations(&self, blob: &str) -> Vec<String> {
+    /// Version 3 is the key table's one shape (`store::keys`): the rows of
+    /// versions 1 and 2, each committed with its answer, carried over as
+    /// completed keys.
+    fn migrations(&self, dialect: Dialect) -> Vec<String> {
+        let t = &self.table;
+        let next = KeyTable::new(&format!("{t}_v3"), dialect);
+        let short = t.rsplit_once('.').map_or(t.as_str(), |(_, n)| n);
         vec![
             format!(
                 "CREATE TABLE {t} (
@@ -250,21 +265,30 @@ impl Keys {
                    fingerprint TEXT NOT NULL,
                    created_at TEXT NOT NULL,
                    status INTEGER,
-                   body {blob},
+                   body TEXT,
                    PRIMARY KEY (client_id, endpoint, idem_key)
-                 )",
-                t = self.table
+                 )"
             ),
-            format!("ALTER TABLE {} ADD COLUMN content_type TEXT", self.table),
+            format!("ALTER TABLE {t} ADD COLUMN content_type TEXT"),
+            format!(
+                "{};
+                 INSERT INTO {n} (client_id, endpoint, idem_key, fingerprint, state, token, created_at,
+                                  lease_until, status, body, completed_at, content_type)
+                   SELECT client_id, endpoint, idem_key, fingerprint,
+                          CASE WHEN status IS NULL THEN 'in_progress' ELSE 'completed' END, '',
+                          created_at, created_at, status,
+                          CASE WHEN status IS NULL THEN NULL ELSE coalesce(body, '') END,
+                          CASE WHEN status IS NULL THEN NULL ELSE created_at END, content_type
+                   FROM {t};
+                 DROP TABLE {t};
+                 ALTER TABLE {n} RENAME TO {short};
+                 CREATE INDEX IF NOT EXISTS {index} ON {t} (created_at)",
+                next.create_table(dialect),
+                n = next.name,
+                index = self.index,
+            ),
         ]
     }
-}
-
-/// A key's committed row, as either backend reads it.
-struct Row {
-    fingerprint: String,
-    created_at: String,
-    answer: Option<Answer>,
 }
 
 #[cfg(test)]

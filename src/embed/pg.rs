@@ -10,8 +10,10 @@
 
 pub use tokio_postgres::{Client, Transaction};
 
-use super::{Answer, Error, Keys, Reply, Row};
+use super::{Answer, Error, Keys, Reply};
 use crate::clock::Timestamp;
+use crate::store::Claim;
+use crate::store::keys::pg_record;
 use std::time::Duration;
 use tokio_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
@@ -19,36 +21,6 @@ use tokio_postgres::types::{ToSql, Type};
 
 fn db<E>(e: tokio_postgres::Error) -> Error<E> {
     Error::Db(Box::new(e))
-}
-
-/// The key table's statements, written once for its name.
-#[derive(Debug, Clone)]
-pub(super) struct Sql {
-    claim: String,
-    read: String,
-    renew: String,
-    complete: String,
-}
-
-impl Sql {
-    pub(super) fn new(table: &str) -> Sql {
-        const KEY: &str = "client_id = $1 AND endpoint = $2 AND idem_key = $3";
-        Sql {
-            claim: format!(
-                "INSERT INTO {table} (client_id, endpoint, idem_key, fingerprint, created_at) \
-                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING"
-            ),
-            read: format!(
-                "SELECT fingerprint, created_at, status, body, content_type FROM {table} \
-                 WHERE {KEY} FOR UPDATE NOWAIT"
-            ),
-            renew: format!(
-                "UPDATE {table} SET fingerprint = $4, created_at = $5, status = NULL, body = NULL, \
-                 content_type = NULL WHERE {KEY}"
-            ),
-            complete: format!("UPDATE {table} SET status = $4, body = $5, content_type = $6 WHERE {KEY}"),
-        }
-    }
 }
 
 impl Keys {
@@ -64,8 +36,11 @@ impl Keys {
             .query_one(&format!("SELECT coalesce(max(version), 0) FROM {}", self.versions), &[])
             .await?
             .get(0);
-        for (n, step) in
-            self.migrations("TEXT").iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX))
+        for (n, step) in self
+            .migrations(crate::store::Dialect::Postgres)
+            .iter()
+            .enumerate()
+            .skip(usize::try_from(at).unwrap_or(usize::MAX))
         {
             tx.batch_execute(step).await?;
             let version = i32::try_from(n + 1).unwrap_or(i32::MAX);
@@ -102,20 +77,22 @@ impl Keys {
         let fingerprint = self.admit(key, body)?;
         // dropped unfinished, the transaction sends its ROLLBACK
         let tx = client.transaction().await.map_err(db)?;
-        if let Some(reply) = self.claim_on(&tx, false, scope, key, &fingerprint).await? {
-            return Ok(reply);
-        }
+        let token = match self.claim_on(&tx, false, scope, key, &fingerprint).await? {
+            Ok(token) => token,
+            Err(reply) => return Ok(reply),
+        };
         let answer = work(&tx).await.map_err(Error::Work)?;
-        self.complete_on(&tx, scope, key, &answer).await?;
+        self.complete_on(&tx, scope, key, &token, &answer).await?;
         tx.commit().await.map_err(db)?;
         Ok(Reply::Fresh(answer))
     }
 
     /// In the open transaction on `c` (opened here first when `begin`):
-    /// claims the key for this request (`None`), or says what the key's
-    /// row answers instead. After an answer the transaction is to be rolled
-    /// back (it wrote nothing). A new key costs one round trip: the
-    /// statements go together, typed, so none waits on a prepare.
+    /// claims the key for this request (its claim's token), or says what
+    /// the key's row answers instead. After an answer the transaction is to
+    /// be rolled back (it wrote nothing). A new key costs one round trip:
+    /// the statements go together, typed, so none waits on a prepare. The
+    /// statements are the engine's (`store::keys`).
     pub(super) async fn claim_on<C: GenericClient + Sync, E>(
         &self,
         c: &C,
@@ -123,53 +100,63 @@ impl Keys {
         scope: &super::Scope,
         key: &str,
         fingerprint: &str,
-    ) -> Result<Option<Reply>, Error<E>> {
-        let now = Timestamp::now();
-        let at = now.to_string();
+    ) -> Result<Result<String, Reply>, Error<E>> {
+        let claim = self.claim(fingerprint)?;
         let wait = format!("{}ms", self.wait.as_millis().max(1));
-        let who: [(&(dyn ToSql + Sync), Type); 5] = [
-            (&scope.client, Type::TEXT),
-            (&scope.endpoint, Type::TEXT),
-            (&key, Type::TEXT),
-            (&fingerprint, Type::TEXT),
-            (&at, Type::TEXT),
-        ];
+        let wait = [(&wait as &(dyn ToSql + Sync), Type::TEXT)];
         // The claim waits on a racer's uncommitted claim of the same key for
         // `wait` at most (its lock_timeout); the transaction's own setting is
         // kept aside and put back for the work. `join!`, not `try_join!`:
         // the claim's own error, not a later statement's, says what happened.
-        let wait = [(&wait as &(dyn ToSql + Sync), Type::TEXT)];
         let (begun, waited, claimed, restored) = tokio::join!(
             async { if begin { c.batch_execute("BEGIN").await } else { Ok(()) } },
             c.execute_typed(WAIT_FOR_CLAIM, &wait),
-            c.execute_typed(&self.sql.claim, &who),
+            write(c, &self.pg.insert_claim, scope, key, &claim, &[]),
             c.execute_typed(WAIT_AS_BEFORE, &[]),
         );
         begun.and(waited).map_err(db)?;
         let claimed = match claimed {
             Ok(n) => n == 1,
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Some(Reply::InFlight)),
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Err(Reply::InFlight)),
             Err(e) => return Err(db(e)),
         };
         restored.map_err(db)?;
-        if !claimed && let Some(reply) = self.existing(c, &who, fingerprint, now).await? {
-            return Ok(Some(reply));
+        if claimed {
+            return Ok(Ok(claim.token));
         }
-        Ok(None)
+        // the primary key says the key exists: its committed row decides,
+        // locked without waiting (a racer taking it over is in flight)
+        let who = key_args(scope, &key);
+        let row = match c.query_typed(&self.pg.read_nowait, &who).await {
+            Ok(rows) => rows.into_iter().next(),
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Err(Reply::InFlight)),
+            Err(e) => return Err(db(e)),
+        };
+        let Some(row) = row else { return Ok(Err(Reply::InFlight)) }; // purged meanwhile: retry
+        let existing = pg_record(&row, 0).map_err(|e| Error::Db(e.into()))?;
+        let claim = match self.over(&existing, row.get(9), claim) {
+            Ok(claim) => claim,
+            Err(reply) => return Ok(Err(reply)),
+        };
+        let state = existing.state.name();
+        let seen: [(&(dyn ToSql + Sync), Type); 2] = [(&existing.token, Type::TEXT), (&state, Type::TEXT)];
+        Ok(match write(c, &self.pg.replace_claim, scope, key, &claim, &seen).await.map_err(db)? {
+            1 => Ok(claim.token),
+            _ => Err(Reply::InFlight),
+        })
     }
 
-    /// In the transaction that claimed the key: stores the work's answer
-    /// with it (the caller commits).
+    /// In the transaction that claimed the key with `token`: stores the
+    /// work's answer with it (the caller commits).
     pub(super) async fn complete_on<C: GenericClient + Sync, E>(
         &self,
         c: &C,
         scope: &super::Scope,
         key: &str,
+        token: &str,
         answer: &Answer,
     ) -> Result<(), Error<E>> {
-        let status = i32::from(answer.status);
-        let done = c.execute_typed(&self.sql.complete, &completion(scope, &key, &status, answer)).await;
-        match done.map_err(db)? {
+        match completion(c, &self.pg.complete, scope, key, token, answer).await.map_err(db)? {
             1 => Ok(()),
             _ => Err(Error::Db("the key's claim was gone at completion".into())),
         }
@@ -184,49 +171,81 @@ impl Keys {
         c: &Client,
         scope: &super::Scope,
         key: &str,
+        token: &str,
         answer: &Answer,
     ) -> bool {
-        let status = i32::from(answer.status);
-        let args = completion(scope, &key, &status, answer);
-        let (done, committed) =
-            tokio::join!(c.execute_typed(&self.sql.complete, &args), c.batch_execute("COMMIT"),);
+        let (done, committed) = tokio::join!(
+            completion(c, &self.pg.complete, scope, key, token, answer),
+            c.batch_execute("COMMIT"),
+        );
         matches!(done, Ok(1)) && committed.is_ok()
     }
 
-    /// The key's committed row, judged: `None` when it is past retention,
-    /// and then it is this request's claim. The row is locked without
-    /// waiting: a racer renewing it is in flight.
-    async fn existing<C: GenericClient + Sync, E>(
+    /// Deletes up to `limit` keys past retention, oldest first; how many.
+    /// Run it now and then: a key older than the retention is never
+    /// replayed, only kept.
+    pub async fn purge_pg<C: GenericClient + Sync>(
         &self,
-        tx: &C,
-        who: &[(&(dyn ToSql + Sync), Type); 5],
-        fingerprint: &str,
-        now: Timestamp,
-    ) -> Result<Option<Reply>, Error<E>> {
-        let r = match tx.query_typed(&self.sql.read, &who[..3]).await {
-            Ok(rows) => match rows.into_iter().next() {
-                Some(r) => r,
-                None => return Ok(Some(Reply::InFlight)), // purged meanwhile: retry
-            },
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Some(Reply::InFlight)),
-            Err(e) => return Err(db(e)),
-        };
-        let status: Option<i32> = r.get(2);
-        let body: Option<String> = r.get(3);
-        let row = Row {
-            fingerprint: r.get(0),
-            created_at: r.get(1),
-            answer: status.map(|s| Answer {
-                content_type: r.get(4),
-                ..Answer::new(u16::try_from(s).unwrap_or(500), body.unwrap_or_default())
-            }),
-        };
-        if let Some(reply) = self.judge(row, fingerprint, now).map_err(|e| Error::Db(e.into()))? {
-            return Ok(Some(reply));
-        }
-        tx.execute_typed(&self.sql.renew, who).await.map_err(db)?;
-        Ok(None)
+        c: &C,
+        limit: u64,
+    ) -> Result<u64, tokio_postgres::Error> {
+        let before = Timestamp::now().plus_seconds(-self.policy.retention_seconds()).to_string();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let args: [(&(dyn ToSql + Sync), Type); 3] =
+            [(&before, Type::TEXT), (&limit, Type::INT8), (&super::NO_ENDPOINT, Type::TEXT)];
+        c.execute_typed(&self.pg.purge, &args).await
     }
+}
+
+/// The key's three columns, typed.
+fn key_args<'a>(scope: &'a super::Scope, key: &'a &str) -> [(&'a (dyn ToSql + Sync), Type); 3] {
+    [(&scope.client, Type::TEXT), (&scope.endpoint, Type::TEXT), (key, Type::TEXT)]
+}
+
+/// Runs a claim's statement (`insert_claim`, `replace_claim` with the
+/// version `seen`) with its typed arguments.
+async fn write<C: GenericClient + Sync>(
+    c: &C,
+    sql: &str,
+    scope: &super::Scope,
+    key: &str,
+    claim: &Claim,
+    seen: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<u64, tokio_postgres::Error> {
+    let (at, lease) = (claim.created_at.to_string(), claim.lease_until.to_string());
+    let mut args = key_args(scope, &key).to_vec();
+    args.extend([
+        (&claim.fingerprint as &(dyn ToSql + Sync), Type::TEXT),
+        (&claim.token, Type::TEXT),
+        (&at, Type::TEXT),
+        (&lease, Type::TEXT),
+    ]);
+    args.extend(seen.iter().cloned());
+    c.execute_typed(sql, &args).await
+}
+
+/// Runs the completion with its typed arguments: the answer, now, under
+/// `token`.
+async fn completion<C: GenericClient + Sync>(
+    c: &C,
+    sql: &str,
+    scope: &super::Scope,
+    key: &str,
+    token: &str,
+    answer: &Answer,
+) -> Result<u64, tokio_postgres::Error> {
+    let (status, at) = (i32::from(answer.status), Timestamp::now().to_string());
+    let mut args = key_args(scope, &key).to_vec();
+    args.extend([
+        (&status as &(dyn ToSql + Sync), Type::INT4),
+        (&None::<&str>, Type::TEXT),
+        (&answer.body, Type::TEXT),
+        (&None::<i64>, Type::INT8),
+        (&at, Type::TEXT),
+        (&token, Type::TEXT),
+        (&answer.content_type, Type::TEXT),
+    ]);
+    c.execute_typed(sql, &args).await
 }
 
 /// Puts the claim's lock wait in force for the transaction, keeping the
@@ -236,20 +255,3 @@ const WAIT_FOR_CLAIM: &str = "SELECT set_config('lock_timeout', $1, true) \
 
 /// Gives the transaction back the lock wait it had before the claim.
 const WAIT_AS_BEFORE: &str = "SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)";
-
-/// The completion's arguments, typed: the scope, the key, the answer.
-fn completion<'a>(
-    scope: &'a super::Scope,
-    key: &'a &str,
-    status: &'a i32,
-    answer: &'a Answer,
-) -> [(&'a (dyn ToSql + Sync), Type); 6] {
-    [
-        (&scope.client, Type::TEXT),
-        (&scope.endpoint, Type::TEXT),
-        (key, Type::TEXT),
-        (status, Type::INT4),
-        (&answer.body, Type::TEXT),
-        (&answer.content_type, Type::TEXT),
-    ]
-}

@@ -7,9 +7,11 @@
 
 pub use rusqlite::{Connection, Error as DbError, Transaction};
 
-use super::{Answer, Error, Keys, Reply, Row};
+use super::{Answer, Error, Keys, Reply};
 use crate::clock::Timestamp;
-use rusqlite::{OptionalExtension, TransactionBehavior, params};
+use crate::store::Claim;
+use crate::store::keys::sqlite_record;
+use rusqlite::{OptionalExtension, ToSql, TransactionBehavior, params};
 
 fn db<E>(e: rusqlite::Error) -> Error<E> {
     Error::Db(Box::new(e))
@@ -27,9 +29,8 @@ impl Keys {
             conn.query_row(&format!("SELECT coalesce(max(version), 0) FROM {}", self.versions), [], |r| {
                 r.get(0)
             })?;
-        for (n, step) in
-            self.migrations("TEXT").iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX))
-        {
+        let steps = self.migrations(crate::store::Dialect::Sqlite);
+        for (n, step) in steps.iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX)) {
             conn.execute_batch(&format!(
                 "BEGIN IMMEDIATE; {step}; INSERT INTO {} (version) VALUES ({}); COMMIT;",
                 self.versions,
@@ -57,84 +58,95 @@ impl Keys {
     {
         let fingerprint = self.admit(key, body)?;
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
-        if let Some(reply) = self.claim_sqlite(&tx, scope, key, &fingerprint)? {
-            return Ok(reply);
-        }
+        let token = match self.claim_sqlite(&tx, scope, key, &fingerprint)? {
+            Ok(token) => token,
+            Err(reply) => return Ok(reply),
+        };
         let answer = work(&tx).map_err(Error::Work)?;
-        self.complete_sqlite(&tx, scope, key, &answer)?;
+        self.complete_sqlite(&tx, scope, key, &token, &answer)?;
         tx.commit().map_err(db)?;
         Ok(Reply::Fresh(answer))
     }
 
     /// In the open write transaction on `conn`: claims the key for this
-    /// request (`None`), or says what the key's row answers instead.
+    /// request (its claim's token), or says what the key's row answers
+    /// instead. The statements are the engine's (`store::keys`).
     pub(super) fn claim_sqlite<E>(
         &self,
         conn: &Connection,
         scope: &super::Scope,
         key: &str,
         fingerprint: &str,
-    ) -> Result<Option<Reply>, Error<E>> {
-        let now = Timestamp::now();
-        let who = params![scope.client, scope.endpoint, key];
-        let row = conn
-            .query_row(
-                &format!(
-                    "SELECT fingerprint, created_at, status, body, content_type FROM {} \
-                     WHERE client_id = ?1 AND endpoint = ?2 AND idem_key = ?3",
-                    self.table
-                ),
-                who,
-                |r| {
-                    let status: Option<u16> = r.get(2)?;
-                    let body: Option<String> = r.get(3)?;
-                    let content_type: Option<String> = r.get(4)?;
-                    Ok(Row {
-                        fingerprint: r.get(0)?,
-                        created_at: r.get(1)?,
-                        answer: status
-                            .map(|s| Answer { content_type, ..Answer::new(s, body.unwrap_or_default()) }),
-                    })
-                },
-            )
-            .optional()
-            .map_err(db)?;
-        if let Some(row) = row
-            && let Some(reply) = self.judge(row, fingerprint, now).map_err(|e| Error::Db(e.into()))?
-        {
-            return Ok(Some(reply));
+    ) -> Result<Result<String, Reply>, Error<E>> {
+        let t = &self.sqlite;
+        let claim = self.claim(fingerprint)?;
+        let write = |sql: &str, claim: &Claim, seen: &[&dyn ToSql]| {
+            let (at, lease) = (claim.created_at.to_string(), claim.lease_until.to_string());
+            let mut args: Vec<&dyn ToSql> =
+                vec![&scope.client, &scope.endpoint, &key, &claim.fingerprint, &claim.token, &at, &lease];
+            args.extend_from_slice(seen);
+            conn.prepare_cached(sql)?.execute(args.as_slice())
+        };
+        if write(&t.insert_claim, &claim, &[]).map_err(db)? == 1 {
+            return Ok(Ok(claim.token));
         }
-        // new, or past retention: the row is this request's from here
-        conn.execute(
-            &format!(
-                "INSERT OR REPLACE INTO {} (client_id, endpoint, idem_key, fingerprint, created_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5)",
-                self.table
-            ),
-            params![scope.client, scope.endpoint, key, fingerprint, now.to_string()],
-        )
-        .map_err(db)?;
-        Ok(None)
+        // the primary key says the key exists: its committed row decides
+        let read = conn.prepare_cached(&t.read).and_then(|mut s| {
+            s.query_row(params![scope.client, scope.endpoint, key], |r| Ok((sqlite_record(r, 0)?, r.get(9)?)))
+                .optional()
+        });
+        let Some((existing, content_type)) = read.map_err(db)? else {
+            return Ok(Err(Reply::InFlight)); // purged meanwhile: retry
+        };
+        let claim = match self.over(&existing, content_type, claim) {
+            Ok(claim) => claim,
+            Err(reply) => return Ok(Err(reply)),
+        };
+        let seen: [&dyn ToSql; 2] = [&existing.token, &existing.state.name()];
+        Ok(match write(&t.replace_claim, &claim, &seen).map_err(db)? {
+            1 => Ok(claim.token),
+            _ => Err(Reply::InFlight),
+        })
     }
 
-    /// In the transaction that claimed the key: stores the work's answer
-    /// with it (the caller commits).
+    /// In the transaction that claimed the key with `token`: stores the
+    /// work's answer with it (the caller commits).
     pub(super) fn complete_sqlite<E>(
         &self,
         conn: &Connection,
         scope: &super::Scope,
         key: &str,
+        token: &str,
         answer: &Answer,
     ) -> Result<(), Error<E>> {
-        conn.execute(
-            &format!(
-                "UPDATE {} SET status = ?4, body = ?5, content_type = ?6 \
-                 WHERE client_id = ?1 AND endpoint = ?2 AND idem_key = ?3",
-                self.table
-            ),
-            params![scope.client, scope.endpoint, key, answer.status, answer.body, answer.content_type],
-        )
-        .map_err(db)?;
-        Ok(())
+        let done = conn.prepare_cached(&self.sqlite.complete).and_then(|mut s| {
+            s.execute(params![
+                scope.client,
+                scope.endpoint,
+                key,
+                answer.status,
+                None::<&str>,
+                answer.body,
+                None::<i64>,
+                Timestamp::now().to_string(),
+                token,
+                answer.content_type,
+            ])
+        });
+        match done.map_err(db)? {
+            1 => Ok(()),
+            _ => Err(Error::Db("the key's claim was gone at completion".into())),
+        }
+    }
+
+    /// Deletes up to `limit` keys past retention, oldest first; how many.
+    /// Run it now and then: a key older than the retention is never
+    /// replayed, only kept.
+    pub fn purge_sqlite(&self, conn: &Connection, limit: u64) -> rusqlite::Result<u64> {
+        let before = Timestamp::now().plus_seconds(-self.policy.retention_seconds()).to_string();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let purged =
+            conn.prepare_cached(&self.sqlite.purge)?.execute(params![before, limit, super::NO_ENDPOINT])?;
+        Ok(purged as u64)
     }
 }

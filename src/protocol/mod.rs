@@ -315,7 +315,7 @@ fn claim_for<S: Store + ?Sized>(
     };
     let claim = match after_claim(&existing, claim, ctx) {
         Ok(claim) => claim,
-        Err(answer) => return Ok(Claimed::Answer(answer)),
+        Err(decision) => return Ok(Claimed::Answer(answer(decision, ctx.policy))),
     };
     store::atomically(store, Durability::Lazy, ctx.policy, |tx| {
         Ok(match tx.replace_claim(key, &existing, &claim)? {
@@ -326,7 +326,7 @@ fn claim_for<S: Store + ?Sized>(
 }
 
 /// A fresh claim for `ctx.token` on a body with `fingerprint`.
-fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
+pub fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
     Claim {
         fingerprint: fingerprint.to_owned(),
         token: ctx.token.to_owned(),
@@ -339,13 +339,14 @@ fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
 /// returned (a compare-and-set on the version decided on, so it needs no
 /// lock held since the read: `false` from the store means another attempt
 /// got there first, or the old holder is still executing, and the key is in
-/// flight, [`in_progress`]), or answer without executing.
-fn after_claim(existing: &KeyRecord, claim: Claim, ctx: Ctx) -> Result<Claim, Response> {
+/// flight, [`in_progress`]), or answer as the decision returned says,
+/// without executing.
+pub fn after_claim(existing: &KeyRecord, claim: Claim, ctx: Ctx) -> Result<Claim, Decision> {
     let created_at = match decide(existing, &claim.fingerprint, ctx.now, ctx.policy) {
         // A taken-over key keeps its age: retention counts from the first claim.
         Decision::TakeOver => existing.created_at,
         Decision::Expired => ctx.now,
-        other => return Err(answer(other, ctx.policy)),
+        other => return Err(other),
     };
     Ok(Claim { created_at, ..claim })
 }

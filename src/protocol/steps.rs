@@ -40,7 +40,7 @@ pub async fn claim_steps<S: Steps>(
     };
     let claim = match after_claim(&existing, claim, ctx) {
         Ok(claim) => claim,
-        Err(answer) => return Ok(Claimed::Answer(answer)),
+        Err(decision) => return Ok(Claimed::Answer(answer(decision, ctx.policy))),
     };
     Ok(match store.replace_claim(&req.key, &existing, &claim).await? {
         true => Claimed::Mine,

@@ -13,7 +13,7 @@
 //! keeps (a refusal answered as problem+json replays as one); the engine's
 //! answers are JSON and leave it NULL.
 
-use super::record::{PURGEABLE, RECORD_COLUMNS};
+use super::record::{KeyRecord, KeyRow, PURGEABLE, RECORD_COLUMNS};
 
 /// The two SQL dialects the key table is written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +118,15 @@ impl KeyTable {
     /// if they are not there; `index` names the index, which PostgreSQL
     /// puts in the table's schema.
     pub fn create(&self, index: &str, dialect: Dialect) -> String {
+        format!(
+            "{};\nCREATE INDEX IF NOT EXISTS {index} ON {} (created_at);",
+            self.create_table(dialect),
+            self.name
+        )
+    }
+
+    /// Creates the table, without its index, if it is not there.
+    pub fn create_table(&self, dialect: Dialect) -> String {
         // Times are RFC 3339 UTC text of fixed width; in the C collation text
         // order is time order, and the bytes are the same on both databases.
         let (time, id, rest) = match dialect {
@@ -144,11 +153,46 @@ impl KeyTable {
                  -- a completed key always has its response; only a completed key has a transfer
                  CHECK ((state = 'completed') = (status IS NOT NULL AND body IS NOT NULL AND completed_at IS NOT NULL)),
                  CHECK (transfer_id IS NULL OR state = 'completed')
-             ){rest};
-             CREATE INDEX IF NOT EXISTS {index} ON {t} (created_at);",
+             ){rest}",
             t = self.name
         )
     }
+}
+
+/// The record of a key row whose [`RECORD_COLUMNS`] start at column `at`.
+#[cfg(feature = "sqlite")]
+pub(crate) fn sqlite_record(r: &rusqlite::Row, at: usize) -> rusqlite::Result<KeyRecord> {
+    let row = KeyRow {
+        fingerprint: r.get(at)?,
+        created_at: r.get(at + 1)?,
+        token: r.get(at + 2)?,
+        state: r.get(at + 3)?,
+        lease_until: r.get(at + 4)?,
+        status: r.get(at + 5)?,
+        reason: r.get(at + 6)?,
+        body: r.get(at + 7)?,
+        transfer_id: r.get(at + 8)?,
+    };
+    // a row idem cannot have written
+    row.decode().map_err(|e| rusqlite::Error::InvalidColumnName(format!("corrupt key row: {e}")))
+}
+
+/// [`sqlite_record`] on PostgreSQL.
+#[cfg(feature = "postgres")]
+pub(crate) fn pg_record(row: &tokio_postgres::Row, at: usize) -> Result<KeyRecord, super::StoreError> {
+    let status: Option<i32> = row.get(at + 5);
+    KeyRow {
+        fingerprint: row.get(at),
+        created_at: row.get(at + 1),
+        token: row.get(at + 2),
+        state: row.get(at + 3),
+        lease_until: row.get(at + 4),
+        status: status.map(i64::from),
+        reason: row.get(at + 6),
+        body: row.get(at + 7),
+        transfer_id: row.get(at + 8),
+    }
+    .decode()
 }
 
 #[cfg(test)]

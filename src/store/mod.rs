@@ -31,7 +31,7 @@
 #[cfg(feature = "cli")]
 pub mod bank;
 mod db;
-mod keys;
+pub(crate) mod keys;
 mod payouts;
 #[cfg(feature = "cli")]
 pub mod pg;

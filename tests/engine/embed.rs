@@ -95,28 +95,56 @@ fn sqlite_a_failed_work_rolls_back_with_its_claim_and_a_refusal_is_stored() {
     assert!(matches!(keys.run_sqlite(&mut db, &me, "x", "{nope", pay_sqlite(1)), Err(Error::Body(_))));
 }
 
+/// A key table as versions 1 and 2 of the library left it, with a completed
+/// key (`old`) and a claim committed without its answer (`stuck`, what a
+/// request abandoned mid-transaction left behind before the layer ended
+/// its transactions).
+const VERSION_1: &str = "
+    CREATE TABLE shop_idem_schema (version INTEGER NOT NULL);
+    INSERT INTO shop_idem_schema VALUES (1);
+    CREATE TABLE shop_idem_keys (client_id TEXT NOT NULL, endpoint TEXT NOT NULL, idem_key TEXT NOT NULL,
+        fingerprint TEXT NOT NULL, created_at TEXT NOT NULL, status INTEGER, body TEXT,
+        PRIMARY KEY (client_id, endpoint, idem_key));
+    INSERT INTO shop_idem_keys VALUES
+        ('c1', 'POST /pay', 'old', '{old}', '{now}', 201, '{\"movement\":7}'),
+        ('c1', 'POST /pay', 'stuck', '{stuck}', '{now}', NULL, NULL)";
+
+/// [`VERSION_1`], with the fingerprints of `{"cents":1}` and `{"cents":2}`.
+fn version_1() -> String {
+    let fp = |body: &str| idem::canonical::fingerprint(&idem::canonical::Json::parse(body).unwrap());
+    VERSION_1
+        .replace("{old}", &fp(r#"{"cents":1}"#))
+        .replace("{stuck}", &fp(r#"{"cents":2}"#))
+        .replace("{now}", &idem::clock::Timestamp::now().to_string())
+}
+
 #[test]
-fn sqlite_a_key_table_of_version_1_is_upgraded_and_its_answers_replay_as_json() {
-    let (mut db, keys) = sqlite();
-    let me = Scope::new("c1", "POST /pay");
-    keys.run_sqlite(&mut db, &me, "old", r#"{"cents":1}"#, pay_sqlite(1)).unwrap();
-    // the table as version 1 left it: no content_type column
-    db.execute_batch(
-        "ALTER TABLE shop_idem_keys DROP COLUMN content_type; DELETE FROM shop_idem_schema WHERE version = 2",
-    )
-    .unwrap();
+fn sqlite_a_key_table_of_version_1_is_upgraded_to_the_engines_shape() {
+    let db = idem::embed::sqlite::Connection::open_in_memory().unwrap();
+    db.execute_batch(LEDGER).unwrap();
+    db.execute_batch(&version_1()).unwrap();
+    let mut db = db;
+    let keys = Keys::new("shop_").unwrap();
     keys.migrate_sqlite(&db).unwrap();
+    keys.migrate_sqlite(&db).unwrap(); // a second start-up changes nothing
+    let me = Scope::new("c1", "POST /pay");
+    // the completed key replays, as JSON (it was stored before the media type)
     let again = keys.run_sqlite(&mut db, &me, "old", r#"{"cents":1}"#, pay_sqlite(1)).unwrap();
-    assert!(matches!(again, Reply::Replayed(Answer { status: 201, content_type: None, .. })), "{again:?}");
-    let next = keys.run_sqlite(&mut db, &me, "new", r#"{"cents":2}"#, pay_sqlite(2)).unwrap();
-    assert!(matches!(next, Reply::Fresh(Answer { content_type: Some(_), .. })), "{next:?}");
-    assert_eq!(
-        keys.run_sqlite(&mut db, &me, "new", r#"{"cents":2}"#, pay_sqlite(2)).unwrap(),
-        match next {
-            Reply::Fresh(a) => Reply::Replayed(a),
-            other => other,
-        }
-    );
+    assert_eq!(again, Reply::Replayed(Answer::new(201, r#"{"movement":7}"#)));
+    // the answerless claim is free: its retry pays, once
+    let stuck = keys.run_sqlite(&mut db, &me, "stuck", r#"{"cents":2}"#, pay_sqlite(2)).unwrap();
+    assert!(matches!(stuck, Reply::Fresh(Answer { status: 201, .. })), "{stuck:?}");
+    let next = keys.run_sqlite(&mut db, &me, "stuck", r#"{"cents":2}"#, pay_sqlite(2)).unwrap();
+    assert!(matches!(next, Reply::Replayed(Answer { content_type: Some(_), .. })), "{next:?}");
+    assert_eq!(ann_bob_sqlite(&db), (998, 2, 1));
+    let (state, versions): (String, i64) = db
+        .query_row(
+            "SELECT (SELECT group_concat(state) FROM shop_idem_keys), (SELECT max(version) FROM shop_idem_schema)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((state.as_str(), versions), ("completed,completed", 3));
 }
 
 #[test]
@@ -331,4 +359,53 @@ fn a_crash_after_the_commit_pays_twice_beside_the_work_and_once_inside_it() {
     let (_, _, inside) = ann_bob_sqlite(&db);
     eprintln!("{KEYS} keys, each attempt killed once: beside the work {beside} payments, inside it {inside}");
     assert_eq!((beside, inside), (2 * KEYS, KEYS));
+}
+
+#[test]
+fn postgres_a_key_table_of_version_1_is_upgraded_to_the_engines_shape() {
+    let Some(server) = pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    runtime().block_on(async {
+        let mut c = pg_client(&spec).await;
+        c.batch_execute(LEDGER).await.unwrap();
+        c.batch_execute(&version_1()).await.unwrap();
+        let keys = Keys::new("shop_").unwrap();
+        keys.migrate_pg(&mut c).await.unwrap();
+        keys.migrate_pg(&mut c).await.unwrap();
+        let me = Scope::new("c1", "POST /pay");
+        let again = keys.run_pg(&mut c, &me, "old", r#"{"cents":1}"#, async |tx| pay_pg(tx, 1).await).await;
+        assert_eq!(again.unwrap(), Reply::Replayed(Answer::new(201, r#"{"movement":7}"#)));
+        let stuck = keys.run_pg(&mut c, &me, "stuck", r#"{"cents":2}"#, async |tx| pay_pg(tx, 2).await).await;
+        assert!(matches!(stuck, Ok(Reply::Fresh(Answer { status: 201, .. }))), "{stuck:?}");
+        assert_eq!(ann_bob_pg(&c).await, (998, 2, 1));
+        let states = "SELECT string_agg(state, ',') FROM shop_idem_keys";
+        assert_eq!(c.query_one(states, &[]).await.unwrap().get::<_, String>(0), "completed,completed");
+        // past retention, both go
+        c.batch_execute("UPDATE shop_idem_keys SET created_at = '2020-01-01T00:00:00Z'").await.unwrap();
+        assert_eq!(keys.purge_pg(&c, 100).await.unwrap(), 2);
+    });
+}
+
+#[test]
+fn sqlite_the_purge_deletes_only_keys_past_retention() {
+    let (mut db, keys) = sqlite();
+    let me = Scope::new("c1", "POST /pay");
+    for k in ["a", "b", "c"] {
+        keys.run_sqlite(&mut db, &me, k, r#"{"cents":1}"#, pay_sqlite(1)).unwrap();
+    }
+    let old =
+        format!("UPDATE {} SET created_at = '2020-01-01T00:00:00Z' WHERE idem_key <> 'c'", keys.table());
+    db.execute(&old, []).unwrap();
+    assert_eq!(keys.purge_sqlite(&db, 1).unwrap(), 1, "a limit of one");
+    assert_eq!(keys.purge_sqlite(&db, 100).unwrap(), 1);
+    assert_eq!(keys.purge_sqlite(&db, 100).unwrap(), 0);
+    // the kept key still replays; a purged one is new again
+    assert!(matches!(
+        keys.run_sqlite(&mut db, &me, "c", r#"{"cents":1}"#, pay_sqlite(1)),
+        Ok(Reply::Replayed(_))
+    ));
+    assert!(matches!(
+        keys.run_sqlite(&mut db, &me, "a", r#"{"cents":1}"#, pay_sqlite(1)),
+        Ok(Reply::Fresh(_))
+    ));
 }

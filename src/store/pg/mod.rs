@@ -30,9 +30,9 @@
 //! No error produced here carries the connection string or its password.
 
 use super::{
-    Account, Audit, CREATED_HEAD, Claim, Dialect, Durability, Executed, Execution, KeyRecord, KeyRow,
-    KeyState, KeyTable, NewTransfer, PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Plan,
-    Premise, Reads, Seen, Store, StoreError, Stored, Tx, audit_sql,
+    Account, Audit, CREATED_HEAD, Claim, Dialect, Durability, Executed, Execution, KeyRecord, KeyState,
+    KeyTable, NewTransfer, PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Plan, Premise, Reads,
+    Seen, Store, StoreError, Stored, Tx, audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;

@@ -209,19 +209,7 @@ pub(in crate::store) fn record(row: &Row) -> Result<KeyRecord, StoreError> {
 
 /// The key's record from the columns of [`KEY_COLUMNS`] starting at `at`.
 pub(super) fn record_at(row: &Row, at: usize) -> Result<KeyRecord, StoreError> {
-    let status: Option<i32> = row.get(at + 5);
-    KeyRow {
-        fingerprint: row.get(at),
-        created_at: row.get(at + 1),
-        token: row.get(at + 2),
-        state: row.get(at + 3),
-        lease_until: row.get(at + 4),
-        status: status.map(i64::from),
-        reason: row.get(at + 6),
-        body: row.get(at + 7),
-        transfer_id: row.get(at + 8),
-    }
-    .decode()
+    crate::store::keys::pg_record(row, at)
 }
 
 /// The key (columns 1..=9, if there is one) and the accounts `[src, dst]`

@@ -16,9 +16,9 @@
 //! module for why that is safe).
 
 use super::{
-    Account, Audit, Claim, Dialect, Durability, Failure, KeyRecord, KeyRow, KeyTable, NewTransfer,
-    PAYOUT_V1_COLUMNS, PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Reads, Store, StoreError,
-    Stored, Tx, audit_sql,
+    Account, Audit, Claim, Dialect, Durability, Failure, KeyRecord, KeyTable, NewTransfer, PAYOUT_V1_COLUMNS,
+    PayoutEvent, PayoutRow, PayoutStat, PayoutState, PayoutText, Reads, Store, StoreError, Stored, Tx,
+    audit_sql,
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
@@ -294,26 +294,7 @@ impl Drop for SqliteTx<'_> {
     }
 }
 
-/// A key row whose [`RECORD_COLUMNS`] start at column `at`.
-fn record_at(r: &Row, at: usize) -> rusqlite::Result<KeyRecord> {
-    let row = KeyRow {
-        fingerprint: r.get(at)?,
-        created_at: r.get(at + 1)?,
-        token: r.get(at + 2)?,
-        state: r.get(at + 3)?,
-        lease_until: r.get(at + 4)?,
-        status: r.get(at + 5)?,
-        reason: r.get(at + 6)?,
-        body: r.get(at + 7)?,
-        transfer_id: r.get(at + 8)?,
-    };
-    row.decode().map_err(|e| corrupt("row", e.to_string()))
-}
-
-/// A key row the engine cannot have written.
-fn corrupt(column: &str, why: String) -> rusqlite::Error {
-    rusqlite::Error::InvalidColumnName(format!("corrupt idem_key.{column}: {why}"))
-}
+use super::keys::sqlite_record as record_at;
 
 impl SqliteTx<'_> {
     /// Runs `sql` with the key as ?1..?3, the claim as ?4..?7 and, for a
