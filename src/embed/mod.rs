@@ -99,6 +99,17 @@ impl Answer {
         Answer { status, body: body.into(), content_type: None }
     }
 
+    /// The answer as the key table stores it, and its media type.
+    fn stored(&self) -> (crate::store::Stored, Option<&str>) {
+        let stored = crate::store::Stored {
+            status: self.status,
+            reason: None,
+            body: self.body.clone(),
+            transfer_id: None,
+        };
+        (stored, self.content_type.as_deref())
+    }
+
     /// The same answer, with the body's media type.
     pub fn content_type(mut self, media_type: impl Into<String>) -> Answer {
         self.content_type = Some(media_type.into());
@@ -247,47 +258,14 @@ impl Keys {
         })
     }
 
-    /// The versioned steps that build the key table, in order; a database
-    /// holds the first `n` of them once its schema table says version `n`.
-    /// Version 3 is the key table's one shape (`store::keys`): the rows of
-    /// versions 1 and 2, each committed with its answer, carried over as
-    /// completed keys.
+    /// The instant before which a key is past retention.
+    fn retained_since(&self) -> Timestamp {
+        Timestamp::now().plus_seconds(-self.policy.retention_seconds())
+    }
+
+    /// The versioned steps that build the key table (`store::keys::migrations`).
     fn migrations(&self, dialect: Dialect) -> Vec<String> {
-        let t = &self.table;
-        let next = KeyTable::new(&format!("{t}_v3"), dialect);
-        let short = t.rsplit_once('.').map_or(t.as_str(), |(_, n)| n);
-        vec![
-            format!(
-                "CREATE TABLE {t} (
-                   client_id TEXT NOT NULL,
-                   endpoint TEXT NOT NULL,
-                   idem_key TEXT NOT NULL,
-                   fingerprint TEXT NOT NULL,
-                   created_at TEXT NOT NULL,
-                   status INTEGER,
-                   body TEXT,
-                   PRIMARY KEY (client_id, endpoint, idem_key)
-                 )"
-            ),
-            format!("ALTER TABLE {t} ADD COLUMN content_type TEXT"),
-            format!(
-                "{};
-                 INSERT INTO {n} (client_id, endpoint, idem_key, fingerprint, state, token, created_at,
-                                  lease_until, status, body, completed_at, content_type)
-                   SELECT client_id, endpoint, idem_key, fingerprint,
-                          CASE WHEN status IS NULL THEN 'in_progress' ELSE 'completed' END, '',
-                          created_at, created_at, status,
-                          CASE WHEN status IS NULL THEN NULL ELSE coalesce(body, '') END,
-                          CASE WHEN status IS NULL THEN NULL ELSE created_at END, content_type
-                   FROM {t};
-                 DROP TABLE {t};
-                 ALTER TABLE {n} RENAME TO {short};
-                 CREATE INDEX IF NOT EXISTS {index} ON {t} (created_at)",
-                next.create_table(dialect),
-                n = next.name,
-                index = self.index,
-            ),
-        ]
+        crate::store::keys::migrations(&self.table, &self.index, dialect)
     }
 }
 

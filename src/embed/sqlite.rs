@@ -9,9 +9,8 @@ pub use rusqlite::{Connection, Error as DbError, Transaction};
 
 use super::{Answer, Error, Keys, Reply};
 use crate::clock::Timestamp;
-use crate::store::Claim;
-use crate::store::keys::sqlite_record;
-use rusqlite::{OptionalExtension, ToSql, TransactionBehavior, params};
+use crate::store::keys::sqlite as key_sql;
+use rusqlite::TransactionBehavior;
 
 fn db<E>(e: rusqlite::Error) -> Error<E> {
     Error::Db(Box::new(e))
@@ -21,23 +20,7 @@ impl Keys {
     /// Creates or upgrades the key table in `conn`'s database; run it at
     /// start-up (it is a no-op on a database already at this version).
     pub fn migrate_sqlite(&self, conn: &Connection) -> rusqlite::Result<()> {
-        conn.execute_batch(&format!(
-            "CREATE TABLE IF NOT EXISTS {} (version INTEGER NOT NULL)",
-            self.versions
-        ))?;
-        let at: i64 =
-            conn.query_row(&format!("SELECT coalesce(max(version), 0) FROM {}", self.versions), [], |r| {
-                r.get(0)
-            })?;
-        let steps = self.migrations(crate::store::Dialect::Sqlite);
-        for (n, step) in steps.iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX)) {
-            conn.execute_batch(&format!(
-                "BEGIN IMMEDIATE; {step}; INSERT INTO {} (version) VALUES ({}); COMMIT;",
-                self.versions,
-                n + 1
-            ))?;
-        }
-        Ok(())
+        key_sql::migrate(conn, &self.versions, &self.migrations(crate::store::Dialect::Sqlite))
     }
 
     /// Runs `work` under the key: in one transaction, claims it, runs the
@@ -78,34 +61,22 @@ impl Keys {
         key: &str,
         fingerprint: &str,
     ) -> Result<Result<String, Reply>, Error<E>> {
-        let t = &self.sqlite;
+        let (t, who) = (&self.sqlite, [scope.client.as_str(), &scope.endpoint, key]);
         let claim = self.claim(fingerprint)?;
-        let write = |sql: &str, claim: &Claim, seen: &[&dyn ToSql]| {
-            let (at, lease) = (claim.created_at.to_string(), claim.lease_until.to_string());
-            let mut args: Vec<&dyn ToSql> =
-                vec![&scope.client, &scope.endpoint, &key, &claim.fingerprint, &claim.token, &at, &lease];
-            args.extend_from_slice(seen);
-            conn.prepare_cached(sql)?.execute(args.as_slice())
-        };
-        if write(&t.insert_claim, &claim, &[]).map_err(db)? == 1 {
+        if key_sql::insert_claim(conn, t, who, &claim).map_err(db)? {
             return Ok(Ok(claim.token));
         }
         // the primary key says the key exists: its committed row decides
-        let read = conn.prepare_cached(&t.read).and_then(|mut s| {
-            s.query_row(params![scope.client, scope.endpoint, key], |r| Ok((sqlite_record(r, 0)?, r.get(9)?)))
-                .optional()
-        });
-        let Some((existing, content_type)) = read.map_err(db)? else {
+        let Some((existing, content_type)) = key_sql::read(conn, t, who).map_err(db)? else {
             return Ok(Err(Reply::InFlight)); // purged meanwhile: retry
         };
         let claim = match self.over(&existing, content_type, claim) {
             Ok(claim) => claim,
             Err(reply) => return Ok(Err(reply)),
         };
-        let seen: [&dyn ToSql; 2] = [&existing.token, &existing.state.name()];
-        Ok(match write(&t.replace_claim, &claim, &seen).map_err(db)? {
-            1 => Ok(claim.token),
-            _ => Err(Reply::InFlight),
+        Ok(match key_sql::replace_claim(conn, t, who, &existing, &claim).map_err(db)? {
+            true => Ok(claim.token),
+            false => Err(Reply::InFlight),
         })
     }
 
@@ -119,23 +90,13 @@ impl Keys {
         token: &str,
         answer: &Answer,
     ) -> Result<(), Error<E>> {
-        let done = conn.prepare_cached(&self.sqlite.complete).and_then(|mut s| {
-            s.execute(params![
-                scope.client,
-                scope.endpoint,
-                key,
-                answer.status,
-                None::<&str>,
-                answer.body,
-                None::<i64>,
-                Timestamp::now().to_string(),
-                token,
-                answer.content_type,
-            ])
-        });
-        match done.map_err(db)? {
-            1 => Ok(()),
-            _ => Err(Error::Db("the key's claim was gone at completion".into())),
+        let who = [scope.client.as_str(), &scope.endpoint, key];
+        let (stored, media) = answer.stored();
+        match key_sql::complete(conn, &self.sqlite, who, token, &stored, media, Timestamp::now())
+            .map_err(db)?
+        {
+            true => Ok(()),
+            false => Err(Error::Db("the key's claim was gone at completion".into())),
         }
     }
 
@@ -143,10 +104,6 @@ impl Keys {
     /// Run it now and then: a key older than the retention is never
     /// replayed, only kept.
     pub fn purge_sqlite(&self, conn: &Connection, limit: u64) -> rusqlite::Result<u64> {
-        let before = Timestamp::now().plus_seconds(-self.policy.retention_seconds()).to_string();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let purged =
-            conn.prepare_cached(&self.sqlite.purge)?.execute(params![before, limit, super::NO_ENDPOINT])?;
-        Ok(purged as u64)
+        key_sql::purge(conn, &self.sqlite, self.retained_since(), limit, super::NO_ENDPOINT)
     }
 }

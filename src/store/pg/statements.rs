@@ -209,7 +209,7 @@ pub(in crate::store) fn record(row: &Row) -> Result<KeyRecord, StoreError> {
 
 /// The key's record from the columns of [`KEY_COLUMNS`] starting at `at`.
 pub(super) fn record_at(row: &Row, at: usize) -> Result<KeyRecord, StoreError> {
-    crate::store::keys::pg_record(row, at)
+    crate::store::keys::pg::record(row, at)
 }
 
 /// The key (columns 1..=9, if there is one) and the accounts `[src, dst]`

@@ -22,7 +22,6 @@ use super::{
 };
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, PAYOUTS, ScopedKey};
 use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
@@ -257,11 +256,7 @@ fn keys() -> &'static KeyTable {
 }
 
 fn read_key(conn: &Connection, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-    conn.prepare_cached(&keys().read)
-        .and_then(|mut s| {
-            s.query_row((&key.client_id, &key.endpoint, &key.idem_key), |r| record_at(r, 0)).optional()
-        })
-        .map_err(backend)
+    Ok(key_sql::read(conn, keys(), who(key)).map_err(backend)?.map(|(record, _)| record))
 }
 
 /// A transaction of its own (`BEGIN IMMEDIATE` … `COMMIT`), or, inside a
@@ -294,36 +289,16 @@ impl Drop for SqliteTx<'_> {
     }
 }
 
-use super::keys::sqlite_record as record_at;
-
-impl SqliteTx<'_> {
-    /// Runs `sql` with the key as ?1..?3, the claim as ?4..?7 and, for a
-    /// compare-and-set, the `(token, state)` seen as ?8, ?9.
-    fn write_claim(
-        &mut self,
-        sql: &str,
-        key: &ScopedKey,
-        claim: &Claim,
-        seen: Option<(&str, &str)>,
-    ) -> rusqlite::Result<usize> {
-        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
-        let mut params: Vec<&dyn ToSql> =
-            vec![&key.client_id, &key.endpoint, &key.idem_key, &claim.fingerprint, &claim.token];
-        params.extend([&created_at as &dyn ToSql, &lease_until]);
-        if let Some((token, state)) = &seen {
-            params.extend([token as &dyn ToSql, state]);
-        }
-        self.conn.prepare_cached(sql)?.execute(params.as_slice())
-    }
-}
+use super::keys::sqlite::{self as key_sql, record as record_at};
+use super::keys::who;
 
 impl Tx for SqliteTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
-        let inserted = self.write_claim(&keys().insert_claim, key, claim, None).map_err(backend)?;
+        let inserted = key_sql::insert_claim(self.conn, keys(), who(key), claim).map_err(backend)?;
         match inserted {
-            1 => Ok(None),
+            true => Ok(None),
             // The primary key is the arbiter: nothing inserted means the key exists.
-            _ => read_key(self.conn, key)?
+            false => read_key(self.conn, key)?
                 .map(Some)
                 .ok_or_else(|| StoreError::Backend("claim neither inserted nor found".into())),
         }
@@ -335,8 +310,7 @@ impl Tx for SqliteTx<'_> {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
-        let seen = Some((seen.token.as_str(), seen.state.name()));
-        self.write_claim(&keys().replace_claim, key, claim, seen).map(|n| n == 1).map_err(backend)
+        key_sql::replace_claim(self.conn, keys(), who(key), seen, claim).map_err(backend)
     }
 
     fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
@@ -350,32 +324,12 @@ impl Tx for SqliteTx<'_> {
         response: &Stored,
         at: Timestamp,
     ) -> Result<bool, StoreError> {
-        self.conn
-            .prepare_cached(&keys().complete)
-            .and_then(|mut s| {
-                s.execute((
-                    &key.client_id,
-                    &key.endpoint,
-                    &key.idem_key,
-                    response.status,
-                    response.reason.as_ref().map(Reason::to_string),
-                    &response.body,
-                    response.transfer_id,
-                    at.to_string(),
-                    token,
-                    None::<&str>, // the engine's answers are JSON
-                ))
-            })
-            .map(|n| n == 1)
-            .map_err(backend)
+        // the engine's answers are JSON: no media type of their own
+        key_sql::complete(self.conn, keys(), who(key), token, response, None, at).map_err(backend)
     }
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
-        self.conn
-            .prepare_cached(&keys().release)
-            .and_then(|mut s| s.execute((&key.client_id, &key.endpoint, &key.idem_key, token)))
-            .map(|n| n == 1)
-            .map_err(backend)
+        key_sql::release(self.conn, keys(), who(key), token).map_err(backend)
     }
 
     fn lock_account(&mut self, id: &AcctId) -> Result<Option<Account>, StoreError> {
@@ -424,13 +378,7 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
-        self.conn
-            .prepare_cached(&keys().purge)
-            .and_then(|mut s| {
-                s.execute((before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX), PAYOUTS))
-            })
-            .map(|n| n as u64)
-            .map_err(backend)
+        key_sql::purge(self.conn, keys(), before, limit, PAYOUTS).map_err(backend)
     }
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {

@@ -9,11 +9,28 @@
 //! key decides who claims, every change to an existing key is a
 //! compare-and-set on the version seen.
 //!
+//! Beside the texts, `sqlite.rs` and `pg.rs` run them on a connection or
+//! transaction the caller lends (the engine's store, the library's caller),
+//! with their arguments and the reading of their rows.
+//!
 //! `content_type` is the stored answer's media type, which the library
 //! keeps (a refusal answered as problem+json replays as one); the engine's
 //! answers are JSON and leave it NULL.
 
-use super::record::{KeyRecord, KeyRow, PURGEABLE, RECORD_COLUMNS};
+use super::record::{PURGEABLE, RECORD_COLUMNS};
+
+#[cfg(feature = "postgres")]
+pub(crate) mod pg;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
+
+/// A key as the statements bind it: client, endpoint, key.
+pub(crate) type Who<'a> = [&'a str; 3];
+
+/// The engine's scoped key, as the statements bind it.
+pub(crate) fn who(key: &crate::request::ScopedKey) -> Who<'_> {
+    [&key.client_id, &key.endpoint, &key.idem_key]
+}
 
 /// The two SQL dialects the key table is written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,40 +176,48 @@ impl KeyTable {
     }
 }
 
-/// The record of a key row whose [`RECORD_COLUMNS`] start at column `at`.
-#[cfg(feature = "sqlite")]
-pub(crate) fn sqlite_record(r: &rusqlite::Row, at: usize) -> rusqlite::Result<KeyRecord> {
-    let row = KeyRow {
-        fingerprint: r.get(at)?,
-        created_at: r.get(at + 1)?,
-        token: r.get(at + 2)?,
-        state: r.get(at + 3)?,
-        lease_until: r.get(at + 4)?,
-        status: r.get(at + 5)?,
-        reason: r.get(at + 6)?,
-        body: r.get(at + 7)?,
-        transfer_id: r.get(at + 8)?,
-    };
-    // a row idem cannot have written
-    row.decode().map_err(|e| rusqlite::Error::InvalidColumnName(format!("corrupt key row: {e}")))
-}
-
-/// [`sqlite_record`] on PostgreSQL.
-#[cfg(feature = "postgres")]
-pub(crate) fn pg_record(row: &tokio_postgres::Row, at: usize) -> Result<KeyRecord, super::StoreError> {
-    let status: Option<i32> = row.get(at + 5);
-    KeyRow {
-        fingerprint: row.get(at),
-        created_at: row.get(at + 1),
-        token: row.get(at + 2),
-        state: row.get(at + 3),
-        lease_until: row.get(at + 4),
-        status: status.map(i64::from),
-        reason: row.get(at + 6),
-        body: row.get(at + 7),
-        transfer_id: row.get(at + 8),
-    }
-    .decode()
+/// The versioned steps that build a caller's key table `table` (the
+/// library's), in order; a database holds the first `n` of them once its
+/// versions table says `n`. Version 3 is the key table's one shape: the
+/// rows of versions 1 and 2, each committed with its answer, carried over
+/// as completed keys, and a claim left without one (an abandoned request
+/// whose transaction was committed by another) as a claim whose lease has
+/// run out, which the next request takes over.
+pub(crate) fn migrations(table: &str, index: &str, dialect: Dialect) -> Vec<String> {
+    let t = table;
+    let next = KeyTable::new(&format!("{t}_v3"), dialect);
+    let short = t.rsplit_once('.').map_or(t, |(_, n)| n);
+    vec![
+        format!(
+            "CREATE TABLE {t} (
+               client_id TEXT NOT NULL,
+               endpoint TEXT NOT NULL,
+               idem_key TEXT NOT NULL,
+               fingerprint TEXT NOT NULL,
+               created_at TEXT NOT NULL,
+               status INTEGER,
+               body TEXT,
+               PRIMARY KEY (client_id, endpoint, idem_key)
+             )"
+        ),
+        format!("ALTER TABLE {t} ADD COLUMN content_type TEXT"),
+        format!(
+            "{};
+             INSERT INTO {n} (client_id, endpoint, idem_key, fingerprint, state, token, created_at,
+                              lease_until, status, body, completed_at, content_type)
+               SELECT client_id, endpoint, idem_key, fingerprint,
+                      CASE WHEN status IS NULL THEN 'in_progress' ELSE 'completed' END, '',
+                      created_at, created_at, status,
+                      CASE WHEN status IS NULL THEN NULL ELSE coalesce(body, '') END,
+                      CASE WHEN status IS NULL THEN NULL ELSE created_at END, content_type
+               FROM {t};
+             DROP TABLE {t};
+             ALTER TABLE {n} RENAME TO {short};
+             CREATE INDEX IF NOT EXISTS {index} ON {t} (created_at)",
+            next.create_table(dialect),
+            n = next.name,
+        ),
+    ]
 }
 
 #[cfg(test)]

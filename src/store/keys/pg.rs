@@ -1,0 +1,157 @@
+//! The key table's statements run on a tokio-postgres client or
+//! transaction the caller lends, each typed (one round trip, no prepare).
+
+use super::{KeyTable, Who};
+use crate::clock::Timestamp;
+use crate::store::{Claim, KeyRecord, KeyRow, StoreError, Stored};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{GenericClient, Row};
+
+/// A typed argument.
+type Arg<'a> = (&'a (dyn ToSql + Sync), Type);
+
+/// The record of a key row whose `RECORD_COLUMNS` start at column `at`.
+pub(crate) fn record(row: &Row, at: usize) -> Result<KeyRecord, StoreError> {
+    let status: Option<i32> = row.get(at + 5);
+    KeyRow {
+        fingerprint: row.get(at),
+        created_at: row.get(at + 1),
+        token: row.get(at + 2),
+        state: row.get(at + 3),
+        lease_until: row.get(at + 4),
+        status: status.map(i64::from),
+        reason: row.get(at + 6),
+        body: row.get(at + 7),
+        transfer_id: row.get(at + 8),
+    }
+    .decode()
+}
+
+fn who_args<'a>(who: &'a Who<'a>) -> Vec<Arg<'a>> {
+    who.iter().map(|w| (w as &(dyn ToSql + Sync), Type::TEXT)).collect()
+}
+
+/// The key's row (its record, then `content_type`), locked without
+/// waiting: `Err` with `LOCK_NOT_AVAILABLE` when another transaction holds it.
+pub(crate) async fn read_nowait<C: GenericClient + Sync>(
+    c: &C,
+    t: &KeyTable,
+    who: Who<'_>,
+) -> Result<Option<Row>, tokio_postgres::Error> {
+    Ok(c.query_typed(&t.read_nowait, &who_args(&who)).await?.into_iter().next())
+}
+
+/// Inserts `claim` unless the key exists (`false`: it does).
+pub(crate) async fn insert_claim<C: GenericClient + Sync>(
+    c: &C,
+    t: &KeyTable,
+    who: Who<'_>,
+    claim: &Claim,
+) -> Result<bool, tokio_postgres::Error> {
+    write_claim(c, &t.insert_claim, who, claim, None).await
+}
+
+/// Writes `claim` over the key only if it is still the version `seen`.
+pub(crate) async fn replace_claim<C: GenericClient + Sync>(
+    c: &C,
+    t: &KeyTable,
+    who: Who<'_>,
+    seen: &KeyRecord,
+    claim: &Claim,
+) -> Result<bool, tokio_postgres::Error> {
+    write_claim(c, &t.replace_claim, who, claim, Some(seen)).await
+}
+
+async fn write_claim<C: GenericClient + Sync>(
+    c: &C,
+    sql: &str,
+    who: Who<'_>,
+    claim: &Claim,
+    seen: Option<&KeyRecord>,
+) -> Result<bool, tokio_postgres::Error> {
+    let (at, lease) = (claim.created_at.to_string(), claim.lease_until.to_string());
+    let state = seen.map(|s| s.state.name());
+    let mut args = who_args(&who);
+    args.extend([
+        (&claim.fingerprint as &(dyn ToSql + Sync), Type::TEXT),
+        (&claim.token, Type::TEXT),
+        (&at, Type::TEXT),
+        (&lease, Type::TEXT),
+    ]);
+    if let (Some(seen), Some(state)) = (seen, &state) {
+        args.extend([(&seen.token as &(dyn ToSql + Sync), Type::TEXT), (state, Type::TEXT)]);
+    }
+    Ok(c.execute_typed(sql, &args).await? == 1)
+}
+
+/// Completes the key with `answer` (of media type `content_type`) at `at`,
+/// only if `token` still holds it in progress.
+pub(crate) async fn complete<C: GenericClient + Sync>(
+    c: &C,
+    t: &KeyTable,
+    who: Who<'_>,
+    token: &str,
+    answer: &Stored,
+    content_type: Option<&str>,
+    at: Timestamp,
+) -> Result<bool, tokio_postgres::Error> {
+    let (status, at) = (i32::from(answer.status), at.to_string());
+    let reason = answer.reason.as_ref().map(ToString::to_string);
+    let mut args = who_args(&who);
+    args.extend([
+        (&status as &(dyn ToSql + Sync), Type::INT4),
+        (&reason, Type::TEXT),
+        (&answer.body, Type::TEXT),
+        (&answer.transfer_id, Type::INT8),
+        (&at, Type::TEXT),
+        (&token, Type::TEXT),
+        (&content_type, Type::TEXT),
+    ]);
+    Ok(c.execute_typed(&t.complete, &args).await? == 1)
+}
+
+/// Deletes up to `limit` keys created before `before`, oldest first,
+/// sparing the claims in progress of `spared` (the engine's payouts).
+pub(crate) async fn purge<C: GenericClient + Sync>(
+    c: &C,
+    t: &KeyTable,
+    before: Timestamp,
+    limit: u64,
+    spared: &str,
+) -> Result<u64, tokio_postgres::Error> {
+    let (before, limit) = (before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX));
+    let args: [Arg; 3] = [(&before, Type::TEXT), (&limit, Type::INT8), (&spared, Type::TEXT)];
+    c.execute_typed(&t.purge, &args).await
+}
+
+/// Puts a lock wait of `$1` in force for the rest of the transaction,
+/// keeping the one it had in `idem.lock_timeout` (a volatile subquery, so
+/// it runs first): the claim's insert waits on a racer's uncommitted claim
+/// of the same key for that long at most.
+pub(crate) const WAIT_FOR_CLAIM: &str = "SELECT set_config('lock_timeout', $1, true) \
+     FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS kept";
+
+/// Gives the transaction back the lock wait it had before the claim.
+pub(crate) const WAIT_AS_BEFORE: &str =
+    "SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)";
+
+/// Runs the steps of `steps` that the table `versions` does not record yet,
+/// in one transaction; concurrent start-ups are serialised by an advisory
+/// lock, one for every idem table in the database (migrations are rare).
+pub(crate) async fn migrate(
+    client: &mut tokio_postgres::Client,
+    versions: &str,
+    steps: &[String],
+) -> Result<(), tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock(7262617)", &[]).await?;
+    tx.batch_execute(&format!("CREATE TABLE IF NOT EXISTS {versions} (version INTEGER NOT NULL)")).await?;
+    let at: i32 =
+        tx.query_one(&format!("SELECT coalesce(max(version), 0) FROM {versions}"), &[]).await?.get(0);
+    for (n, step) in steps.iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX)) {
+        tx.batch_execute(step).await?;
+        let version = i32::try_from(n + 1).unwrap_or(i32::MAX);
+        tx.execute(&format!("INSERT INTO {versions} (version) VALUES ($1)"), &[&version]).await?;
+    }
+    tx.commit().await
+}
