@@ -20,7 +20,9 @@
 //! Needs `IDEM_BENCH_PG=<conninfo>` of an empty database (the recipe makes
 //! one on a local cluster). `IDEM_BENCH_SECONDS` sets each run's length
 //! (default 3; the documented run uses 8), `IDEM_BENCH_BIN` another idem
-//! binary to measure (an older build, for a before/after).
+//! binary to measure (an older build, for a before/after),
+//! `IDEM_BENCH_ROUND_TRIPS` the round trips to run, in ms (`1` or
+//! `0,1`; default all four).
 
 mod support;
 
@@ -256,7 +258,11 @@ fn main() {
         "\n| round trip (set / measured) | accounts | idem new/s | p50 / p99 ms | limit tps | p50 / p99 ms | idem / limit | idem CPU µs per transfer | idem sends per transfer |\n\
          |---|---|---:|---|---:|---|---:|---:|---:|"
     );
-    for rtt_ms in ROUND_TRIPS_MS {
+    let round_trips: Vec<f64> = match std::env::var("IDEM_BENCH_ROUND_TRIPS") {
+        Ok(list) => list.split(',').filter_map(|ms| ms.trim().parse().ok()).collect(),
+        Err(_) => ROUND_TRIPS_MS.to_vec(),
+    };
+    for rtt_ms in round_trips {
         let (hop, conninfo) = Hop::to_postgres(&direct, Duration::from_secs_f64(rtt_ms / 1000.0)).unwrap();
         let measured = measured_round_trip(&conninfo);
         for spread in [Spread::HotPair, Spread::Accounts100] {
