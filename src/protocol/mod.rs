@@ -339,7 +339,7 @@ pub fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
 /// returned (a compare-and-set on the version decided on, so it needs no
 /// lock held since the read: `false` from the store means another attempt
 /// got there first, or the old holder is still executing, and the key is in
-/// flight, [`in_progress`]), or answer as the decision returned says,
+/// flight, 409 in progress), or answer as the decision returned says,
 /// without executing.
 pub fn after_claim(existing: &KeyRecord, claim: Claim, ctx: Ctx) -> Result<Claim, Decision> {
     let created_at = match decide(existing, &claim.fingerprint, ctx.now, ctx.policy) {

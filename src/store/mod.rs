@@ -25,7 +25,9 @@
 //!   budget; a lock wait past the budget is [`StoreError::Busy`].
 //!
 //! Nothing is visible to anyone else until commit; a dropped transaction rolls
-//! back. All SQL lives below this module.
+//! back. The SQL of idem's tables lives below this module: the key table's
+//! in `keys` (whoever keeps the keys, the engine or a library's caller),
+//! the ledger's and the payouts' in each backend.
 
 // the stores themselves, and what opens and runs them (feature `cli`)
 #[cfg(feature = "cli")]

@@ -47,7 +47,7 @@ pub struct KeyTable {
     /// `$4` fingerprint, `$5` token, `$6` created_at, `$7` lease_until;
     /// inserts the claim unless the key exists.
     pub insert_claim: String,
-    /// The key's record ([`RECORD_COLUMNS`]), then `content_type`.
+    /// The key's record (`RECORD_COLUMNS`), then `content_type`.
     pub read: String,
     /// [`KeyTable::read`], the row locked without waiting (PostgreSQL).
     pub read_nowait: String,
