@@ -150,3 +150,100 @@ fn killed_after_the_writes_the_record_beside_the_work_pays_twice_and_the_layer_o
     }
     assert_eq!(moves, [(2 * KEYS, 10 * KEYS), (KEYS, 5 * KEYS)]);
 }
+
+/// The example killed (SIGKILL) at random instants while clients send
+/// transfers under 2 000 keys (most of them new when sent), restarted each time, then every key retried
+/// until it answers: each key paid exactly once, its answer naming its own
+/// move, and the wallets holding what the moves say.
+fn kill_storm(db: &std::path::Path) -> (i64, i64) {
+    const KEYS: u64 = 2_000;
+    let dir = tempfile::tempdir().unwrap();
+    let clients = dir.path().join("clients.json");
+    std::fs::write(&clients, r#"{"tok-1": "shop-1"}"#).unwrap();
+    let amount = |k: u64| 1 + k % 50;
+    let body = |k: u64| format!(r#"{{"src":"A","dst":"B","amount":{},"currency":"KRW"}}"#, amount(k));
+    let mut rng = idem::rng::Rng::new(0x6b11);
+    for round in 0..8 {
+        let (address, mut child) = start(db, &clients, "inside", false);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for c in 0..4u64 {
+                let (address, stop, body) = (&address, &stop, &body);
+                s.spawn(move || {
+                    let mut rng = idem::rng::Rng::new(round * 10 + c);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let k = rng.below(KEYS);
+                        let _ = send(address, &format!("kill-{k}"), &body(k));
+                    }
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100 + rng.below(300)));
+            child.kill().unwrap(); // SIGKILL: no goodbye, transactions open
+            child.wait().unwrap();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+    }
+    let (address, child) = start(db, &clients, "inside", false);
+    let mut child = Killed(child); // killed even if an assertion below fails
+    let mut named = std::collections::BTreeSet::new();
+    for k in 0..KEYS {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let answer = loop {
+            match send(&address, &format!("kill-{k}"), &body(k)) {
+                Some(a) if a.status != 409 => break a,
+                _ if std::time::Instant::now() > deadline => panic!("kill-{k} never answered"),
+                _ => std::thread::sleep(std::time::Duration::from_millis(50)),
+            }
+        };
+        assert_eq!(answer.status, 201, "kill-{k}: {}", answer.body);
+        let json: serde_json::Value = serde_json::from_str(&answer.body).unwrap_or_default();
+        assert_eq!(json["amount"], amount(k), "kill-{k}: {}", answer.body);
+        assert!(named.insert(json["transfer_id"].as_i64().unwrap()), "kill-{k} names another key's move");
+    }
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    let paid = (0..KEYS).map(amount).sum::<u64>() as i64;
+    (named.len() as i64, paid)
+}
+
+/// A child process killed when dropped.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The moves and what B holds, on either store.
+fn moves_and_b(db: &std::path::Path) -> (i64, i64, i64) {
+    let sql = "SELECT (SELECT count(*) FROM ledger_moves), (SELECT sum(cents) FROM ledger_moves)::bigint, \
+               (SELECT cents FROM ledger_wallets WHERE name = 'B')";
+    match db.to_str().is_some_and(|s| s.contains("host=")) {
+        true => {
+            let r = pg::client(db.to_str().unwrap()).query_one(sql, &[]).unwrap();
+            (r.get(0), r.get(1), r.get(2))
+        }
+        false => rusqlite::Connection::open(db)
+            .unwrap()
+            .query_row(&sql.replace("::bigint", ""), [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap(),
+    }
+}
+
+#[test]
+fn killed_at_random_the_example_on_sqlite_pays_every_key_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    let (keys, paid) = kill_storm(&db);
+    assert_eq!(moves_and_b(&db), (keys, paid, paid));
+}
+
+#[test]
+fn killed_at_random_the_example_on_postgres_pays_every_key_once() {
+    let Some(server) = pg::server() else { return };
+    let db = std::path::PathBuf::from(server.fresh_schema(false));
+    let (keys, paid) = kill_storm(&db);
+    assert_eq!(moves_and_b(&db), (keys, paid, paid));
+}
