@@ -43,7 +43,9 @@ use crate::canonical::{Json, fingerprint};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::protocol::{Ctx, Decision, after_claim, fresh_claim, fresh_token};
-use crate::store::{Claim, Dialect, KeyRecord, KeyTable};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use crate::store::KeyTable;
+use crate::store::{Claim, Dialect, KeyRecord};
 use std::fmt;
 
 #[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
@@ -77,6 +79,12 @@ impl Scope {
     /// A scope of `client` and `endpoint`.
     pub fn new(client: impl Into<String>, endpoint: impl Into<String>) -> Scope {
         Scope { client: client.into(), endpoint: endpoint.into() }
+    }
+
+    /// `key` in this scope, as the key table's statements bind it.
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
+    fn who<'a>(&'a self, key: &'a str) -> crate::store::keys::Who<'a> {
+        [&self.client, &self.endpoint, key]
     }
 }
 

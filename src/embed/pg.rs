@@ -81,7 +81,7 @@ impl Keys {
         key: &str,
         fingerprint: &str,
     ) -> Result<Result<String, Reply>, Error<E>> {
-        let (t, who) = (&self.pg, [scope.client.as_str(), &scope.endpoint, key]);
+        let (t, who) = (&self.pg, scope.who(key));
         let claim = self.claim(fingerprint)?;
         let wait = format!("{}ms", self.wait.as_millis().max(1));
         let wait = [(&wait as &(dyn ToSql + Sync), Type::TEXT)];
@@ -134,7 +134,7 @@ impl Keys {
         token: &str,
         answer: &Answer,
     ) -> Result<(), Error<E>> {
-        let who = [scope.client.as_str(), &scope.endpoint, key];
+        let who = scope.who(key);
         let (stored, media) = answer.stored();
         match key_sql::complete(c, &self.pg, who, token, &stored, media, Timestamp::now())
             .await
@@ -157,7 +157,7 @@ impl Keys {
         token: &str,
         answer: &Answer,
     ) -> bool {
-        let who = [scope.client.as_str(), &scope.endpoint, key];
+        let who = scope.who(key);
         let (stored, media) = answer.stored();
         let (done, committed) = tokio::join!(
             key_sql::complete(c, &self.pg, who, token, &stored, media, Timestamp::now()),

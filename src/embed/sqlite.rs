@@ -61,7 +61,7 @@ impl Keys {
         key: &str,
         fingerprint: &str,
     ) -> Result<Result<String, Reply>, Error<E>> {
-        let (t, who) = (&self.sqlite, [scope.client.as_str(), &scope.endpoint, key]);
+        let (t, who) = (&self.sqlite, scope.who(key));
         let claim = self.claim(fingerprint)?;
         if key_sql::insert_claim(conn, t, who, &claim).map_err(db)? {
             return Ok(Ok(claim.token));
@@ -90,7 +90,7 @@ impl Keys {
         token: &str,
         answer: &Answer,
     ) -> Result<(), Error<E>> {
-        let who = [scope.client.as_str(), &scope.endpoint, key];
+        let who = scope.who(key);
         let (stored, media) = answer.stored();
         match key_sql::complete(conn, &self.sqlite, who, token, &stored, media, Timestamp::now())
             .map_err(db)?
