@@ -22,9 +22,11 @@
 //! 3. **Replay**: a completed key answers with its stored bytes; only
 //!    `replay` differs from the first response.
 //!
-//! [`handle`] conducts a request on a [`Store`] that is called; the service
-//! conducts it on PostgreSQL's async pool with [`handle_steps`], on the same
-//! decisions (`after_claim`, `plan`, `committed`) in the same order.
+//! [`conduct`] is the one conductor of claim → work → complete, for every
+//! front: [`handle_steps`] runs a request through it on the service's
+//! PostgreSQL pool, and [`handle`] on a store that is called (`idem_api`,
+//! `idem serve` on SQLite, the harness), blocking on the same code; the
+//! library (`embed`) runs its caller's work through it.
 //!
 //! The claim commit is [`Durability::Lazy`]: a claim lost in a power cut
 //! moved no money, and the retry simply claims again. The execution commit
@@ -45,8 +47,8 @@ use crate::store::{
 mod steps;
 mod upkeep;
 
-pub use crate::store::Steps;
-pub use steps::{claim_steps, execute_steps, handle_steps};
+pub use crate::store::{KeySteps, Steps};
+pub use steps::{claim_as, conduct, execute_steps, handle_steps, now};
 pub use upkeep::{OpenClaim, open_claims, purge, purge_expired, release_claims};
 
 /// One response, as printed: `{"status","replay","reason","body"}`.
@@ -192,7 +194,17 @@ pub trait Engine {
     fn parse(&self, raw: &[u8], policy: &Policy) -> Result<Request, RequestError> {
         request::parse(raw, policy)
     }
+    /// A whole request: claim, execute if the claim is ours, release a
+    /// claim whose execution failed; a busy store is an unstored 503.
+    fn handle(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError>;
+    /// The claim alone (the harness stages racers' claims before any runs).
     fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError>;
+    /// The execution alone, under a claim [`Engine::claim`] made.
     fn execute(
         &mut self,
         req: &Request,
@@ -204,7 +216,16 @@ pub trait Engine {
     fn audit(&mut self) -> Result<Audit, StoreError>;
 }
 
+/// A store is an engine through the one conductor ([`conduct`]).
 impl<S: Store> Engine for S {
+    fn handle(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError> {
+        now(handle_steps(&mut steps::blocking(self, &ctx), req, ctx, &mut |p| faults(p)))
+    }
     fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
         claim(self, req, ctx)
     }
@@ -227,29 +248,14 @@ impl<S: Store> Engine for S {
     }
 }
 
-/// Handles one validated request: claim, then execute if the claim is ours.
-/// A busy store becomes an unstored 503.
+/// Handles one validated request on `engine` ([`Engine::handle`]).
 pub fn handle<E: Engine + ?Sized>(
     engine: &mut E,
     req: &Request,
     ctx: Ctx,
     faults: &mut dyn FnMut(Point) -> Flow,
 ) -> Result<Outcome, StoreError> {
-    let outcome = match engine.claim(req, ctx) {
-        Ok(Claimed::Answer(response)) => Ok(Outcome::Respond(response)),
-        Ok(Claimed::Mine) if faults(Point::AfterClaim) == Flow::Crash => {
-            Ok(Outcome::Crashed(Point::AfterClaim))
-        }
-        Ok(Claimed::Mine) => engine.execute(req, ctx, faults).inspect_err(|_| {
-            // The execution could not run (a lock held past the budget, a
-            // database error) and rolled back: free the key now rather than
-            // leave it answering 409 for the whole lease. Best effort: if
-            // this fails too, or the process dies first, the lease frees it.
-            let _ = engine.release(req, ctx);
-        }),
-        Err(e) => Err(e),
-    };
-    unless_busy(outcome, ctx.policy)
+    engine.handle(req, ctx, faults)
 }
 
 /// Turns a lock wait that ran out of budget, or a database that cannot be
@@ -309,20 +315,8 @@ fn claim_for<S: Store + ?Sized>(
     accounts: Option<[&AcctId; 2]>,
     ctx: Ctx,
 ) -> Result<Claimed, StoreError> {
-    let claim = fresh_claim(fingerprint, ctx);
-    let Some(existing) = store.claim(key, &claim, accounts, ctx.policy)? else {
-        return Ok(Claimed::Mine);
-    };
-    let claim = match after_claim(&existing, claim, ctx) {
-        Ok(claim) => claim,
-        Err(decision) => return Ok(Claimed::Answer(answer(decision, ctx.policy))),
-    };
-    store::atomically(store, Durability::Lazy, ctx.policy, |tx| {
-        Ok(match tx.replace_claim(key, &existing, &claim)? {
-            true => End::Commit(Claimed::Mine),
-            false => End::Rollback(Claimed::Answer(in_progress(ctx.policy))),
-        })
-    })
+    let decided = now(claim_as(&mut steps::blocking(store, &ctx), key, fingerprint, accounts, ctx))?;
+    Ok(decided.map_or(Claimed::Mine, |d| Claimed::Answer(answer(d, ctx.policy))))
 }
 
 /// A fresh claim for `ctx.token` on a body with `fingerprint`.
@@ -359,18 +353,7 @@ pub fn execute<S: Store + ?Sized>(
     ctx: Ctx,
     faults: &mut dyn FnMut(Point) -> Flow,
 ) -> Result<Outcome, StoreError> {
-    let mut lost = None;
-    let mut plan = |seen: &Seen| plan(seen, req, ctx, &mut lost);
-    let mut crash = || faults(Point::BeforeCommit) == Flow::Crash;
-    let executed = store.execute(execution(req, ctx), &mut plan, &mut crash, ctx.policy)?;
-    let answer = match committed(executed, lost, ctx) {
-        Ok(answer) => answer,
-        Err(outcome) => return Ok(outcome),
-    };
-    if faults(Point::AfterCommit) == Flow::Crash {
-        return Ok(Outcome::Crashed(Point::AfterCommit));
-    }
-    Ok(Outcome::Respond(answer))
+    now(execute_steps(&mut steps::blocking(store, &ctx), req, ctx, &mut |p| faults(p)))
 }
 
 /// The answer of an execution that committed, or the outcome of one that

@@ -296,7 +296,7 @@ impl OnPool {
         let token = protocol::fresh_token()
             .map_err(|e| StoreError::Backend(format!("no randomness for a claim token: {e}").into()))?;
         let ctx = Ctx { policy: self.policy, now: (self.clock)(), token: &token };
-        let outcome = protocol::handle_steps(&mut *conn, req, ctx).await;
+        let outcome = protocol::handle_steps(&mut *conn, req, ctx, &mut |_| Flow::Continue).await;
         if unanswered_by_the_database(&outcome) {
             self.orphans.lock().unwrap_or_else(|e| e.into_inner()).add(req.key.clone(), token);
         }

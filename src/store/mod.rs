@@ -314,34 +314,92 @@ impl<S: Store + ?Sized> Store for Box<S> {
     }
 }
 
-/// The steps of a request on a store that is awaited rather than called
-/// (the service's PostgreSQL pool): the operations [`Store::claim`],
-/// [`Tx::replace_claim`], [`Store::execute`] and
-/// [`Tx::release`] with the same guarantees, each one round trip.
-pub trait Steps: Send {
+/// A key's steps, awaited: [`Store::claim`], [`Tx::replace_claim`] and
+/// [`Tx::release`] with the same guarantees. The engine's stores (through
+/// [`Blocking`]), the service's PostgreSQL pool and the library's lent
+/// transactions each take them; `protocol::conduct` runs them, the one
+/// conductor of claim → work → complete.
+pub trait KeySteps {
+    /// Inserts `claim` on `key` unless the key exists, and then returns its
+    /// committed record (see [`Store::claim`]).
     fn claim(
         &mut self,
         key: &ScopedKey,
         claim: &Claim,
-        accounts: [&AcctId; 2],
-    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
+        accounts: Option<[&AcctId; 2]>,
+    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>>;
+    /// Writes `claim` over the key if it is still the version `seen`.
     fn replace_claim(
         &mut self,
         key: &ScopedKey,
         seen: &KeyRecord,
         claim: &Claim,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<bool, StoreError>>;
+    /// Lets go of the claim `token` holds, its work undone: the engine
+    /// deletes the key if `token` still holds it in progress; a lent
+    /// transaction, where the claim was never committed, rolls back.
+    fn release(&mut self, key: &ScopedKey, token: &str) -> impl Future<Output = Result<bool, StoreError>>;
+}
+
+/// The engine's steps of a request: the key's, and [`Store::execute`] (one
+/// round trip on the service's pool).
+// No `Send` bound on the futures: a caller that blocks needs none, and the
+// service's, on a concrete connection, is `Send` as its steps are.
+pub trait Steps: KeySteps {
     fn execute(
         &mut self,
         x: Execution<'_>,
-        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
-        crash: &mut (dyn FnMut() -> bool + Send),
-    ) -> impl Future<Output = Result<Executed, StoreError>> + Send;
-    fn release(
+        plan: &mut impl FnMut(&Seen) -> Plan,
+        crash: &mut impl FnMut() -> bool,
+    ) -> impl Future<Output = Result<Executed, StoreError>>;
+}
+
+/// A store that is called, as [`Steps`]: each step runs to its end when
+/// first polled, so a synchronous caller blocks on the conductor.
+pub struct Blocking<'a, S: ?Sized> {
+    store: &'a mut S,
+    policy: &'a Policy,
+}
+
+impl<'a, S: Store + ?Sized> Blocking<'a, S> {
+    pub fn new(store: &'a mut S, policy: &'a Policy) -> Self {
+        Blocking { store, policy }
+    }
+}
+
+impl<S: Store + ?Sized> KeySteps for Blocking<'_, S> {
+    async fn claim(
         &mut self,
         key: &ScopedKey,
-        token: &str,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+        claim: &Claim,
+        accounts: Option<[&AcctId; 2]>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        self.store.claim(key, claim, accounts, self.policy)
+    }
+
+    async fn replace_claim(&mut self, key: &ScopedKey, seen: &KeyRecord, claim: &Claim) -> Result<bool, StoreError> {
+        atomically(self.store, Durability::Lazy, self.policy, |tx| {
+            Ok(match tx.replace_claim(key, seen, claim)? {
+                true => End::Commit(true),
+                false => End::Rollback(false),
+            })
+        })
+    }
+
+    async fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        atomically(self.store, Durability::Lazy, self.policy, |tx| tx.release(key, token).map(End::Commit))
+    }
+}
+
+impl<S: Store + ?Sized> Steps for Blocking<'_, S> {
+    async fn execute(
+        &mut self,
+        x: Execution<'_>,
+        plan: &mut impl FnMut(&Seen) -> Plan,
+        crash: &mut impl FnMut() -> bool,
+    ) -> Result<Executed, StoreError> {
+        self.store.execute(x, plan, crash, self.policy)
+    }
 }
 
 /// How long a process keeps its store: SQLite tunes checkpoints for each.

@@ -11,7 +11,7 @@
 //! deadline here frees the request; the connection is then dropped from the
 //! pool (its state is unknown) and the answer is 503 `unavailable`.
 
-use super::Steps;
+use super::{KeySteps, Steps};
 use super::pg::{self, Ahead, ClaimArgs, ClaimRow, Hot, PgStore, PlanArgs, Shape};
 use super::{Backoff, Claim, Executed, Execution, KeyRecord, Plan, Seen, StoreError};
 use crate::policy::Policy;
@@ -228,8 +228,8 @@ impl PgConn {
         &mut self,
         x: &Execution<'_>,
         seen: Option<Seen>,
-        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
-        crash: &mut (dyn FnMut() -> bool + Send),
+        plan: &mut impl FnMut(&Seen) -> Plan,
+        crash: &mut impl FnMut() -> bool,
     ) -> Result<Executed, StoreError> {
         let seen = match seen {
             Some(seen) => seen,
@@ -253,15 +253,15 @@ impl PgConn {
     }
 }
 
-impl Steps for PgConn {
+impl KeySteps for PgConn {
     async fn claim(
         &mut self,
         key: &ScopedKey,
         claim: &Claim,
-        accounts: [&AcctId; 2],
+        accounts: Option<[&AcctId; 2]>,
     ) -> Result<Option<KeyRecord>, StoreError> {
         self.ahead = None;
-        let args = ClaimArgs::new(&self.shape, key, claim, Some(accounts));
+        let args = ClaimArgs::new(&self.shape, key, claim, accounts);
         let mut backoff = Backoff::new(self.policy);
         loop {
             match self.claim_once(key, claim, &args).await {
@@ -269,7 +269,7 @@ impl Steps for PgConn {
                 Err(e) => return Err(e),
                 Ok(Ok(existing)) => return Ok(Some(existing)),
                 Ok(Err(read)) => {
-                    self.ahead = Some(Ahead::new(key, claim, accounts, read));
+                    self.ahead = accounts.map(|ids| Ahead::new(key, claim, ids, read));
                     return Ok(None);
                 }
             }
@@ -291,11 +291,20 @@ impl Steps for PgConn {
         }
     }
 
+    async fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&key.client_id, &key.endpoint, &key.idem_key, &token];
+        let release = self.client.execute(&self.sql.release, &params);
+        Ok(deadline(&mut self.broken, release).await? == 1)
+    }
+}
+
+impl Steps for PgConn {
     async fn execute(
         &mut self,
         x: Execution<'_>,
-        plan: &mut (dyn FnMut(&Seen) -> Plan + Send),
-        crash: &mut (dyn FnMut() -> bool + Send),
+        plan: &mut impl FnMut(&Seen) -> Plan,
+        crash: &mut impl FnMut() -> bool,
     ) -> Result<Executed, StoreError> {
         let mut seen = Ahead::for_execution(self.ahead.take(), &x);
         let mut backoff = Backoff::new(self.policy);
@@ -305,12 +314,5 @@ impl Steps for PgConn {
                 other => return other,
             }
         }
-    }
-
-    async fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&key.client_id, &key.endpoint, &key.idem_key, &token];
-        let release = self.client.execute(&self.sql.release, &params);
-        Ok(deadline(&mut self.broken, release).await? == 1)
     }
 }

@@ -1,6 +1,7 @@
-//! The service's conductor as an [`Engine`]: a request's claim and
-//! execution run by `protocol::claim_steps` and `protocol::execute_steps`
-//! on a connection of the service's async pool (`store::pg_pool`), each
+//! The service's conductor as an [`Engine`]: a request run by
+//! `protocol::handle_steps` (its claim and execution alone, for the staged
+//! races, by `protocol::claim_as` and `protocol::execute_steps`) on a
+//! connection of the service's async pool (`store::pg_pool`), each
 //! step awaited on a runtime of its own, so the storm's random days judge
 //! the conductor `idem serve` runs on PostgreSQL, crash points included.
 //! Release, purge and the audit run on the synchronous store beside it.
@@ -31,10 +32,28 @@ impl Awaited {
 }
 
 impl Engine for Awaited {
+    /// `idem serve`'s own conductor on the pool, as it runs a request.
+    fn handle(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError> {
+        self.runtime.block_on(async {
+            let mut conn = match self.pool.get().await {
+                Ok(conn) => conn,
+                Err(e) => return protocol::unless_busy(Err(e), ctx.policy),
+            };
+            protocol::handle_steps(&mut *conn, req, ctx, &mut |p| faults(p)).await
+        })
+    }
+
     fn claim(&mut self, req: &Request, ctx: Ctx) -> Result<Claimed, StoreError> {
         self.runtime.block_on(async {
             let mut conn = self.pool.get().await?;
-            protocol::claim_steps(&mut *conn, req, ctx).await
+            let accounts = [&req.transfer.src, &req.transfer.dst];
+            let decided = protocol::claim_as(&mut *conn, &req.key, &req.fingerprint, Some(accounts), ctx).await?;
+            Ok(decided.map_or(Claimed::Mine, |d| Claimed::Answer(protocol::answer(d, ctx.policy))))
         })
     }
 
@@ -44,19 +63,10 @@ impl Engine for Awaited {
         ctx: Ctx,
         faults: &mut dyn FnMut(Point) -> Flow,
     ) -> Result<Outcome, StoreError> {
-        // asked once, before the write, as the synchronous stores ask it
-        let before = faults(Point::BeforeCommit) == Flow::Crash;
-        let outcome = self.runtime.block_on(async {
+        self.runtime.block_on(async {
             let mut conn = self.pool.get().await?;
-            protocol::execute_steps(&mut *conn, req, ctx, &mut || before).await
-        })?;
-        // an answer that is not a replay, 409 or 422 (a claim found lost) was committed
-        let committed =
-            matches!(&outcome, Outcome::Respond(r) if !(r.replay || [409, 422].contains(&r.status)));
-        if committed && faults(Point::AfterCommit) == Flow::Crash {
-            return Ok(Outcome::Crashed(Point::AfterCommit));
-        }
-        Ok(outcome)
+            protocol::execute_steps(&mut *conn, req, ctx, &mut |p| faults(p)).await
+        })
     }
 
     fn release(&mut self, req: &Request, ctx: Ctx) -> Result<bool, StoreError> {

@@ -71,6 +71,23 @@ impl<S: Store> Broken<S> {
 }
 
 impl<S: Store> Engine for Broken<S> {
+    /// The protocol's order (claim, execute if ours, release if the
+    /// execution failed), on this engine's own steps.
+    fn handle(
+        &mut self,
+        req: &Request,
+        ctx: Ctx,
+        faults: &mut dyn FnMut(Point) -> Flow,
+    ) -> Result<Outcome, StoreError> {
+        let outcome = match self.claim(req, ctx) {
+            Ok(Claimed::Answer(response)) => Ok(Outcome::Respond(response)),
+            Ok(Claimed::Mine) if faults(Point::AfterClaim) == Flow::Crash => Ok(Outcome::Crashed(Point::AfterClaim)),
+            Ok(Claimed::Mine) => self.execute(req, ctx, faults).inspect_err(|_| drop(self.release(req, ctx))),
+            Err(e) => Err(e),
+        };
+        protocol::unless_busy(outcome, ctx.policy)
+    }
+
     fn parse(&self, raw: &[u8], policy: &Policy) -> Result<Request, RequestError> {
         let mut req = request::parse(raw, policy)?;
         match self.mistake {
