@@ -42,7 +42,14 @@
 //! request, a 5xx) rolls back the handler's writes with the claim, and the
 //! key stays free for the corrected request.
 
-use super::{Answer, Keys, Reply, Scope};
+#[cfg(feature = "postgres")]
+use super::pg::OnPg;
+#[cfg(feature = "sqlite")]
+use super::sqlite::OnSqlite;
+use super::{Answer, Keys, Reply, Scope, Stop};
+use crate::protocol::conduct;
+use crate::request::{AcctId, ScopedKey};
+use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
@@ -145,47 +152,15 @@ impl Idempotency {
         Ok(Idempotency { keys: Arc::new(keys), store, who: Arc::new(who), max_body: 64 * 1024 })
     }
 
-    /// A connection with a write transaction open on it and the key claimed
-    /// in it; or the reply the key's row gives instead, or `None` when the
-    /// database failed (the transaction is then ended either way).
-    async fn claim(&self, scope: &Scope, key: &str, fingerprint: &str) -> Result<Held, Option<Reply>> {
-        let held = match &self.store {
+    /// A connection for one request (its transaction not yet begun), or
+    /// `None` when none is to be had.
+    async fn connection(&self) -> Option<Conn> {
+        Some(match &self.store {
             #[cfg(feature = "postgres")]
-            Store::Pg(pool) => Conn::Pg(Some(Box::new(pool.get().await.map_err(|_| None)?))),
+            Store::Pg(pool) => Conn::Pg(Some(Box::new(pool.get().await.ok()?))),
             #[cfg(feature = "sqlite")]
             Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
-        };
-        let mut held = Held { conn: held, token: String::new(), open: true };
-        let claimed = match &mut held.conn {
-            // BEGIN and the claim go together: one round trip
-            #[cfg(feature = "postgres")]
-            Conn::Pg(c) => match c {
-                Some(c) => self.keys.claim_on::<_, ()>(&***c, true, scope, key, fingerprint).await,
-                None => return Err(None),
-            },
-            #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => {
-                // BEGIN IMMEDIATE: SQLite's write lock first, so no read is upgraded
-                match c.execute_batch("BEGIN IMMEDIATE") {
-                    Ok(()) => self.keys.claim_sqlite::<()>(c, scope, key, fingerprint),
-                    Err(e) => Err(super::Error::Db(Box::new(e))),
-                }
-            }
-        };
-        match claimed {
-            Ok(Ok(token)) => {
-                held.token = token;
-                Ok(held)
-            }
-            Ok(Err(reply)) => {
-                held.rollback().await;
-                Err(Some(reply))
-            }
-            Err(_) => {
-                held.rollback().await;
-                Err(None)
-            }
-        }
+        })
     }
 }
 
@@ -196,8 +171,10 @@ impl Idempotency {
 /// back as it goes. No connection goes back to a pool mid-transaction.
 struct Held {
     conn: Conn,
-    /// The claim's token, which the completion must still find.
-    token: String,
+    keys: Arc<Keys>,
+    /// The media type stored with the answer of the key's row, if the
+    /// claim found one.
+    content_type: Option<String>,
     /// Whether the transaction may still be open: set until a COMMIT or
     /// ROLLBACK went through.
     open: bool,
@@ -233,6 +210,9 @@ impl Held {
     // shared borrow of one held across an await would make the
     // middleware's future not `Send`
     async fn rollback(&mut self) {
+        if !self.open {
+            return;
+        }
         let done = match &mut self.conn {
             #[cfg(feature = "postgres")]
             Conn::Pg(c) => match c {
@@ -244,27 +224,93 @@ impl Held {
         };
         self.open = !done;
     }
+}
 
-    /// Stores `answer` with the key and commits, in one round trip on
-    /// PostgreSQL; whether it committed (`false`: it may have, or not).
-    async fn complete(&mut self, keys: &Keys, scope: &Scope, key: &str, answer: &Answer) -> bool {
-        let committed = match &mut self.conn {
+/// The request's transaction, as the conductor's key steps
+/// (`protocol::conduct`): each step takes the transaction from the slot
+/// the handler reaches it through, and puts it back.
+struct OnSlot(Tx);
+
+/// The transaction was taken from its slot: nothing is left to claim in.
+fn gone() -> StoreError {
+    StoreError::Backend("the request's transaction was lost".into())
+}
+
+impl KeySteps for OnSlot {
+    async fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: Option<[&AcctId; 2]>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let mut slot = self.0.0.lock().await;
+        let Some(held) = slot.as_mut() else { return Err(gone()) };
+        let keys = held.keys.clone();
+        // BEGIN goes with the claim: one round trip on PostgreSQL
+        let (claimed, content_type) = match &mut held.conn {
             #[cfg(feature = "postgres")]
-            Conn::Pg(c) => match c {
-                Some(c) => keys.complete_and_commit(c, scope, key, &self.token, answer).await,
-                None => false,
-            },
+            Conn::Pg(Some(c)) => {
+                let mut on = OnPg::new(&***c, &keys, true);
+                (on.claim(key, claim, accounts).await, on.content_type)
+            }
+            #[cfg(feature = "postgres")]
+            Conn::Pg(None) => return Err(gone()),
             #[cfg(feature = "sqlite")]
             Conn::Sqlite(c) => {
-                keys.complete_sqlite::<()>(c, scope, key, &self.token, answer).is_ok()
+                let mut on = OnSqlite::new(c, &keys.sqlite, true);
+                (on.claim(key, claim, accounts).await, on.content_type)
+            }
+        };
+        held.content_type = content_type;
+        claimed
+    }
+
+    async fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        let mut slot = self.0.0.lock().await;
+        let Some(held) = slot.as_mut() else { return Err(gone()) };
+        let keys = held.keys.clone();
+        match &mut held.conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(Some(c)) => OnPg::new(&***c, &keys, false).replace_claim(key, seen, claim).await,
+            #[cfg(feature = "postgres")]
+            Conn::Pg(None) => Err(gone()),
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => OnSqlite::new(c, &keys.sqlite, false).replace_claim(key, seen, claim).await,
+        }
+    }
+
+    /// Nothing to delete: the claim goes with the transaction's rollback,
+    /// which the layer runs once the conductor is done.
+    async fn release(&mut self, _: &ScopedKey, _: &str) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+}
+
+impl OnSlot {
+    /// Stores `answer` with the key `token` claimed and commits, in one
+    /// round trip on PostgreSQL; whether it committed (`false`: it may
+    /// have, or not).
+    async fn complete_and_commit(&self, key: &ScopedKey, token: &str, answer: &Answer) -> bool {
+        let mut slot = self.0.0.lock().await;
+        let Some(held) = slot.as_mut() else { return false };
+        let keys = held.keys.clone();
+        let committed = match &mut held.conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(Some(c)) => OnPg::new(&***c, &keys, false).complete_and_commit(key, token, answer).await,
+            #[cfg(feature = "postgres")]
+            Conn::Pg(None) => false,
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => {
+                OnSqlite::new(c, &keys.sqlite, false).complete(key, token, answer).is_ok()
                     && c.execute_batch("COMMIT").is_ok()
             }
         };
-        if committed {
-            self.open = false;
-        } else {
-            self.rollback().await;
-        }
+        held.open = !committed;
         committed
     }
 }
@@ -394,7 +440,7 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
 }
 
 /// Claims the key, runs the handler in the claim's transaction, stores its
-/// answer and commits.
+/// answer and commits: `protocol::conduct`, with the handler as the work.
 async fn run(
     idem: Idempotency,
     scope: Scope,
@@ -403,36 +449,48 @@ async fn run(
     mut request: Request,
     next: Next,
 ) -> Response {
-    let held = match idem.claim(&scope, &key, &fingerprint).await {
-        Ok(held) => held,
-        Err(Some(reply)) => return answer_of(reply),
-        Err(None) => return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed."),
+    let unavailable = || problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
+    let (Some(conn), Ok(token)) = (idem.connection().await, Keys::token::<()>()) else {
+        return unavailable();
     };
-    let slot = Arc::new(Mutex::new(Some(held)));
-    request.extensions_mut().insert(Tx(slot.clone()));
-    let response = next.run(request).await;
-    let Some(mut held) = slot.lock().await.take() else {
+    let key = scope.key(&key);
+    let held = Held { conn, keys: idem.keys.clone(), content_type: None, open: true };
+    let tx = Tx(Arc::new(Mutex::new(Some(held))));
+    let ctx = idem.keys.ctx(&token);
+    let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
+        request.extensions_mut().insert(slot.0.clone());
+        let (head, body) = next.run(request).await.into_parts();
+        let kept = head.status.is_success() || head.extensions.get::<Business>().is_some();
+        let Ok(bytes) = to_bytes(body, usize::MAX).await else {
+            let why = "The answer could not be read.";
+            return Err(Stop::Work(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", why)));
+        };
+        if !kept {
+            // not an answer to keep: the handler's writes go with the claim
+            return Err(Stop::Work(Response::from_parts(head, Body::from(bytes))));
+        }
+        let mut answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
+        answer.content_type =
+            head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
+        if !slot.complete_and_commit(&key, &token, &answer).await {
+            // whether it committed is unknown: the retry replays it or runs it
+            let why = "Whether it was done is unknown: retry.";
+            return Err(Stop::Work(problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", why)));
+        }
+        Ok(Response::from_parts(head, Body::from(bytes)))
+    })
+    .await;
+    let Some(mut held) = tx.0.lock().await.take() else {
         return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
     };
-    let (head, body) = response.into_parts();
-    let kept = head.status.is_success() || head.extensions.get::<Business>().is_some();
-    let Ok(bytes) = to_bytes(body, usize::MAX).await else {
-        held.rollback().await;
-        return problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", "The answer could not be read.");
-    };
-    if !kept {
-        // not an answer to keep: the handler's writes go with the claim
-        held.rollback().await;
-        return Response::from_parts(head, Body::from(bytes));
+    // whatever did not commit rolls back: a decision, a failure, an answer not kept
+    held.rollback().await;
+    match conducted {
+        Ok(Ok(response)) | Err(Stop::Work(response)) => response,
+        Ok(Err(decision)) => answer_of(Keys::decided(decision, held.content_type.take())),
+        Err(Stop::Store(StoreError::Busy)) => answer_of(Reply::InFlight),
+        Err(Stop::Store(_)) => unavailable(),
     }
-    let mut answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
-    answer.content_type =
-        head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
-    if !held.complete(&idem.keys, &scope, &key, &answer).await {
-        // whether it committed is unknown: the retry replays it or runs it
-        return problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", "Whether it was done is unknown: retry.");
-    }
-    Response::from_parts(head, Body::from(bytes))
 }
 
 /// A reply the layer gives without running the handler.

@@ -42,10 +42,11 @@
 use crate::canonical::{Json, fingerprint};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::protocol::{Ctx, Decision, after_claim, fresh_claim, fresh_token};
+use crate::protocol::{Ctx, Decision, fresh_token};
+use crate::request::ScopedKey;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use crate::store::KeyTable;
-use crate::store::{Claim, Dialect, KeyRecord};
+use crate::store::{Dialect, StoreError};
 use std::fmt;
 
 #[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
@@ -81,10 +82,13 @@ impl Scope {
         Scope { client: client.into(), endpoint: endpoint.into() }
     }
 
-    /// `key` in this scope, as the key table's statements bind it.
-    #[cfg(any(feature = "sqlite", feature = "postgres"))]
-    fn who<'a>(&'a self, key: &'a str) -> crate::store::keys::Who<'a> {
-        [&self.client, &self.endpoint, key]
+    /// `key` in this scope, as the engine scopes its keys.
+    fn key(&self, key: &str) -> ScopedKey {
+        ScopedKey {
+            client_id: self.client.clone(),
+            endpoint: self.endpoint.clone(),
+            idem_key: key.to_owned(),
+        }
     }
 }
 
@@ -165,6 +169,19 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
 
 impl<E: fmt::Debug + fmt::Display> std::error::Error for Error<E> {}
 
+/// Why a run under a key stopped short of an answer: the store (a key
+/// in flight is [`StoreError::Busy`]), or the caller's work.
+enum Stop<E> {
+    Store(StoreError),
+    Work(E),
+}
+
+impl<E> From<StoreError> for Stop<E> {
+    fn from(e: StoreError) -> Stop<E> {
+        Stop::Store(e)
+    }
+}
+
 /// The key table's place in the caller's database, and how long a key is
 /// kept. One value serves every request; it holds no connection.
 ///
@@ -243,27 +260,41 @@ impl Keys {
         Ok(fingerprint(&json))
     }
 
-    /// A claim of the key for a request whose body has `fingerprint`, by a
-    /// fresh token, now.
-    fn claim<E>(&self, fingerprint: &str) -> Result<Claim, Error<E>> {
-        let token = fresh_token().map_err(|e| Error::Db(e.to_string().into()))?;
-        let ctx = Ctx { policy: &self.policy, now: Timestamp::now(), token: &token };
-        Ok(fresh_claim(fingerprint, ctx))
+    /// A fresh claim token.
+    fn token<E>() -> Result<String, Error<E>> {
+        fresh_token().map_err(|e| Error::Db(e.to_string().into()))
     }
 
-    /// What a claim that found the key's committed row (`existing`, whose
-    /// answer has `content_type`) does, as the engine decides it
-    /// ([`crate::protocol::after_claim`]): write `claim` over it (a key past
-    /// retention, or a claim whose lease ran out), or answer without
-    /// running the work.
-    fn over(&self, existing: &KeyRecord, content_type: Option<String>, claim: Claim) -> Result<Claim, Reply> {
-        let token = claim.token.clone();
-        let ctx = Ctx { policy: &self.policy, now: claim.created_at, token: &token };
-        after_claim(existing, claim, ctx).map_err(|decision| match decision {
+    /// The protocol's context for a claim by `token`, now.
+    fn ctx<'a>(&'a self, token: &'a str) -> Ctx<'a> {
+        Ctx { policy: &self.policy, now: Timestamp::now(), token }
+    }
+
+    /// The reply a decision on the key's row gives without running the work
+    /// (a replay carries the `content_type` stored with it).
+    fn decided(decision: Decision, content_type: Option<String>) -> Reply {
+        match decision {
             Decision::Replay(s) => Reply::Replayed(Answer { status: s.status, body: s.body, content_type }),
             Decision::Mismatch => Reply::Mismatch,
             Decision::InProgress | Decision::TakeOver | Decision::Expired => Reply::InFlight,
-        })
+        }
+    }
+
+    /// The reply of a run `protocol::conduct` conducted: the work's answer,
+    /// or the decision that answered instead (a replay carries the
+    /// `content_type` stored with it), or why there is none.
+    fn reply<E>(
+        conducted: Result<Result<Answer, Decision>, Stop<E>>,
+        content_type: Option<String>,
+    ) -> Result<Reply, Error<E>> {
+        match conducted {
+            Ok(Ok(answer)) => Ok(Reply::Fresh(answer)),
+            Ok(Err(decision)) => Ok(Self::decided(decision, content_type)),
+            // the claim waited past its bound on a racer's claim of the key
+            Err(Stop::Store(StoreError::Busy)) => Ok(Reply::InFlight),
+            Err(Stop::Store(e)) => Err(Error::Db(Box::new(e))),
+            Err(Stop::Work(e)) => Err(Error::Work(e)),
+        }
     }
 
     /// The instant before which a key is past retention.

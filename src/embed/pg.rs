@@ -10,9 +10,13 @@
 
 pub use tokio_postgres::{Client, Transaction};
 
-use super::{Answer, Error, Keys, Reply};
+use super::{Answer, Error, Keys, Reply, Stop};
 use crate::clock::Timestamp;
+use crate::protocol::conduct;
+use crate::request::{AcctId, ScopedKey};
 use crate::store::keys::pg::{self as key_sql, WAIT_AS_BEFORE, WAIT_FOR_CLAIM};
+use crate::store::keys::{self, KeyTable};
+use crate::store::{Claim, Failure, KeyRecord, KeySteps, StoreError};
 use std::time::Duration;
 use tokio_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
@@ -20,6 +24,114 @@ use tokio_postgres::types::{ToSql, Type};
 
 fn db<E>(e: tokio_postgres::Error) -> Error<E> {
     Error::Db(Box::new(e))
+}
+
+/// A lock wait past its bound is the key in flight; anything else failed.
+fn failed(e: tokio_postgres::Error) -> StoreError {
+    match e.code() {
+        Some(&SqlState::LOCK_NOT_AVAILABLE) => StoreError::Busy,
+        _ => StoreError::Backend(Failure::caused_by("the key table", e)),
+    }
+}
+
+/// A PostgreSQL client the caller lends, its transaction open (or opened
+/// by the claim, with `begin`), as the conductor's key steps: the claim is
+/// written in the caller's transaction and never committed alone.
+pub(super) struct OnPg<'c, C> {
+    pub(super) c: &'c C,
+    table: &'c KeyTable,
+    /// how long the claim waits on a racer's uncommitted claim of the key
+    wait: String,
+    /// `BEGIN` first, sent with the claim
+    begin: bool,
+    /// The media type stored with the answer of the key's row, if the
+    /// claim found one.
+    pub(super) content_type: Option<String>,
+}
+
+impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
+    pub(super) fn new(c: &'c C, keys: &'c Keys, begin: bool) -> Self {
+        let wait = format!("{}ms", keys.wait.as_millis().max(1));
+        OnPg { c, table: &keys.pg, wait, begin, content_type: None }
+    }
+
+    /// [`OnPg::complete`] and `COMMIT`, sent together (one round trip);
+    /// whether both went through. Had the completion failed, PostgreSQL
+    /// turns the `COMMIT` of the failed transaction into a rollback.
+    #[cfg(feature = "axum")]
+    pub(super) async fn complete_and_commit(&self, key: &ScopedKey, token: &str, answer: &Answer) -> bool {
+        let (done, committed) =
+            tokio::join!(self.complete(key, token, answer), self.c.batch_execute("COMMIT"));
+        done.is_ok() && committed.is_ok()
+    }
+
+    /// Stores `answer` with the key `token` claimed (the caller commits).
+    pub(super) async fn complete(
+        &self,
+        key: &ScopedKey,
+        token: &str,
+        answer: &Answer,
+    ) -> Result<(), StoreError> {
+        let (stored, media) = answer.stored();
+        let who = keys::who(key);
+        match key_sql::complete(self.c, self.table, who, token, &stored, media, Timestamp::now()).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
+            Err(e) => Err(failed(e)),
+        }
+    }
+}
+
+impl<C: GenericClient + Sync> KeySteps for OnPg<'_, C> {
+    /// A new key costs one round trip: the statements go together, typed,
+    /// so none waits on a prepare.
+    async fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        _: Option<[&AcctId; 2]>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let (c, t, who) = (self.c, self.table, keys::who(key));
+        let wait = [(&self.wait as &(dyn ToSql + Sync), Type::TEXT)];
+        // The claim waits on a racer's uncommitted claim of the same key for
+        // `wait` at most; the transaction's own lock wait is put back for the
+        // work. `join!`, not `try_join!`: the claim's own error, not a later
+        // statement's, says what happened.
+        let (begun, waited, claimed, restored) = tokio::join!(
+            async { if self.begin { c.batch_execute("BEGIN").await } else { Ok(()) } },
+            c.execute_typed(WAIT_FOR_CLAIM, &wait),
+            key_sql::insert_claim(c, t, who, claim),
+            c.execute_typed(WAIT_AS_BEFORE, &[]),
+        );
+        begun.and(waited).map_err(failed)?;
+        let claimed = claimed.map_err(failed)?;
+        restored.map_err(failed)?;
+        if claimed {
+            return Ok(None);
+        }
+        // the primary key says the key exists: its committed row decides,
+        // locked without waiting (a racer taking it over is in flight)
+        let Some(row) = key_sql::read_nowait(c, t, who).await.map_err(failed)? else {
+            return Err(StoreError::Busy); // purged meanwhile: in flight, retry
+        };
+        self.content_type = row.get(9);
+        key_sql::record(&row, 0).map(Some)
+    }
+
+    async fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        key_sql::replace_claim(self.c, self.table, keys::who(key), seen, claim).await.map_err(failed)
+    }
+
+    /// Nothing to delete: the claim goes with the transaction's rollback,
+    /// which its owner runs (a dropped transaction rolls back).
+    async fn release(&mut self, _: &ScopedKey, _: &str) -> Result<bool, StoreError> {
+        Ok(false)
+    }
 }
 
 impl Keys {
@@ -55,115 +167,22 @@ impl Keys {
         F: AsyncFnOnce(&Transaction<'_>) -> Result<Answer, E>,
     {
         let fingerprint = self.admit(key, body)?;
+        let (key, token) = (scope.key(key), Self::token()?);
         // dropped unfinished, the transaction sends its ROLLBACK
         let tx = client.transaction().await.map_err(db)?;
-        let token = match self.claim_on(&tx, false, scope, key, &fingerprint).await? {
-            Ok(token) => token,
-            Err(reply) => return Ok(reply),
-        };
-        let answer = work(&tx).await.map_err(Error::Work)?;
-        self.complete_on(&tx, scope, key, &token, &answer).await?;
-        tx.commit().await.map_err(db)?;
-        Ok(Reply::Fresh(answer))
-    }
-
-    /// In the open transaction on `c` (opened here first when `begin`):
-    /// claims the key for this request (its claim's token), or says what
-    /// the key's row answers instead. After an answer the transaction is to
-    /// be rolled back (it wrote nothing). A new key costs one round trip:
-    /// the statements go together, typed, so none waits on a prepare. The
-    /// statements are the engine's (`store::keys`).
-    pub(super) async fn claim_on<C: GenericClient + Sync, E>(
-        &self,
-        c: &C,
-        begin: bool,
-        scope: &super::Scope,
-        key: &str,
-        fingerprint: &str,
-    ) -> Result<Result<String, Reply>, Error<E>> {
-        let (t, who) = (&self.pg, scope.who(key));
-        let claim = self.claim(fingerprint)?;
-        let wait = format!("{}ms", self.wait.as_millis().max(1));
-        let wait = [(&wait as &(dyn ToSql + Sync), Type::TEXT)];
-        // The claim waits on a racer's uncommitted claim of the same key for
-        // `wait` at most; the transaction's own lock wait is put back for the
-        // work. `join!`, not `try_join!`: the claim's own error, not a later
-        // statement's, says what happened.
-        let (begun, waited, claimed, restored) = tokio::join!(
-            async { if begin { c.batch_execute("BEGIN").await } else { Ok(()) } },
-            c.execute_typed(WAIT_FOR_CLAIM, &wait),
-            key_sql::insert_claim(c, t, who, &claim),
-            c.execute_typed(WAIT_AS_BEFORE, &[]),
-        );
-        begun.and(waited).map_err(db)?;
-        let claimed = match claimed {
-            Ok(claimed) => claimed,
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Err(Reply::InFlight)),
-            Err(e) => return Err(db(e)),
-        };
-        restored.map_err(db)?;
-        if claimed {
-            return Ok(Ok(claim.token));
-        }
-        // the primary key says the key exists: its committed row decides,
-        // locked without waiting (a racer taking it over is in flight)
-        let row = match key_sql::read_nowait(c, t, who).await {
-            Ok(Some(row)) => row,
-            Ok(None) => return Ok(Err(Reply::InFlight)), // purged meanwhile: retry
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(Err(Reply::InFlight)),
-            Err(e) => return Err(db(e)),
-        };
-        let existing = key_sql::record(&row, 0).map_err(|e| Error::Db(e.into()))?;
-        let claim = match self.over(&existing, row.get(9), claim) {
-            Ok(claim) => claim,
-            Err(reply) => return Ok(Err(reply)),
-        };
-        Ok(match key_sql::replace_claim(c, t, who, &existing, &claim).await.map_err(db)? {
-            true => Ok(claim.token),
-            false => Err(Reply::InFlight),
+        let mut lent = OnPg::new(&tx, self, false);
+        let conducted = conduct(&mut lent, &key, &fingerprint, None, self.ctx(&token), async |lent| {
+            let answer = work(lent.c).await.map_err(Stop::Work)?;
+            lent.complete(&key, &token, &answer).await?;
+            Ok(answer)
         })
-    }
-
-    /// In the transaction that claimed the key with `token`: stores the
-    /// work's answer with it (the caller commits).
-    pub(super) async fn complete_on<C: GenericClient + Sync, E>(
-        &self,
-        c: &C,
-        scope: &super::Scope,
-        key: &str,
-        token: &str,
-        answer: &Answer,
-    ) -> Result<(), Error<E>> {
-        let who = scope.who(key);
-        let (stored, media) = answer.stored();
-        match key_sql::complete(c, &self.pg, who, token, &stored, media, Timestamp::now())
-            .await
-            .map_err(db)?
-        {
-            true => Ok(()),
-            false => Err(Error::Db("the key's claim was gone at completion".into())),
+        .await;
+        let reply = Self::reply(conducted, lent.content_type.take())?;
+        // anything but a fresh answer wrote nothing: the dropped transaction rolls back
+        if let Reply::Fresh(_) = reply {
+            tx.commit().await.map_err(db)?;
         }
-    }
-
-    /// [`Keys::complete_on`] and `COMMIT`, sent together (one round trip);
-    /// whether both went through. Had the completion failed, PostgreSQL
-    /// turns the `COMMIT` of the failed transaction into a rollback.
-    #[cfg(feature = "axum")]
-    pub(super) async fn complete_and_commit(
-        &self,
-        c: &Client,
-        scope: &super::Scope,
-        key: &str,
-        token: &str,
-        answer: &Answer,
-    ) -> bool {
-        let who = scope.who(key);
-        let (stored, media) = answer.stored();
-        let (done, committed) = tokio::join!(
-            key_sql::complete(c, &self.pg, who, token, &stored, media, Timestamp::now()),
-            c.batch_execute("COMMIT"),
-        );
-        matches!(done, Ok(true)) && committed.is_ok()
+        Ok(reply)
     }
 
     /// Deletes up to `limit` keys past retention, oldest first; how many.

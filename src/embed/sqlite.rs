@@ -7,13 +7,92 @@
 
 pub use rusqlite::{Connection, Error as DbError, Transaction};
 
-use super::{Answer, Error, Keys, Reply};
+use super::{Answer, Error, Keys, Reply, Stop};
 use crate::clock::Timestamp;
-use crate::store::keys::sqlite as key_sql;
+use crate::protocol::{conduct, now};
+use crate::request::{AcctId, ScopedKey};
+use crate::store::keys::{self, sqlite as key_sql};
+use crate::store::{Claim, Failure, KeyRecord, KeySteps, KeyTable, StoreError};
 use rusqlite::TransactionBehavior;
+use std::ops::Deref;
 
 fn db<E>(e: rusqlite::Error) -> Error<E> {
     Error::Db(Box::new(e))
+}
+
+fn failed(e: rusqlite::Error) -> StoreError {
+    StoreError::Backend(Failure::caused_by("the key table", e))
+}
+
+/// A SQLite connection the caller lends, its write transaction open (or
+/// opened by the claim, with `begin`), as the conductor's key steps: the
+/// claim is written in the caller's transaction and never committed alone.
+pub(super) struct OnSqlite<'c, C> {
+    pub(super) conn: &'c mut C,
+    table: &'c KeyTable,
+    /// `BEGIN IMMEDIATE` first: SQLite's write lock before any read, so no
+    /// read is upgraded
+    begin: bool,
+    /// The media type stored with the answer of the key's row, if the
+    /// claim found one.
+    pub(super) content_type: Option<String>,
+}
+
+impl<'c, C: Deref<Target = Connection>> OnSqlite<'c, C> {
+    pub(super) fn new(conn: &'c mut C, table: &'c KeyTable, begin: bool) -> Self {
+        OnSqlite { conn, table, begin, content_type: None }
+    }
+
+    /// Stores `answer` with the key `token` claimed (the caller commits).
+    pub(super) fn complete(&self, key: &ScopedKey, token: &str, answer: &Answer) -> Result<(), StoreError> {
+        let (stored, media) = answer.stored();
+        let who = keys::who(key);
+        match key_sql::complete(self.conn, self.table, who, token, &stored, media, Timestamp::now()) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
+            Err(e) => Err(failed(e)),
+        }
+    }
+}
+
+impl<C: Deref<Target = Connection>> KeySteps for OnSqlite<'_, C> {
+    async fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        _: Option<[&AcctId; 2]>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        if self.begin {
+            self.conn.execute_batch("BEGIN IMMEDIATE").map_err(failed)?;
+        }
+        let who = keys::who(key);
+        if key_sql::insert_claim(self.conn, self.table, who, claim).map_err(failed)? {
+            return Ok(None);
+        }
+        // the primary key says the key exists: its committed row decides
+        match key_sql::read(self.conn, self.table, who).map_err(failed)? {
+            Some((existing, content_type)) => {
+                self.content_type = content_type;
+                Ok(Some(existing))
+            }
+            None => Err(StoreError::Busy), // purged meanwhile: in flight, retry
+        }
+    }
+
+    async fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        key_sql::replace_claim(self.conn, self.table, keys::who(key), seen, claim).map_err(failed)
+    }
+
+    /// Nothing to delete: the claim goes with the transaction's rollback,
+    /// which its owner runs (a dropped transaction rolls back).
+    async fn release(&mut self, _: &ScopedKey, _: &str) -> Result<bool, StoreError> {
+        Ok(false)
+    }
 }
 
 impl Keys {
@@ -40,64 +119,21 @@ impl Keys {
         F: FnOnce(&Transaction<'_>) -> Result<Answer, E>,
     {
         let fingerprint = self.admit(key, body)?;
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
-        let token = match self.claim_sqlite(&tx, scope, key, &fingerprint)? {
-            Ok(token) => token,
-            Err(reply) => return Ok(reply),
-        };
-        let answer = work(&tx).map_err(Error::Work)?;
-        self.complete_sqlite(&tx, scope, key, &token, &answer)?;
-        tx.commit().map_err(db)?;
-        Ok(Reply::Fresh(answer))
-    }
-
-    /// In the open write transaction on `conn`: claims the key for this
-    /// request (its claim's token), or says what the key's row answers
-    /// instead. The statements are the engine's (`store::keys`).
-    pub(super) fn claim_sqlite<E>(
-        &self,
-        conn: &Connection,
-        scope: &super::Scope,
-        key: &str,
-        fingerprint: &str,
-    ) -> Result<Result<String, Reply>, Error<E>> {
-        let (t, who) = (&self.sqlite, scope.who(key));
-        let claim = self.claim(fingerprint)?;
-        if key_sql::insert_claim(conn, t, who, &claim).map_err(db)? {
-            return Ok(Ok(claim.token));
+        let (key, token) = (scope.key(key), Self::token()?);
+        let mut tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+        let mut lent = OnSqlite::new(&mut tx, &self.sqlite, false);
+        // the conductor's steps are done when first polled: nothing parks
+        let conducted = now(conduct(&mut lent, &key, &fingerprint, None, self.ctx(&token), async |lent| {
+            let answer = work(lent.conn).map_err(Stop::Work)?;
+            lent.complete(&key, &token, &answer)?;
+            Ok(answer)
+        }));
+        let reply = Self::reply(conducted, lent.content_type.take())?;
+        // anything but a fresh answer wrote nothing: the dropped transaction rolls back
+        if let Reply::Fresh(_) = reply {
+            tx.commit().map_err(db)?;
         }
-        // the primary key says the key exists: its committed row decides
-        let Some((existing, content_type)) = key_sql::read(conn, t, who).map_err(db)? else {
-            return Ok(Err(Reply::InFlight)); // purged meanwhile: retry
-        };
-        let claim = match self.over(&existing, content_type, claim) {
-            Ok(claim) => claim,
-            Err(reply) => return Ok(Err(reply)),
-        };
-        Ok(match key_sql::replace_claim(conn, t, who, &existing, &claim).map_err(db)? {
-            true => Ok(claim.token),
-            false => Err(Reply::InFlight),
-        })
-    }
-
-    /// In the transaction that claimed the key with `token`: stores the
-    /// work's answer with it (the caller commits).
-    pub(super) fn complete_sqlite<E>(
-        &self,
-        conn: &Connection,
-        scope: &super::Scope,
-        key: &str,
-        token: &str,
-        answer: &Answer,
-    ) -> Result<(), Error<E>> {
-        let who = scope.who(key);
-        let (stored, media) = answer.stored();
-        match key_sql::complete(conn, &self.sqlite, who, token, &stored, media, Timestamp::now())
-            .map_err(db)?
-        {
-            true => Ok(()),
-            false => Err(Error::Db("the key's claim was gone at completion".into())),
-        }
+        Ok(reply)
     }
 
     /// Deletes up to `limit` keys past retention, oldest first; how many.

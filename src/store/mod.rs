@@ -377,7 +377,12 @@ impl<S: Store + ?Sized> KeySteps for Blocking<'_, S> {
         self.store.claim(key, claim, accounts, self.policy)
     }
 
-    async fn replace_claim(&mut self, key: &ScopedKey, seen: &KeyRecord, claim: &Claim) -> Result<bool, StoreError> {
+    async fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
         atomically(self.store, Durability::Lazy, self.policy, |tx| {
             Ok(match tx.replace_claim(key, seen, claim)? {
                 true => End::Commit(true),

@@ -11,9 +11,9 @@
 //! deadline here frees the request; the connection is then dropped from the
 //! pool (its state is unknown) and the answer is 503 `unavailable`.
 
-use super::{KeySteps, Steps};
 use super::pg::{self, Ahead, ClaimArgs, ClaimRow, Hot, PgStore, PlanArgs, Shape};
 use super::{Backoff, Claim, Executed, Execution, KeyRecord, Plan, Seen, StoreError};
+use super::{KeySteps, Steps};
 use crate::policy::Policy;
 use crate::request::{AcctId, ScopedKey};
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};

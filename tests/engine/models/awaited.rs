@@ -52,7 +52,8 @@ impl Engine for Awaited {
         self.runtime.block_on(async {
             let mut conn = self.pool.get().await?;
             let accounts = [&req.transfer.src, &req.transfer.dst];
-            let decided = protocol::claim_as(&mut *conn, &req.key, &req.fingerprint, Some(accounts), ctx).await?;
+            let decided =
+                protocol::claim_as(&mut *conn, &req.key, &req.fingerprint, Some(accounts), ctx).await?;
             Ok(decided.map_or(Claimed::Mine, |d| Claimed::Answer(protocol::answer(d, ctx.policy))))
         })
     }

@@ -81,7 +81,9 @@ impl<S: Store> Engine for Broken<S> {
     ) -> Result<Outcome, StoreError> {
         let outcome = match self.claim(req, ctx) {
             Ok(Claimed::Answer(response)) => Ok(Outcome::Respond(response)),
-            Ok(Claimed::Mine) if faults(Point::AfterClaim) == Flow::Crash => Ok(Outcome::Crashed(Point::AfterClaim)),
+            Ok(Claimed::Mine) if faults(Point::AfterClaim) == Flow::Crash => {
+                Ok(Outcome::Crashed(Point::AfterClaim))
+            }
             Ok(Claimed::Mine) => self.execute(req, ctx, faults).inspect_err(|_| drop(self.release(req, ctx))),
             Err(e) => Err(e),
         };
