@@ -4,10 +4,11 @@
 //! A request carries an idempotency key scoped by `(client_id, endpoint,
 //! idem_key)`. The engine claims the key before any money moves, completes it
 //! in the same transaction that moves the money, and stores the response so a
-//! retry gets the same bytes back. What a retry meets is decided once
-//! ([`protocol`]), and the key table is written once (`store::keys`): the
-//! engine's stores, `idem serve` and the library keep their keys through
-//! it, and every front is a layer over the two.
+//! retry gets the same bytes back. Claim → work → complete is conducted
+//! once (`protocol::conduct`), what a retry meets is decided once
+//! ([`protocol`]), and the key table is written once (`store::keys`):
+//! `idem_api`, `idem serve` and the library run every key through them,
+//! each over steps of its own store (`store::KeySteps`).
 //!
 //! # Layout
 //!
@@ -19,12 +20,13 @@
 //!   fingerprint), [`reason`] (why an answer is not a plain success),
 //!   [`policy`], [`clock`], [`rng`].
 //! - Storage: [`store`], idem's tables and all their SQL: the contract
-//!   (`Store`, `Tx`, `Reads`, `Steps`), its rows, the key table's one shape
+//!   (`Store`, `Tx`, `Reads`, `KeySteps`, `Steps`), its rows, the key table's one shape
 //!   and statements (`store::keys`), and its two backends (`store::sqlite`,
 //!   `store::pg` with the service's async pool).
 //! - The library: [`embed`] (a caller's own work made idempotent in the
 //!   caller's own transaction, on SQLite or PostgreSQL, and an axum layer),
-//!   decided by [`protocol`] and stored through `store::keys`.
+//!   conducted by [`protocol`] over the caller's transaction and stored
+//!   through `store::keys`.
 //! - Payouts through an outside gateway: [`payout`] (the conductor, the
 //!   gateway's answer table, the reconciler, the runbook, provider events).
 //! - The fronts: [`api`] (the lab's command-line contract, `idem_api`),

@@ -320,7 +320,7 @@ fn claim_for<S: Store + ?Sized>(
 }
 
 /// A fresh claim for `ctx.token` on a body with `fingerprint`.
-pub fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
+fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
     Claim {
         fingerprint: fingerprint.to_owned(),
         token: ctx.token.to_owned(),
@@ -335,7 +335,7 @@ pub fn fresh_claim(fingerprint: &str, ctx: Ctx) -> Claim {
 /// got there first, or the old holder is still executing, and the key is in
 /// flight, 409 in progress), or answer as the decision returned says,
 /// without executing.
-pub fn after_claim(existing: &KeyRecord, claim: Claim, ctx: Ctx) -> Result<Claim, Decision> {
+fn after_claim(existing: &KeyRecord, claim: Claim, ctx: Ctx) -> Result<Claim, Decision> {
     let created_at = match decide(existing, &claim.fingerprint, ctx.now, ctx.policy) {
         // A taken-over key keeps its age: retention counts from the first claim.
         Decision::TakeOver => existing.created_at,
