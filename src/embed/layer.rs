@@ -49,6 +49,8 @@ use super::sqlite::OnSqlite;
 use super::{Answer, Keys, Reply, Scope, Stop};
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
+#[cfg(feature = "postgres")]
+use crate::store::reach::{Connector, Ready};
 use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
 use axum::extract::{FromRequestParts, Request, State};
@@ -56,7 +58,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 #[cfg(feature = "postgres")]
-use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
+use deadpool::managed;
 use std::sync::Arc;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 #[cfg(feature = "postgres")]
@@ -79,31 +81,26 @@ pub struct Idempotency {
 #[derive(Clone)]
 enum Store {
     #[cfg(feature = "postgres")]
-    Pg(managed::Pool<Connector>),
+    Pg(managed::Pool<Connector<Plain>>),
     #[cfg(feature = "sqlite")]
     Sqlite(Arc<Mutex<rusqlite::Connection>>),
 }
 
-/// Makes the pool's PostgreSQL connections.
+/// The layer's PostgreSQL connections are the caller's own: nothing is
+/// set on them, nothing prepared (`reach::Connector` makes them).
 #[cfg(feature = "postgres")]
-pub struct Connector(tokio_postgres::Config);
+struct Plain;
 
 #[cfg(feature = "postgres")]
-impl managed::Manager for Connector {
-    type Type = Client;
-    type Error = tokio_postgres::Error;
+impl Ready for Plain {
+    type Conn = Client;
 
-    async fn create(&self) -> Result<Client, tokio_postgres::Error> {
-        let (client, connection) = self.0.connect(tokio_postgres::NoTls).await?;
-        tokio::spawn(connection);
+    async fn ready(&self, client: Client) -> Result<Client, StoreError> {
         Ok(client)
     }
 
-    async fn recycle(&self, client: &mut Client, _: &Metrics) -> RecycleResult<tokio_postgres::Error> {
-        match client.is_closed() {
-            true => Err(RecycleError::message("the connection closed")),
-            false => Ok(()),
-        }
+    fn usable(&self, client: &Client) -> bool {
+        !client.is_closed()
     }
 }
 
@@ -123,12 +120,8 @@ impl Idempotency {
         let store = match crate::store::Db::parse(db) {
             #[cfg(feature = "postgres")]
             crate::store::Db::Postgres(spec) => {
-                let config: tokio_postgres::Config = spec.parse()?;
-                let pool: managed::Pool<Connector> = managed::Pool::builder(Connector(config))
-                    .max_size(connections.max(1))
-                    .wait_timeout(Some(std::time::Duration::from_secs(5)))
-                    .runtime(deadpool::Runtime::Tokio1)
-                    .build()?;
+                let connector = Connector::with(spec, crate::policy::Policy::embedded(), Plain)?;
+                let pool = connector.pool_of(connections, std::time::Duration::from_secs(5))?;
                 let mut first = pool.get().await.map_err(|e| e.to_string())?;
                 keys.migrate_pg(&mut first).await?;
                 Store::Pg(pool)
@@ -183,7 +176,7 @@ struct Held {
 enum Conn {
     // `None` only once dropped
     #[cfg(feature = "postgres")]
-    Pg(Option<Box<managed::Object<Connector>>>),
+    Pg(Option<Box<managed::Object<Connector<Plain>>>>),
     #[cfg(feature = "sqlite")]
     Sqlite(OwnedMutexGuard<rusqlite::Connection>),
 }

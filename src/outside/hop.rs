@@ -92,11 +92,14 @@ impl Hop {
     /// connection string (key=value form) that reaches it through the hop:
     /// the same user, database, password and options.
     pub fn to_postgres(spec: &str, round_trip: Duration) -> Result<(Hop, String), String> {
-        let config = postgres::Config::from_str(spec).map_err(|e| format!("not a connection string: {e}"))?;
+        let config =
+            tokio_postgres::Config::from_str(spec).map_err(|e| format!("not a connection string: {e}"))?;
         let port = config.get_ports().first().copied().unwrap_or(5432);
         let upstream = match config.get_hosts().first() {
-            Some(postgres::config::Host::Unix(dir)) => Upstream::Unix(dir.join(format!(".s.PGSQL.{port}"))),
-            Some(postgres::config::Host::Tcp(host)) => Upstream::Tcp(format!("{host}:{port}")),
+            Some(tokio_postgres::config::Host::Unix(dir)) => {
+                Upstream::Unix(dir.join(format!(".s.PGSQL.{port}")))
+            }
+            Some(tokio_postgres::config::Host::Tcp(host)) => Upstream::Tcp(format!("{host}:{port}")),
             None => Upstream::Unix(PathBuf::from(format!("/var/run/postgresql/.s.PGSQL.{port}"))),
         };
         let hop = Hop::start(upstream, round_trip).map_err(|e| format!("cannot start the hop: {e}"))?;

@@ -39,6 +39,8 @@ mod payouts;
 pub mod pg;
 #[cfg(feature = "cli")]
 pub mod pg_pool;
+#[cfg(feature = "postgres")]
+pub(crate) mod reach;
 mod record;
 #[cfg(feature = "cli")]
 pub mod sqlite;

@@ -12,15 +12,16 @@
 //! pool (its state is unknown) and the answer is 503 `unavailable`.
 
 use super::pg::{self, Ahead, ClaimArgs, ClaimRow, Hot, PgStore, PlanArgs, Shape};
+use super::reach::{Connector, Ready};
 use super::{Backoff, Claim, Executed, Execution, KeyRecord, Plan, Seen, StoreError};
 use super::{KeySteps, Steps};
 use crate::policy::Policy;
 use crate::request::{AcctId, ScopedKey};
-use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
-use postgres::error::SqlState;
+use deadpool::managed;
 use std::future::Future;
 use std::time::Duration;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
+use tokio_postgres::error::SqlState;
 
 /// The pool the service takes a connection from for each transfer.
 #[derive(Clone)]
@@ -48,87 +49,49 @@ impl Pool {
     }
 }
 
-/// Makes and keeps the pool's connections (deadpool's [`managed::Manager`]).
-pub struct Manager {
-    config: tokio_postgres::Config,
-    /// To say why a connection failed without quoting the connection string.
-    spec: String,
+/// Makes and keeps the pool's connections (`reach::Connector`).
+pub type Manager = Connector<Prepared>;
+
+/// Makes a pool connection ready for a request's steps: the session set,
+/// the statements prepared.
+pub struct Prepared {
     shape: Shape,
     policy: &'static Policy,
+    spec: String,
 }
 
 impl Manager {
     /// The connections of `store`'s database: `store` (synchronous, already
     /// connected) has made and checked the schema and knows its shape.
     pub fn new(spec: &str, store: &PgStore, policy: &'static Policy) -> Result<Manager, StoreError> {
-        let config = pg::configure(spec, policy)?;
-        Ok(Manager { config, spec: spec.to_owned(), shape: store.shape().clone(), policy })
+        let ready = Prepared { shape: store.shape().clone(), policy, spec: spec.to_owned() };
+        Connector::with(spec, policy, ready)
     }
 
     /// A pool of at most `size` connections; a request waits for one at
     /// most the busy budget (then 503 `busy`).
     pub fn pool(self, size: usize) -> Result<Pool, StoreError> {
-        let wait = Duration::from_millis(u64::from(self.policy.busy_timeout_ms));
-        // a new connection may try every host, each for its start-up deadline
-        let hosts = u32::try_from(pg::each_host(&self.config).len()).unwrap_or(u32::MAX);
-        let create =
-            wait.max(pg::startup_deadline(&self.config).saturating_mul(hosts) + Duration::from_secs(1));
-        managed::Pool::builder(self)
-            .max_size(size.max(1))
-            .wait_timeout(Some(wait))
-            .create_timeout(Some(create))
-            .runtime(deadpool::Runtime::Tokio1)
-            .build()
-            .map(Pool)
-            .map_err(|e| StoreError::Backend(format!("cannot build the connection pool: {e}").into()))
+        self.pool_of(size, Duration::from_millis(u64::from(self.ready.policy.busy_timeout_ms))).map(Pool)
     }
 }
 
-impl managed::Manager for Manager {
-    type Type = PgConn;
-    type Error = StoreError;
+impl Ready for Prepared {
+    type Conn = PgConn;
 
-    async fn create(&self) -> Result<PgConn, StoreError> {
-        let unavailable =
-            |e: tokio_postgres::Error| match pg::redacted("cannot connect to PostgreSQL", &e, &self.spec) {
-                StoreError::Backend(why) => StoreError::Unavailable(why.to_string()),
-                other => other,
-            };
-        // each host in turn, its whole start-up bounded (a paused server
-        // accepts the connection and then says nothing): see `pg::client`
-        let deadline = pg::startup_deadline(&self.config);
-        let mut last = StoreError::Unavailable("--db names no host".into());
-        let mut connected = None;
-        for one in pg::each_host(&self.config) {
-            match tokio::time::timeout(deadline, one.connect(NoTls)).await {
-                Ok(Ok(pair)) => {
-                    connected = Some(pair);
-                    break;
-                }
-                Ok(Err(e)) => last = unavailable(e),
-                Err(_) => last = pg::silent(deadline),
-            }
-        }
-        let Some((client, connection)) = connected else { return Err(last) };
-        tokio::spawn(async move {
-            // ends when the connection closes; the client sees that as errors
-            let _ = connection.await;
-        });
-        client.batch_execute(&pg::session_sql(self.policy)).await.map_err(unavailable)?;
+    async fn ready(&self, client: Client) -> Result<PgConn, StoreError> {
+        let failed = |e| pg::redacted("cannot configure the connection", &e, &self.spec);
+        client.batch_execute(&pg::session_sql(self.policy)).await.map_err(failed)?;
         let mut prepared = Vec::new();
         for sql in Hot::texts(&self.shape) {
-            prepared.push(client.prepare(&sql).await.map_err(unavailable)?);
+            prepared.push(client.prepare(&sql).await.map_err(failed)?);
         }
         let sql =
             Hot::of(prepared.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
         Ok(PgConn { client, sql, shape: self.shape.clone(), ahead: None, broken: false, policy: self.policy })
     }
 
-    async fn recycle(&self, conn: &mut PgConn, _: &Metrics) -> RecycleResult<StoreError> {
-        match conn.broken || conn.client.is_closed() {
-            true => Err(RecycleError::message("the connection is closed or its state unknown")),
-            false => Ok(()),
-        }
+    fn usable(&self, conn: &PgConn) -> bool {
+        !(conn.broken || conn.client.is_closed())
     }
 }
 

@@ -38,17 +38,20 @@ use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, PAYOUTS, ScopedKey};
-use postgres::error::SqlState;
-use postgres::types::ToSql;
-use postgres::{Client, Config, NoTls, Row, Statement};
 use std::str::FromStr;
 use std::time::Duration;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row, Statement};
 
+mod blocking;
 mod connect;
 mod payouts;
 mod schema;
 mod statements;
 
+pub(in crate::store) use crate::store::reach::*;
+pub use blocking::{Client, Transaction};
 pub(in crate::store) use connect::*;
 use schema::*;
 
@@ -108,7 +111,7 @@ impl PgStore {
     /// read is safe to run again.
     fn reading<R>(
         &mut self,
-        read: impl Fn(&mut Self) -> Result<R, postgres::Error>,
+        read: impl Fn(&mut Self) -> Result<R, tokio_postgres::Error>,
     ) -> Result<R, StoreError> {
         self.revive()?;
         match read(self) {
@@ -315,7 +318,7 @@ impl PgTx<'_> {
         seen: Option<(&str, &str)>,
     ) -> Result<u64, StoreError> {
         let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
-        let mut params: Vec<&(dyn postgres::types::ToSql + Sync)> = vec![
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![
             &key.client_id,
             &key.endpoint,
             &key.idem_key,
@@ -326,7 +329,7 @@ impl PgTx<'_> {
         ];
         let seen = seen.map(|(token, state)| (token.to_owned(), state.to_owned()));
         if let Some((token, state)) = &seen {
-            params.extend([token as &(dyn postgres::types::ToSql + Sync), state]);
+            params.extend([token as &(dyn ToSql + Sync), state]);
         }
         self.client.execute(statement, &params).map_err(pg)
     }

@@ -14,7 +14,7 @@ impl PgTx<'_> {
     fn payouts_where(
         &mut self,
         condition: &str,
-        params: &[&(dyn postgres::types::ToSql + Sync)],
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<PayoutRow>, StoreError> {
         let sql = format!("SELECT {PAYOUT_COLUMNS} FROM payout WHERE {condition}");
         let rows = self.client.query(&sql, params).map_err(pg)?;

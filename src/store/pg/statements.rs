@@ -90,7 +90,7 @@ impl Hot {
 }
 
 impl Statements {
-    pub(super) fn prepare(client: &mut Client, shape: &Shape) -> Result<Self, postgres::Error> {
+    pub(super) fn prepare(client: &mut Client, shape: &Shape) -> Result<Self, tokio_postgres::Error> {
         let t = &shape.acct_type;
         let hot: Vec<Statement> =
             Hot::texts(shape).iter().map(|sql| client.prepare(sql)).collect::<Result<_, _>>()?;

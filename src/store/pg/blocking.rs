@@ -1,0 +1,125 @@
+//! tokio-postgres, blocked on: the synchronous store's connection (for
+//! `idem_api`, the harness, payouts, the reconciler and the schema). It is
+//! the driver the service's pool and the library await, so idem speaks to
+//! PostgreSQL through one driver, connects through one function
+//! ([`super::connect`]) and reads one error type. Each connection has a
+//! runtime of its own on the calling thread: its socket is driven only
+//! while a statement is waited for, so nothing runs behind the caller's
+//! back (and the caller must not be on an async runtime's thread).
+
+use super::StoreError;
+use std::future::Future;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Error, Row, Statement, ToStatement};
+
+/// A connection to PostgreSQL that is called, not awaited.
+pub struct Client {
+    runtime: tokio::runtime::Runtime,
+    inner: tokio_postgres::Client,
+}
+
+type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
+
+impl Client {
+    /// A connection to `config`'s database (each host in turn, see
+    /// [`super::connect`]); errors never quote `spec`.
+    pub(in crate::store) fn connect(
+        config: &tokio_postgres::Config,
+        spec: &str,
+    ) -> Result<Client, StoreError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Backend(format!("cannot start a connection's runtime: {e}").into()))?;
+        let inner = runtime.block_on(super::connect(config, spec))?;
+        Ok(Client { runtime, inner })
+    }
+
+    fn block<F: Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+
+    pub fn query<T: ?Sized + ToStatement>(
+        &mut self,
+        statement: &T,
+        params: Params,
+    ) -> Result<Vec<Row>, Error> {
+        self.block(self.inner.query(statement, params))
+    }
+
+    pub fn query_one<T: ?Sized + ToStatement>(
+        &mut self,
+        statement: &T,
+        params: Params,
+    ) -> Result<Row, Error> {
+        self.block(self.inner.query_one(statement, params))
+    }
+
+    pub fn query_opt<T: ?Sized + ToStatement>(
+        &mut self,
+        statement: &T,
+        params: Params,
+    ) -> Result<Option<Row>, Error> {
+        self.block(self.inner.query_opt(statement, params))
+    }
+
+    pub fn execute<T: ?Sized + ToStatement>(&mut self, statement: &T, params: Params) -> Result<u64, Error> {
+        self.block(self.inner.execute(statement, params))
+    }
+
+    pub fn batch_execute(&mut self, sql: &str) -> Result<(), Error> {
+        self.block(self.inner.batch_execute(sql))
+    }
+
+    pub fn prepare(&mut self, sql: &str) -> Result<Statement, Error> {
+        self.block(self.inner.prepare(sql))
+    }
+
+    /// Whether the connection is known to be gone (a statement on it
+    /// found it closed).
+    pub fn is_closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// A transaction: `BEGIN` now; dropped without [`Transaction::commit`],
+    /// it rolls back.
+    pub fn transaction(&mut self) -> Result<Transaction<'_>, Error> {
+        self.batch_execute("BEGIN")?;
+        Ok(Transaction { client: self, open: true })
+    }
+}
+
+/// A transaction on a [`Client`]: its statements are the client's.
+pub struct Transaction<'a> {
+    client: &'a mut Client,
+    open: bool,
+}
+
+impl Transaction<'_> {
+    pub fn commit(mut self) -> Result<(), Error> {
+        self.open = false;
+        self.client.batch_execute("COMMIT")
+    }
+}
+
+impl std::ops::Deref for Transaction<'_> {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        self.client
+    }
+}
+
+impl std::ops::DerefMut for Transaction<'_> {
+    fn deref_mut(&mut self) -> &mut Client {
+        self.client
+    }
+}
+
+impl Drop for Transaction<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // on a dead connection there is nothing to roll back
+            let _ = self.client.batch_execute("ROLLBACK");
+        }
+    }
+}
