@@ -120,7 +120,7 @@ impl Idempotency {
         let store = match crate::store::Db::parse(db) {
             #[cfg(feature = "postgres")]
             crate::store::Db::Postgres(spec) => {
-                let connector = Connector::with(spec, crate::policy::Policy::embedded(), Plain)?;
+                let connector = Connector::with(&spec, crate::policy::Policy::embedded(), Plain)?;
                 let pool = connector.pool_of(connections, std::time::Duration::from_secs(5))?;
                 let mut first = pool.get().await.map_err(|e| e.to_string())?;
                 keys.migrate_pg(&mut first).await?;

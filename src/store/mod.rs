@@ -50,6 +50,8 @@ pub mod workers;
 pub use db::Db;
 pub use keys::{Dialect, KeyTable};
 pub use payouts::*;
+#[cfg(all(feature = "postgres", any(feature = "cli", feature = "axum")))]
+pub use reach::{Connector, Ready};
 #[cfg(feature = "cli")]
 pub use pg_pool::{Pool, Pooled};
 pub use record::*;

@@ -71,7 +71,8 @@ impl Manager {
     /// A pool of at most `size` connections; a request waits for one at
     /// most the busy budget (then 503 `busy`).
     pub fn pool(self, size: usize) -> Result<Pool, StoreError> {
-        self.pool_of(size, Duration::from_millis(u64::from(self.ready.policy.busy_timeout_ms))).map(Pool)
+        let wait = Duration::from_millis(u64::from(self.ready.policy.busy_timeout_ms));
+        self.pool_of(size, wait).map(Pool)
     }
 }
 

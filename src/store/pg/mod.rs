@@ -38,11 +38,9 @@ use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, PAYOUTS, ScopedKey};
-use std::str::FromStr;
-use std::time::Duration;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{NoTls, Row, Statement};
+use tokio_postgres::{Row, Statement};
 
 mod blocking;
 mod connect;
