@@ -50,10 +50,10 @@ pub mod workers;
 pub use db::Db;
 pub use keys::{Dialect, KeyTable};
 pub use payouts::*;
-#[cfg(all(feature = "postgres", any(feature = "cli", feature = "axum")))]
-pub use reach::{Connector, Ready};
 #[cfg(feature = "cli")]
 pub use pg_pool::{Pool, Pooled};
+#[cfg(all(feature = "postgres", any(feature = "cli", feature = "axum")))]
+pub use reach::{Connector, Ready};
 pub use record::*;
 #[cfg(feature = "cli")]
 pub use workers::{GroupTx, GroupWriter, Workers};

@@ -39,6 +39,15 @@ impl Client {
         self.runtime.block_on(future)
     }
 
+    /// What `statements` do on the connection, awaited to their end (the key
+    /// table's runners, `store::keys::pg`, written once for every face).
+    pub(in crate::store) fn run<'c, F: Future>(
+        &'c mut self,
+        statements: impl FnOnce(&'c tokio_postgres::Client) -> F,
+    ) -> F::Output {
+        self.runtime.block_on(statements(&self.inner))
+    }
+
     pub fn query<T: ?Sized + ToStatement>(
         &mut self,
         statement: &T,

@@ -38,6 +38,7 @@ use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, PAYOUTS, ScopedKey};
+use crate::store::keys::{pg as key_sql, who};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
@@ -306,32 +307,6 @@ impl Drop for PgTx<'_> {
 }
 
 impl PgTx<'_> {
-    /// Runs `statement` with the key as $1..$3, the claim as $4..$7 and, for
-    /// a compare-and-set, the `(token, state)` seen as $8, $9.
-    fn write_claim(
-        &mut self,
-        statement: &Statement,
-        key: &ScopedKey,
-        claim: &Claim,
-        seen: Option<(&str, &str)>,
-    ) -> Result<u64, StoreError> {
-        let (created_at, lease_until) = (claim.created_at.to_string(), claim.lease_until.to_string());
-        let mut params: Vec<&(dyn ToSql + Sync)> = vec![
-            &key.client_id,
-            &key.endpoint,
-            &key.idem_key,
-            &claim.fingerprint,
-            &claim.token,
-            &created_at,
-            &lease_until,
-        ];
-        let seen = seen.map(|(token, state)| (token.to_owned(), state.to_owned()));
-        if let Some((token, state)) = &seen {
-            params.extend([token as &(dyn ToSql + Sync), state]);
-        }
-        self.client.execute(statement, &params).map_err(pg)
-    }
-
     fn key_row(&mut self, statement: &Statement, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
         let row =
             self.client.query_opt(statement, &[&key.client_id, &key.endpoint, &key.idem_key]).map_err(pg)?;
@@ -341,8 +316,7 @@ impl PgTx<'_> {
 
 impl Tx for PgTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
-        let insert_claim = &self.sql.insert_claim;
-        if self.write_claim(insert_claim, key, claim, None)? == 1 {
+        if self.client.run(|c| key_sql::insert_claim(c, keys(), who(key), claim)).map_err(pg)? {
             return Ok(None);
         }
         // The primary key is the arbiter. If the row it saw is gone already
@@ -369,8 +343,7 @@ impl Tx for PgTx<'_> {
             Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => return Ok(false),
             Err(e) => return Err(pg(e)),
         }
-        let replace_claim = &self.sql.hot.replace_claim;
-        Ok(self.write_claim(replace_claim, key, claim, Some((&seen.token, seen.state.name())))? == 1)
+        self.client.run(|c| key_sql::replace_claim(c, keys(), who(key), seen, claim)).map_err(pg)
     }
 
     fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
@@ -385,27 +358,9 @@ impl Tx for PgTx<'_> {
         response: &Stored,
         at: Timestamp,
     ) -> Result<bool, StoreError> {
-        let (status, at) = (i32::from(response.status), at.to_string());
-        let reason = response.reason.as_ref().map(Reason::to_string);
-        let changed = self
-            .client
-            .execute(
-                &self.sql.complete,
-                &[
-                    &key.client_id,
-                    &key.endpoint,
-                    &key.idem_key,
-                    &status,
-                    &reason,
-                    &response.body,
-                    &response.transfer_id,
-                    &at,
-                    &token,
-                    &None::<&str>, // the engine's answers are JSON
-                ],
-            )
-            .map_err(pg)?;
-        Ok(changed == 1)
+        // the engine's answers are JSON: no media type of their own
+        let complete = |c| key_sql::complete(c, keys(), who(key), token, response, None, at);
+        self.client.run(complete).map_err(pg)
     }
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
@@ -451,8 +406,7 @@ impl Tx for PgTx<'_> {
     }
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
-        let (before, limit) = (before.to_string(), i64::try_from(limit).unwrap_or(i64::MAX));
-        self.client.execute(&keys().purge, &[&before, &limit, &PAYOUTS]).map_err(pg)
+        self.client.run(|c| key_sql::purge(c, keys(), before, limit, PAYOUTS)).map_err(pg)
     }
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {

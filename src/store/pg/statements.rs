@@ -26,9 +26,7 @@ pub(in crate::store) struct Shape {
 /// Every statement a request runs, prepared once per connection.
 pub(super) struct Statements {
     pub(super) hot: Hot,
-    pub(super) insert_claim: Statement,
     pub(super) lock_key: Statement,
-    pub(super) complete: Statement,
     pub(super) lock_account: Statement,
     pub(super) add_to_balance: Statement,
     pub(super) insert_transfer: Statement,
@@ -98,9 +96,7 @@ impl Statements {
         let mut p = |sql: &str| client.prepare(sql);
         Ok(Statements {
             hot,
-            insert_claim: p(&keys().insert_claim)?,
             lock_key: p(&format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE} FOR UPDATE"))?,
-            complete: p(&keys().complete)?,
             lock_account: p(&format!(
                 "SELECT acct_id::text, balance::text FROM account WHERE acct_id = $1::text::{t} FOR UPDATE"
             ))?,
