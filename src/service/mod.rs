@@ -9,6 +9,8 @@
 //! accepting, lets the requests in flight finish, waits for the workers to
 //! drain, and exits 0: no claim is left behind by a shutdown.
 
+mod app;
+mod desk;
 pub mod executor;
 pub mod health;
 pub mod http;
@@ -319,7 +321,7 @@ impl Service {
             policy,
             options.max_in_flight.max(1),
             options.gateway.clone().map(|g| {
-                payouts::Desk::new(
+                desk::Desk::new(
                     g,
                     clock.clone(),
                     options.max_payouts_in_flight.max(1),
