@@ -189,7 +189,7 @@ pub trait Ready: Send + Sync {
 }
 
 /// The one manager of idem's connection pools (deadpool's): it connects
-/// by [`connect`] and makes each connection ready by `R`; a connection
+/// by `reach::connect` and makes each connection ready by `R`; a connection
 /// gone, or of unknown state, is never handed out again. The service's
 /// pool and the library's layer are each one.
 #[cfg(any(feature = "cli", feature = "axum"))]

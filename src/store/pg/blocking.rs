@@ -2,7 +2,7 @@
 //! `idem_api`, the harness, payouts, the reconciler and the schema). It is
 //! the driver the service's pool and the library await, so idem speaks to
 //! PostgreSQL through one driver, connects through one function
-//! ([`super::connect`]) and reads one error type. Each connection has a
+//! (`store::reach::connect`) and reads one error type. Each connection has a
 //! runtime of its own on the calling thread: its socket is driven only
 //! while a statement is waited for, so nothing runs behind the caller's
 //! back (and the caller must not be on an async runtime's thread).
@@ -22,7 +22,7 @@ type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
 
 impl Client {
     /// A connection to `config`'s database (each host in turn, see
-    /// [`super::connect`]); errors never quote `spec`.
+    /// `store::reach::connect`); errors never quote `spec`.
     pub(in crate::store) fn connect(
         config: &tokio_postgres::Config,
         spec: &str,
