@@ -33,7 +33,9 @@
 //! caller's `client` function names nobody, 400 for a missing or malformed
 //! key or a body that is not JSON, 413 for a body past the limit, 409 (with
 //! `Retry-After`) while the key's first request runs, 422 for the key with
-//! another body, 503 when no connection is to be had. A replay is the
+//! another body or query string, 503 when no connection is to be had. A key
+//! is scoped by the client, the method and the path the client sent (the
+//! whole path under `Router::nest`). A replay is the
 //! stored status and body with `Idempotent-Replayed: true`.
 //!
 //! Which answers are stored: 2xx, and any response the handler marks as a
@@ -53,7 +55,7 @@ use crate::request::{AcctId, ScopedKey};
 use crate::store::reach::{Connector, Ready};
 use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
-use axum::extract::{FromRequestParts, Request, State};
+use axum::extract::{FromRequestParts, OriginalUri, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -413,8 +415,17 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
         Ok(f) => f,
         Err(e) => return problem(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string()),
     };
+    // The request as the client sent it: under `Router::nest` the handler's
+    // URI has the prefix stripped, so `/v1/orders` and `/v2/orders` would
+    // share their keys. The query is part of the request: the key used
+    // under another query is another request (422), never the first's replay.
+    let sent = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |o| &o.0).clone();
+    let fingerprint = match sent.query() {
+        Some(query) => with_query(&fingerprint, query),
+        None => fingerprint,
+    };
     parts.extensions.insert(Caller(client.clone()));
-    let scope = Scope::new(client, format!("{} {}", parts.method, parts.uri.path()));
+    let scope = Scope::new(client, format!("{} {}", parts.method, sent.path()));
     // From the claim on, the request runs to its end in a task of its own:
     // a client that hangs up, or a timeout layer that drops this future,
     // leaves the handler to finish and its answer to be stored, so the
@@ -484,6 +495,15 @@ async fn run(
         Err(Stop::Store(StoreError::Busy)) => answer_of(Reply::InFlight),
         Err(Stop::Store(_)) => unavailable(),
     }
+}
+
+/// The fingerprint of a body sent under `query`. A request without a query
+/// keeps its body's fingerprint alone, as keys stored before the query
+/// counted were fingerprinted.
+fn with_query(fingerprint: &str, query: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new().chain_update(fingerprint).chain_update("?").chain_update(query).finalize();
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A reply the layer gives without running the handler.

@@ -15,6 +15,7 @@ mod client;
 mod failover;
 mod gateway;
 mod group_commit;
+mod layer_scope;
 mod layer_trips;
 mod ledger;
 mod payouts;

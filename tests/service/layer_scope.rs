@@ -1,0 +1,84 @@
+//! What the layer takes for the request a key was used for: the path the
+//! client sent (under `Router::nest` too, where the handler sees it
+//! stripped) and the query string, not only the body. Each test asserts
+//! what a layer that scoped by the stripped path, or fingerprinted the body
+//! alone, gets wrong: a request it never ran answered with another's replay.
+
+use axum::http::StatusCode;
+use axum::middleware::from_fn_with_state;
+use axum::response::IntoResponse;
+use axum::{Router, routing::post};
+use idem::check::http::{Http, exchange};
+use idem::embed::Keys;
+use idem::embed::layer::{Idempotency, idempotent};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// `/v1/orders` and `/v2/orders`, each a nested router behind the layer,
+/// on a SQLite file; every run of a handler is counted.
+async fn serve(db: &str, runs: Arc<AtomicU64>) -> SocketAddr {
+    let idem = Idempotency::connect(db, Keys::new("scope_").unwrap(), 2, |h| {
+        h.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+    })
+    .await
+    .unwrap();
+    let order = move || {
+        let runs = runs.clone();
+        move || {
+            let runs = runs.clone();
+            async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                (StatusCode::CREATED, format!(r#"{{"order":{n}}}"#)).into_response()
+            }
+        }
+    };
+    let version = |handler| {
+        Router::new().route("/orders", post(handler)).route_layer(from_fn_with_state(idem.clone(), idempotent))
+    };
+    let app = Router::new().nest("/v1", version(order())).nest("/v2", version(order()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    address
+}
+
+fn send(address: SocketAddr, target: &str, key: &str) -> Http {
+    let body = r#"{"item":"tea"}"#;
+    let request = format!(
+        "POST {target} HTTP/1.1\r\nHost: x\r\nX-Client: c1\r\nIdempotency-Key: \"{key}\"\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    exchange(address, request.as_bytes()).unwrap()
+}
+
+fn replayed(h: &Http) -> bool {
+    h.headers.iter().any(|(name, value)| name.eq_ignore_ascii_case("idempotent-replayed") && value == "true")
+}
+
+#[test]
+fn a_key_is_scoped_by_the_path_sent_and_bound_to_the_query() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("scope.db").display().to_string();
+    let runs = Arc::new(AtomicU64::new(0));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let address = runtime.block_on(serve(&db, runs.clone()));
+
+    let first = send(address, "/v1/orders", "k1");
+    assert_eq!((first.status, first.body.as_str(), replayed(&first)), (201, r#"{"order":1}"#, false));
+    // the same key on another version's route is another operation: run, not v1's replay
+    let v2 = send(address, "/v2/orders", "k1");
+    assert_eq!((v2.status, replayed(&v2)), (201, false), "{v2:?}");
+    // the same body under another query is another request: 422, never the first's replay
+    let dry = send(address, "/v1/orders?dry_run=true", "k1");
+    assert_eq!(dry.status, 422, "{dry:?}");
+    // and the first request's retry still replays it
+    let again = send(address, "/v1/orders", "k1");
+    assert_eq!((again.status, again.body.as_str(), replayed(&again)), (201, r#"{"order":1}"#, true));
+    // a query of its own is kept with the key: its retry replays
+    let q = send(address, "/v1/orders?dry_run=true", "k2");
+    let q_again = send(address, "/v1/orders?dry_run=true", "k2");
+    assert_eq!((q.status, q_again.status, replayed(&q_again), q.body == q_again.body), (201, 201, true, true));
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "v1 once, v2 once, k2 once");
+}
