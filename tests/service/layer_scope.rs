@@ -34,7 +34,9 @@ async fn serve(db: &str, runs: Arc<AtomicU64>) -> SocketAddr {
         }
     };
     let version = |handler| {
-        Router::new().route("/orders", post(handler)).route_layer(from_fn_with_state(idem.clone(), idempotent))
+        Router::new()
+            .route("/orders", post(handler))
+            .route_layer(from_fn_with_state(idem.clone(), idempotent))
     };
     let app = Router::new().nest("/v1", version(order())).nest("/v2", version(order()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -79,6 +81,9 @@ fn a_key_is_scoped_by_the_path_sent_and_bound_to_the_query() {
     // a query of its own is kept with the key: its retry replays
     let q = send(address, "/v1/orders?dry_run=true", "k2");
     let q_again = send(address, "/v1/orders?dry_run=true", "k2");
-    assert_eq!((q.status, q_again.status, replayed(&q_again), q.body == q_again.body), (201, 201, true, true));
+    assert_eq!(
+        (q.status, q_again.status, replayed(&q_again), q.body == q_again.body),
+        (201, 201, true, true)
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 3, "v1 once, v2 once, k2 once");
 }
