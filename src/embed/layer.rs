@@ -97,7 +97,7 @@ struct Plain;
 impl Ready for Plain {
     type Conn = Client;
 
-    async fn ready(&self, client: Client) -> Result<Client, StoreError> {
+    async fn ready(&self, client: Client) -> Result<Client, tokio_postgres::Error> {
         Ok(client)
     }
 
@@ -239,13 +239,13 @@ impl KeySteps for OnSlot {
         accounts: Option<[&AcctId; 2]>,
     ) -> Result<Option<KeyRecord>, StoreError> {
         let mut slot = self.0.0.lock().await;
-        let Some(held) = slot.as_mut() else { return Err(gone()) };
-        let keys = held.keys.clone();
+        let Some(Held { conn, keys, content_type, .. }) = slot.as_mut() else { return Err(gone()) };
         // BEGIN goes with the claim: one round trip on PostgreSQL
-        let (claimed, content_type) = match &mut held.conn {
+        let claimed;
+        (claimed, *content_type) = match conn {
             #[cfg(feature = "postgres")]
             Conn::Pg(Some(c)) => {
-                let mut on = OnPg::new(&***c, &keys, true);
+                let mut on = OnPg::new(&***c, keys, true);
                 (on.claim(key, claim, accounts).await, on.content_type)
             }
             #[cfg(feature = "postgres")]
@@ -256,7 +256,6 @@ impl KeySteps for OnSlot {
                 (on.claim(key, claim, accounts).await, on.content_type)
             }
         };
-        held.content_type = content_type;
         claimed
     }
 
@@ -267,11 +266,10 @@ impl KeySteps for OnSlot {
         claim: &Claim,
     ) -> Result<bool, StoreError> {
         let mut slot = self.0.0.lock().await;
-        let Some(held) = slot.as_mut() else { return Err(gone()) };
-        let keys = held.keys.clone();
-        match &mut held.conn {
+        let Some(Held { conn, keys, .. }) = slot.as_mut() else { return Err(gone()) };
+        match conn {
             #[cfg(feature = "postgres")]
-            Conn::Pg(Some(c)) => OnPg::new(&***c, &keys, false).replace_claim(key, seen, claim).await,
+            Conn::Pg(Some(c)) => OnPg::new(&***c, keys, false).replace_claim(key, seen, claim).await,
             #[cfg(feature = "postgres")]
             Conn::Pg(None) => Err(gone()),
             #[cfg(feature = "sqlite")]
@@ -292,11 +290,10 @@ impl OnSlot {
     /// have, or not).
     async fn complete_and_commit(&self, key: &ScopedKey, token: &str, answer: &Answer) -> bool {
         let mut slot = self.0.0.lock().await;
-        let Some(held) = slot.as_mut() else { return false };
-        let keys = held.keys.clone();
-        let committed = match &mut held.conn {
+        let Some(Held { conn, keys, open, .. }) = slot.as_mut() else { return false };
+        let committed = match conn {
             #[cfg(feature = "postgres")]
-            Conn::Pg(Some(c)) => OnPg::new(&***c, &keys, false).complete_and_commit(key, token, answer).await,
+            Conn::Pg(Some(c)) => OnPg::new(&***c, keys, false).complete_and_commit(key, token, answer).await,
             #[cfg(feature = "postgres")]
             Conn::Pg(None) => false,
             #[cfg(feature = "sqlite")]
@@ -305,7 +302,7 @@ impl OnSlot {
                     && c.execute_batch("COMMIT").is_ok()
             }
         };
-        held.open = !committed;
+        *open = !committed;
         committed
     }
 }

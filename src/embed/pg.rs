@@ -41,7 +41,7 @@ pub(super) struct OnPg<'c, C> {
     pub(super) c: &'c C,
     table: &'c KeyTable,
     /// how long the claim waits on a racer's uncommitted claim of the key
-    wait: String,
+    wait: Duration,
     /// `BEGIN` first, sent with the claim
     begin: bool,
     /// The media type stored with the answer of the key's row, if the
@@ -51,8 +51,7 @@ pub(super) struct OnPg<'c, C> {
 
 impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
     pub(super) fn new(c: &'c C, keys: &'c Keys, begin: bool) -> Self {
-        let wait = format!("{}ms", keys.wait.as_millis().max(1));
-        OnPg { c, table: &keys.pg, wait, begin, content_type: None }
+        OnPg { c, table: &keys.pg, wait: keys.wait, begin, content_type: None }
     }
 
     /// [`OnPg::complete`] and `COMMIT`, sent together (one round trip);
@@ -92,7 +91,8 @@ impl<C: GenericClient + Sync> KeySteps for OnPg<'_, C> {
         _: Option<[&AcctId; 2]>,
     ) -> Result<Option<KeyRecord>, StoreError> {
         let (c, t, who) = (self.c, self.table, keys::who(key));
-        let wait = [(&self.wait as &(dyn ToSql + Sync), Type::TEXT)];
+        let wait = format!("{}ms", self.wait.as_millis().max(1));
+        let wait = [(&wait as &(dyn ToSql + Sync), Type::TEXT)];
         // The claim waits on a racer's uncommitted claim of the same key for
         // `wait` at most; the transaction's own lock wait is put back for the
         // work. `join!`, not `try_join!`: the claim's own error, not a later

@@ -57,14 +57,13 @@ pub type Manager = Connector<Prepared>;
 pub struct Prepared {
     shape: Shape,
     policy: &'static Policy,
-    spec: String,
 }
 
 impl Manager {
     /// The connections of `store`'s database: `store` (synchronous, already
     /// connected) has made and checked the schema and knows its shape.
     pub fn new(spec: &str, store: &PgStore, policy: &'static Policy) -> Result<Manager, StoreError> {
-        let ready = Prepared { shape: store.shape().clone(), policy, spec: spec.to_owned() };
+        let ready = Prepared { shape: store.shape().clone(), policy };
         Connector::with(spec, policy, ready)
     }
 
@@ -79,12 +78,11 @@ impl Manager {
 impl Ready for Prepared {
     type Conn = PgConn;
 
-    async fn ready(&self, client: Client) -> Result<PgConn, StoreError> {
-        let failed = |e| pg::redacted("cannot configure the connection", &e, &self.spec);
-        client.batch_execute(&pg::session_sql(self.policy)).await.map_err(failed)?;
+    async fn ready(&self, client: Client) -> Result<PgConn, tokio_postgres::Error> {
+        client.batch_execute(&pg::session_sql(self.policy)).await?;
         let mut prepared = Vec::new();
         for sql in Hot::texts(&self.shape) {
-            prepared.push(client.prepare(&sql).await.map_err(failed)?);
+            prepared.push(client.prepare(&sql).await?);
         }
         let sql =
             Hot::of(prepared.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));

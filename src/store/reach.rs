@@ -183,7 +183,7 @@ pub trait Ready: Send + Sync {
     fn ready(
         &self,
         client: tokio_postgres::Client,
-    ) -> impl std::future::Future<Output = Result<Self::Conn, StoreError>> + Send;
+    ) -> impl std::future::Future<Output = Result<Self::Conn, tokio_postgres::Error>> + Send;
     /// Whether `conn` may be handed out again: not closed, its state known.
     fn usable(&self, conn: &Self::Conn) -> bool;
 }
@@ -238,7 +238,8 @@ impl<R: Ready> deadpool::managed::Manager for Connector<R> {
             other => other,
         };
         let client = connect(&self.config, &self.spec).await.map_err(away)?;
-        self.ready.ready(client).await.map_err(away)
+        let ready = self.ready.ready(client).await;
+        ready.map_err(|e| away(redacted("cannot configure the connection", &e, &self.spec)))
     }
 
     async fn recycle(
