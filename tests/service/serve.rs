@@ -310,6 +310,21 @@ fn every_problem_type_links_to_its_own_page_which_the_service_serves() {
     assert_eq!(none.status, 404);
 }
 
+/// A client validating answers against the description (schemathesis did)
+/// must meet no state it does not list: a payout held for a person answered
+/// `needs_attention`, which the description once left out.
+#[test]
+fn the_description_lists_every_state_a_payout_can_be_in() {
+    let listed: Vec<&str> = openapi()["components"]["schemas"]["Payout"]["properties"]["state"]["enum"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let states: Vec<&str> = idem::store::PayoutState::ALL.iter().map(|s| s.name()).collect();
+    assert_eq!(listed, states);
+}
+
 #[test]
 fn sixty_four_identical_requests_at_once_make_exactly_one_transfer() {
     for backend in backends() {
