@@ -29,25 +29,31 @@ pub enum Refused {
 }
 
 /// Checks `header` (`t=…,v1=…`) against `body` signed with `secret`, at
-/// `now` (Unix seconds).
+/// `now` (Unix seconds). Any of several `v1=` may match: a provider rolling
+/// its secret signs with the old and the new one for a while.
 pub fn verify(secret: &[u8], header: Option<&str>, body: &[u8], now: i64) -> Result<(), Refused> {
     let header = header.ok_or(Refused::Unsigned("no Idem-Signature header"))?;
-    let (mut t, mut v1) = (None, None);
+    let (mut t, mut v1) = (None, Vec::new());
     for part in header.split(',') {
         match part.trim().split_once('=') {
             Some(("t", value)) => t = value.parse::<i64>().ok(),
-            Some(("v1", value)) => v1 = hex(value),
+            Some(("v1", value)) => v1.extend(hex(value)),
             _ => {}
         }
     }
-    let (Some(t), Some(v1)) = (t, v1) else {
+    let Some(t) = t.filter(|_| !v1.is_empty()) else {
         return Err(Refused::Unsigned("Idem-Signature needs t= and v1="));
     };
     if (now - t).abs() > TOLERANCE_SECONDS {
         return Err(Refused::Unsigned("the signature's time is more than 5 minutes from ours"));
     }
     let mac = mac(secret, body, t).ok_or(Refused::Unsigned("no secret"))?;
-    mac.verify_slice(&v1).map_err(|_| Refused::Unsigned("the signature does not match"))
+    // each comparison in constant time; which one matched is not secret
+    if v1.iter().any(|tag| mac.clone().verify_slice(tag).is_ok()) {
+        Ok(())
+    } else {
+        Err(Refused::Unsigned("the signature does not match"))
+    }
 }
 
 /// The signature header for `body` at `t` (the provider's side, and tests').
@@ -199,6 +205,13 @@ mod tests {
         assert!(verify(secret, Some("t=1700000000,v1=zz"), body, t).is_err());
         let forged = header.replace("v1=", "v1=00");
         assert!(verify(secret, Some(&forged), body, t).is_err());
+        // a secret being rolled: the old one's tag and the new one's, either order
+        let old = sign(b"old", body, t);
+        let old_tag = old.split_once(",v1=").unwrap().1;
+        assert_eq!(verify(secret, Some(&format!("{header},v1={old_tag}")), body, t), Ok(()));
+        let new_tag = header.split_once(",v1=").unwrap().1;
+        assert_eq!(verify(secret, Some(&format!("{old},v1={new_tag}")), body, t), Ok(()));
+        assert!(verify(secret, Some(&format!("{old},v1={old_tag}")), body, t).is_err());
     }
 
     #[test]

@@ -279,6 +279,20 @@ fn reconcile_in_background(
     Ok(())
 }
 
+/// The fewest bytes an events secret may have: an empty one (a template's
+/// unset variable) would let anyone sign events that credit money back.
+pub const MIN_EVENTS_SECRET: usize = 16;
+
+fn events_secret_usable(secret: &[u8]) -> Result<(), ServeError> {
+    if secret.len() < MIN_EVENTS_SECRET {
+        return Err(ServeError::Other(format!(
+            "the gateway events secret has {} bytes; at least {MIN_EVENTS_SECRET} are needed (an empty or short secret lets anyone sign events)",
+            secret.len()
+        )));
+    }
+    Ok(())
+}
+
 /// A service whose stores are open and whose workers run, ready to serve.
 pub struct Service {
     app: Arc<http::App>,
@@ -295,6 +309,9 @@ impl Service {
         clock: Clock,
         hook: Option<executor::GroupHook>,
     ) -> Result<Service, ServeError> {
+        if let Some(secret) = &options.events_secret {
+            events_secret_usable(secret)?;
+        }
         keep_freed_memory();
         let stores =
             crate::store::Workers::open(&options.db, options.pool, options.gateway.is_some(), policy)?;

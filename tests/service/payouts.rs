@@ -10,7 +10,7 @@ use idem::store::Db;
 use idem::store::bank::{self, Account};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const START: i64 = 100_000;
@@ -703,11 +703,51 @@ fn on_postgres_provider_events_are_signed_applied_once_and_credit_a_return_back(
     provider_events(true);
 }
 
+/// An empty secret (a template's unset variable) would let anyone sign a
+/// `payout.returned` and be credited: `idem serve` refuses to start on one,
+/// from the flag or the environment, and on a short one.
+#[test]
+fn an_empty_or_short_events_secret_refuses_to_start() {
+    let (dir, db) = bank();
+    let clients = dir.path().join("clients.json");
+    std::fs::write(&clients, r#"{"tok": "shop"}"#).unwrap();
+    for (flag, env) in [(Some(""), None), (None, Some("")), (Some("short-secret"), None)] {
+        let mut cmd = Command::new(IDEM);
+        cmd.arg("serve").arg("--db").arg(&db).arg("--clients").arg(&clients);
+        cmd.args(["--listen", "127.0.0.1:0", "--gateway", "http://127.0.0.1:9"]);
+        if let Some(secret) = flag {
+            cmd.args(["--gateway-events-secret", secret]);
+        }
+        if let Some(secret) = env {
+            cmd.env("IDEM_GATEWAY_EVENTS_SECRET", secret);
+        }
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+        assert!(
+            status.and_then(|s| s.code()) == Some(1)
+                && err.lines().count() == 1
+                && err.contains("events secret"),
+            "{flag:?} {env:?}: started or failed otherwise ({status:?}): {err}"
+        );
+    }
+}
+
 fn provider_events(pg: bool) {
     let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&[]);
-    let secret = b"whsec_test";
-    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test"]);
+    let secret = b"whsec_test_0123456789";
+    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test_0123456789"]);
     let paid = pay(&s, "p-1", &payout("bob", 700));
     assert_eq!(paid.status, 201);
     let key = payouts(&db)[0].2.clone();
@@ -753,7 +793,7 @@ fn provider_events(pg: bool) {
     assert_eq!(balance(&db, "A"), START - 300);
     // reordered: a payout whose answer was lost is returned, then its paid event arrives
     let lossy = Gateway::start(&["--drop-answer", "100"]);
-    let s2 = serve(&db, &lossy.url, &["--gateway-events-secret", "whsec_test"]);
+    let s2 = serve(&db, &lossy.url, &["--gateway-events-secret", "whsec_test_0123456789"]);
     assert_eq!(pay(&s2, "p-3", &payout("bob", 50)).status, 202);
     let key3 = payouts(&db)[2].2.clone();
     event(&s2, secret, &payout_event("evt_5", "payout.returned", &key3, 50), None);
