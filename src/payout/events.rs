@@ -28,32 +28,53 @@ pub enum Refused {
     Malformed(String),
 }
 
-/// Checks `header` (`t=…,v1=…`) against `body` signed with `secret`, at
-/// `now` (Unix seconds). Any of several `v1=` may match: a provider rolling
-/// its secret signs with the old and the new one for a while.
-pub fn verify(secret: &[u8], header: Option<&str>, body: &[u8], now: i64) -> Result<(), Refused> {
-    let header = header.ok_or(Refused::Unsigned("no Idem-Signature header"))?;
-    let (mut t, mut v1) = (None, Vec::new());
-    for part in header.split(',') {
-        match part.trim().split_once('=') {
-            Some(("t", value)) => t = value.parse::<i64>().ok(),
-            Some(("v1", value)) => v1.extend(hex(value)),
-            _ => {}
+/// A signature header read, its time checked, before the body is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signature {
+    t: i64,
+    tags: Vec<Vec<u8>>,
+}
+
+impl Signature {
+    /// Reads `header` (`t=…,v1=…`) and checks its time against `now` (Unix
+    /// seconds): what can be refused without reading an unauthenticated
+    /// body. Several `v1=` may come: a provider rolling its secret signs
+    /// with the old and the new one for a while.
+    pub fn read(header: Option<&str>, now: i64) -> Result<Signature, Refused> {
+        let header = header.ok_or(Refused::Unsigned("no Idem-Signature header"))?;
+        let (mut t, mut tags) = (None, Vec::new());
+        for part in header.split(',') {
+            match part.trim().split_once('=') {
+                Some(("t", value)) => t = value.parse::<i64>().ok(),
+                Some(("v1", value)) => tags.extend(hex(value)),
+                _ => {}
+            }
+        }
+        let Some(t) = t.filter(|_| !tags.is_empty()) else {
+            return Err(Refused::Unsigned("Idem-Signature needs t= and v1="));
+        };
+        if (now - t).abs() > TOLERANCE_SECONDS {
+            return Err(Refused::Unsigned("the signature's time is more than 5 minutes from ours"));
+        }
+        Ok(Signature { t, tags })
+    }
+
+    /// Whether any of the tags signs `body` with `secret`.
+    pub fn check(&self, secret: &[u8], body: &[u8]) -> Result<(), Refused> {
+        let mac = mac(secret, body, self.t).ok_or(Refused::Unsigned("no secret"))?;
+        // each comparison in constant time; which one matched is not secret
+        if self.tags.iter().any(|tag| mac.clone().verify_slice(tag).is_ok()) {
+            Ok(())
+        } else {
+            Err(Refused::Unsigned("the signature does not match"))
         }
     }
-    let Some(t) = t.filter(|_| !v1.is_empty()) else {
-        return Err(Refused::Unsigned("Idem-Signature needs t= and v1="));
-    };
-    if (now - t).abs() > TOLERANCE_SECONDS {
-        return Err(Refused::Unsigned("the signature's time is more than 5 minutes from ours"));
-    }
-    let mac = mac(secret, body, t).ok_or(Refused::Unsigned("no secret"))?;
-    // each comparison in constant time; which one matched is not secret
-    if v1.iter().any(|tag| mac.clone().verify_slice(tag).is_ok()) {
-        Ok(())
-    } else {
-        Err(Refused::Unsigned("the signature does not match"))
-    }
+}
+
+/// Checks `header` against `body` signed with `secret`, at `now` (Unix
+/// seconds): [`Signature::read`], then [`Signature::check`].
+pub fn verify(secret: &[u8], header: Option<&str>, body: &[u8], now: i64) -> Result<(), Refused> {
+    Signature::read(header, now)?.check(secret, body)
 }
 
 /// The signature header for `body` at `t` (the provider's side, and tests').

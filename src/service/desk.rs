@@ -13,7 +13,13 @@ pub struct Desk {
     pub(super) budget: Budget,
     /// What provider events are signed with; `None`: the route is not served.
     pub(super) events_secret: Option<Vec<u8>>,
+    /// Event bodies being read at once: they are unauthenticated until read
+    /// whole, so stalled uploads may hold this few connections and bytes.
+    pub(super) event_reads: tokio::sync::Semaphore,
 }
+
+/// How many event bodies are read at once; more are answered 503 at once.
+const EVENT_READS: usize = 8;
 
 impl Desk {
     /// At most `in_flight` payouts at once (waiting on a slow gateway never
@@ -22,7 +28,8 @@ impl Desk {
     pub fn new(gateway: HttpGateway, clock: Clock, in_flight: usize, events_secret: Option<Vec<u8>>) -> Desk {
         let budget =
             Budget { total: in_flight, per_client: in_flight.div_ceil(4).max(1), held: Mutex::default() };
-        Desk { gateway: Arc::new(gateway), clock, budget, events_secret }
+        let event_reads = tokio::sync::Semaphore::new(EVENT_READS);
+        Desk { gateway: Arc::new(gateway), clock, budget, events_secret, event_reads }
     }
 }
 

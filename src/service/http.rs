@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 
 const OPENAPI: &str = include_str!("openapi.json");
 /// How long a client may take to send its body.
-const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How much of a refused request's body is read away before answering.
 const DRAIN_BYTES: usize = 1 << 20;
 /// How long a refused request's body may take to be read away.

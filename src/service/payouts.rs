@@ -8,6 +8,7 @@ use super::app::{
     unauthorized,
 };
 use super::executor::Job;
+use super::http::BODY_TIMEOUT;
 use crate::payout::{self, PAYOUTS};
 use crate::request::{self, ScopedKey};
 use crate::store::StoreError;
@@ -122,37 +123,47 @@ const MAX_EVENT_BODY: usize = 64 * 1024;
 /// provider stops resending); 401 unsigned or stale; 400 not an event.
 pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>, note: &mut Note) -> Reply {
     use http_body_util::{BodyExt, Limited};
-    let Some((secret, clock)) =
-        app.payouts.as_ref().and_then(|d| Some((d.events_secret.clone()?, d.clock.clone())))
+    let Some((desk, secret)) = app.payouts.as_ref().and_then(|d| Some((d, d.events_secret.as_deref()?)))
     else {
         return problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note);
     };
-    let signature =
-        req.headers().get(payout::SIGNATURE_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let body = match Limited::new(req.into_body(), MAX_EVENT_BODY).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(_) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                "The body is unreadable or over 64 KiB.",
-                note,
-            );
-        }
-    };
     let unix =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
-    let checked =
-        payout::verify(&secret, signature.as_deref(), &body, unix).and_then(|()| payout::Event::parse(&body));
-    let event = match checked {
-        Ok(event) => event,
-        Err(payout::Refused::Unsigned(why)) => {
-            return problem(StatusCode::UNAUTHORIZED, "unauthorized", why, note);
-        }
-        Err(payout::Refused::Malformed(why)) => {
-            return problem(StatusCode::BAD_REQUEST, "invalid_request", &why, note);
-        }
+    // the header first: an unsigned or stale event is refused before its
+    // unauthenticated body is waited for
+    let header = req.headers().get(payout::SIGNATURE_HEADER).and_then(|v| v.to_str().ok());
+    let signature = match payout::Signature::read(header, unix) {
+        Ok(signature) => signature,
+        Err(refused) => return refused_event(refused, note),
     };
+    let Ok(_reading) = desk.event_reads.try_acquire() else { return busy(app, note) };
+    let body =
+        match tokio::time::timeout(BODY_TIMEOUT, Limited::new(req.into_body(), MAX_EVENT_BODY).collect())
+            .await
+        {
+            Ok(Ok(body)) => body.to_bytes(),
+            Err(_) => {
+                return problem(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "request_timeout",
+                    "The body did not arrive in time.",
+                    note,
+                );
+            }
+            Ok(Err(_)) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    "The body is unreadable or over 64 KiB.",
+                    note,
+                );
+            }
+        };
+    let event = match signature.check(secret, &body).and_then(|()| payout::Event::parse(&body)) {
+        Ok(event) => event,
+        Err(refused) => return refused_event(refused, note),
+    };
+    let clock = desk.clock.clone();
     let policy = app.policy;
     let applied = {
         let event = event.clone();
@@ -166,4 +177,11 @@ pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>,
     };
     let body = serde_json::json!({"event_id": event.id, "duplicate": duplicate, "outcome": outcome});
     text(StatusCode::OK, "application/json", body.to_string())
+}
+
+fn refused_event(refused: payout::Refused, note: &mut Note) -> Reply {
+    match refused {
+        payout::Refused::Unsigned(why) => problem(StatusCode::UNAUTHORIZED, "unauthorized", why, note),
+        payout::Refused::Malformed(why) => problem(StatusCode::BAD_REQUEST, "invalid_request", &why, note),
+    }
 }

@@ -743,6 +743,42 @@ fn an_empty_or_short_events_secret_refuses_to_start() {
     }
 }
 
+/// An event's body is unauthenticated until read whole (review N4: 40
+/// stalled uploads held a transfer 20 s behind `--max-connections 32`):
+/// an unsigned or stale event is refused on its header alone, a few bodies
+/// are read at once, each within a deadline, and a transfer goes through.
+#[test]
+fn stalled_event_uploads_hold_no_transfer_up() {
+    use std::io::{Read, Write};
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&[]);
+    let args = ["--gateway-events-secret", "whsec_test_0123456789", "--max-connections", "32"];
+    let s = serve(&db, &gw.url, &args);
+    let address = s.url.strip_prefix("http://").unwrap().to_owned();
+    let upload = |signature: &str| {
+        let mut c = std::net::TcpStream::connect(&address).unwrap();
+        let head = format!(
+            "POST /v1/gateway-events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{signature}Content-Length: 60000\r\n\r\n{{\"id\":"
+        );
+        c.write_all(head.as_bytes()).unwrap();
+        c
+    };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let _stalled: Vec<_> = (0..40).map(|_| upload(&format!("Idem-Signature: t={now},v1=00\r\n"))).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let t = s.post(Some("tok"), Some("\"t-1\""), r#"{"src":"B","dst":"A","amount":1,"currency":"KRW"}"#);
+    assert_eq!(t.status, 201, "{}", t.body);
+    assert!(started.elapsed() < Duration::from_secs(2), "a transfer waited {:?}", started.elapsed());
+    for signature in [String::new(), format!("Idem-Signature: t={},v1=00\r\n", now - 3600)] {
+        let mut c = upload(&signature);
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut status = [0u8; 12];
+        c.read_exact(&mut status).unwrap();
+        assert_eq!(&status, b"HTTP/1.1 401", "{signature:?}");
+    }
+}
+
 fn provider_events(pg: bool) {
     let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&[]);
