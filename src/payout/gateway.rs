@@ -175,12 +175,14 @@ fn transient(status: u16) -> bool {
     matches!(status, 408 | 409 | 425 | 429) || status >= 500
 }
 
-/// What a send's answer means. The table, in order:
-/// 2xx `paid` → paid; 402/422 `failed` → refused; 2xx `pending` or 409 →
+/// What a send's answer for `p` means. The table, in order:
+/// 2xx `paid` → paid, unless it names another amount, currency or
+/// beneficiary than `p`'s (→ terminal: a person looks); 402/422 `failed` →
+/// refused; 2xx `pending` or 409 →
 /// unknown (accepted, look it up); 408, 425, 429, 5xx, a body that is not
 /// JSON on them → unknown; every other 4xx (400, 401, 403, 404, a key
 /// misused) → terminal; anything else → unknown.
-pub fn classify_send(status: u16, body: &str) -> Call {
+pub fn classify_send(status: u16, body: &str, p: &PayoutRow) -> Call {
     let v: Option<Value> = serde_json::from_str(body).ok();
     let state = v.as_ref().and_then(|v| word(v, "status"));
     let why = || {
@@ -188,7 +190,10 @@ pub fn classify_send(status: u16, body: &str) -> Call {
         quoted(&format!("HTTP {status} {code}"))
     };
     match (status, state) {
-        (200..=299, Some("paid")) => Call::Paid(v.as_ref().and_then(|v| word(v, "id")).map(quoted)),
+        (200..=299, Some("paid")) => match v.as_ref().and_then(|v| another(v, p)) {
+            Some(member) => Call::Terminal(format!("the gateway paid another {member} than was sent")),
+            None => Call::Paid(v.as_ref().and_then(|v| word(v, "id")).map(quoted)),
+        },
         (402 | 422, Some("failed")) => Call::Refused {
             status,
             reason: quoted(v.as_ref().and_then(|v| word(v, "reason")).unwrap_or("payout_refused")),
@@ -222,12 +227,7 @@ pub fn classify_lookup(status: u16, body: &str, p: &PayoutRow) -> Lookup {
         s if transient(s) || s == 404 || s < 400 => return Lookup::Error(quoted(&format!("HTTP {s}"))),
         s => return Lookup::Terminal(quoted(&format!("HTTP {s} {}", word(&v, "error").unwrap_or("")))),
     }
-    let differs = [
-        ("amount", v.get("amount").is_some_and(|a| a != &json!(p.amount))),
-        ("currency", v.get("currency").is_some_and(|c| c != &json!(p.currency))),
-        ("beneficiary", v.get("beneficiary").is_some_and(|b| b != &json!(p.beneficiary))),
-    ];
-    if let Some((member, _)) = differs.iter().find(|(_, d)| *d) {
+    if let Some(member) = another(&v, p) {
         return Lookup::Terminal(format!("the gateway's payout under this key has another {member}"));
     }
     let reason = || quoted(word(&v, "reason").unwrap_or("payout_refused"));
@@ -243,6 +243,18 @@ pub fn classify_lookup(status: u16, body: &str, p: &PayoutRow) -> Lookup {
     }
 }
 
+/// Which of amount, currency and beneficiary the gateway's answer names
+/// otherwise than `p` (a member it leaves out is no difference).
+fn another(v: &Value, p: &PayoutRow) -> Option<&'static str> {
+    [
+        ("amount", v.get("amount").is_some_and(|a| a != &json!(p.amount))),
+        ("currency", v.get("currency").is_some_and(|c| c != &json!(p.currency))),
+        ("beneficiary", v.get("beneficiary").is_some_and(|b| b != &json!(p.beneficiary))),
+    ]
+    .into_iter()
+    .find_map(|(member, differs)| differs.then_some(member))
+}
+
 impl Gateway for HttpGateway {
     fn send(&self, p: &PayoutRow) -> Call {
         let body =
@@ -253,7 +265,7 @@ impl Gateway for HttpGateway {
             .header("Idempotency-Key", &p.downstream_key)
             .header("Content-Type", "application/json");
         match self.authorized(req).send(body.as_str()).map_err(|e| e.to_string()).and_then(read) {
-            Ok((status, text)) => classify_send(status, &text),
+            Ok((status, text)) => classify_send(status, &text, p),
             Err(why) => Call::Unknown(why),
         }
     }
@@ -308,9 +320,13 @@ mod tests {
 
     #[test]
     fn every_send_answer_has_its_class() {
+        let p = row();
+        let classify_send = |status, body| classify_send(status, body, &p);
         let terminal = |c: &Call| matches!(c, Call::Terminal(_));
         let unknown = |c: &Call| matches!(c, Call::Unknown(_));
         assert_eq!(classify_send(201, r#"{"status":"paid","id":"po_9"}"#), Call::Paid(Some("po_9".into())));
+        let echoed = r#"{"status":"paid","id":"po_9","amount":250,"currency":"KRW","beneficiary":"bob"}"#;
+        assert_eq!(classify_send(201, echoed), Call::Paid(Some("po_9".into())));
         assert_eq!(
             classify_send(402, r#"{"status":"failed","reason":"account_closed"}"#),
             Call::Refused { status: 402, reason: "account_closed".into() }
@@ -336,6 +352,10 @@ mod tests {
             (403, ""),
             (404, r#"{"error":"not_found"}"#),
             (413, ""),
+            // paid, but not what was sent: no "paid" to tell the client
+            (201, r#"{"status":"paid","amount":251}"#),
+            (200, r#"{"status":"paid","currency":"USD"}"#),
+            (201, r#"{"status":"paid","beneficiary":"eve"}"#),
         ] {
             assert!(terminal(&classify_send(status, body)), "{status} {body}");
         }

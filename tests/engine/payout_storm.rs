@@ -587,7 +587,7 @@ fn an_answer_no_resend_can_fix_goes_to_a_person_at_once_and_is_never_sent_again(
         let mut day = day_on(&mut *store);
         // the request's own call: a 401 (idem's token is wrong) is no refusal of the payout
         let row = day.begin(0, 0, 100).unwrap().unwrap();
-        let p = day.finish(&row, payout::classify_send(401, r#"{"error":"unauthorized"}"#));
+        let p = day.finish(&row, payout::classify_send(401, r#"{"error":"unauthorized"}"#, &row));
         assert_eq!(p.state, PayoutState::NeedsAttention, "{backend:?}");
         assert_eq!(
             payout::answer_of(&p).response.status,
