@@ -385,6 +385,10 @@ fn take<S: Store + ?Sized>(
     })
 }
 
+/// The holder of an `unknown` payout that no call is out for: it waits for
+/// its next look.
+pub(crate) const WAITING: &str = "";
+
 /// The most of a gateway's text a payout keeps.
 const GATEWAY_TEXT_CHARS: usize = 200;
 
@@ -422,6 +426,9 @@ fn settle(
         }
         Call::Unknown(why) => {
             (p.state, p.note, p.lease_until) = (PayoutState::Unknown, Some(gateway_text(&why)), next_look);
+            // nobody holds it until its next look (the lease is now that
+            // time): a person may settle it meanwhile
+            p.holder = WAITING.to_owned();
             "no definitive answer".to_owned()
         }
         Call::Terminal(why) => {

@@ -21,7 +21,8 @@ pub enum Finding {
 
 /// Settles payout `id` by hand, as `who` found out, for `why`. Refused
 /// (`Ok(Err(why not))`) if there is no such payout, if it is settled, or
-/// while a request or a reconciler holds it (its lease not over).
+/// while a request or a reconciler holds it (its lease not over): an
+/// `unknown` payout waiting for its next look is held by nobody.
 pub fn settle_by_hand<S: Store + ?Sized>(
     store: &mut S,
     id: i64,
@@ -42,7 +43,7 @@ pub fn settle_by_hand<S: Store + ?Sized>(
         if p.state.settled() {
             return Ok(End::Rollback(Err(format!("payout {id} is settled already: {}", p.state.name()))));
         }
-        if p.state != PayoutState::NeedsAttention && p.lease_until > now {
+        if p.state != PayoutState::NeedsAttention && p.holder != super::WAITING && p.lease_until > now {
             return Ok(End::Rollback(Err(format!(
                 "payout {id} is {} and held by {} until {}: settle it once that is over",
                 p.state.name(),

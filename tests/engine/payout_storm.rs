@@ -580,6 +580,30 @@ fn a_payout_never_found_is_sent_at_most_max_sends_times_with_a_growing_wait_then
     }
 }
 
+/// Review N9: an `unknown` payout waiting for its next look (49 minutes
+/// ahead in the review's run) is held by nobody, and is exactly the case a
+/// person is called for: they may settle it at once.
+#[test]
+fn a_person_settles_an_unknown_payout_while_it_waits_for_its_next_look() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let row = day.begin(0, 0, 100).unwrap().unwrap();
+        day.finish(&row, Call::Unknown("timeout".into()));
+        let gateway = scripted(Call::Unknown("lost again".into()), Lookup::Error("HTTP 503".into()));
+        let looked = reconcile_for(&mut day, &gateway, 1);
+        assert_eq!(looked.iter().map(|d| d.now).collect::<Vec<_>>(), [PayoutState::Unknown], "{backend:?}");
+        let p = rows(&mut *day.store, Policy::embedded()).remove(0);
+        assert!(p.lease_until > day.now(), "{backend:?}: the next look is ahead: {p:?}");
+        let (now, policy) = (day.now(), Policy::embedded());
+        let found = payout::Finding::Failed;
+        let settled = payout::settle_by_hand(&mut *day.store, p.id, &found, "never sent", "kim", now, policy);
+        let settled = settled.unwrap().unwrap_or_else(|why| panic!("{backend:?}: refused: {why}"));
+        assert_eq!(settled.state, PayoutState::Failed, "{backend:?}");
+        assert_eq!(day.store.audit().unwrap().money(), OPENING * 2, "{backend:?}: the hold is back");
+    }
+}
+
 #[test]
 fn an_answer_no_resend_can_fix_goes_to_a_person_at_once_and_is_never_sent_again() {
     for backend in backends() {
