@@ -49,8 +49,10 @@
 //! - `sqlite`, `postgres`: [`embed`]'s stores (`embed::sqlite`, `embed::pg`).
 //! - `axum` (default): `embed::layer`, the middleware, over the stores on.
 //!
-//! A service that embeds idem on PostgreSQL takes
-//! `idem = { version = "0.1", default-features = false, features = ["postgres", "axum"] }`.
+//! The crate is `idem-keys` on crates.io (`idem` there is an unrelated
+//! crate); in code it is `idem`. A service that embeds it on PostgreSQL
+//! takes the library alone, no binaries:
+//! `idem-keys = { version = "0.1", default-features = false, features = ["postgres", "axum"] }`.
 
 // No unsafe code, but where a function says why it needs some (four calls
 // into libc that std has no safe form of: mallopt, get/setrlimit, prctl's
@@ -66,6 +68,8 @@
 // Without `cli`, the stores' shared SQL and row types have no store to use
 // them: dead code in that build only.
 #![cfg_attr(not(feature = "cli"), allow(dead_code))]
+// docs.rs (nightly) marks each item with the features it needs
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code, clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn, unreachable_pub)]
 
 pub mod canonical;

@@ -40,7 +40,7 @@ use std::process::ExitCode;
 /// `check` judges another implementation of the same job; `chaos`,
 /// `scenario` and `gateway` are the harness's.
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "idem", version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
