@@ -27,17 +27,16 @@
 //!   caller's own transaction, on SQLite or PostgreSQL, and an axum layer),
 //!   conducted by [`protocol`] over the caller's transaction and stored
 //!   through `store::keys`.
-//! - Payouts through an outside gateway: [`payout`] (the conductor, the
-//!   gateway's answer table, the reconciler, the runbook, provider events).
-//! - The fronts: [`api`] (the lab's command-line contract, `idem_api`),
-//!   [`service`] (`idem serve`: the protocol over HTTP), [`client`] (the
-//!   retrying client, `idem transfer`).
-//! - The checker, a product for other people's implementations: [`check`]
-//!   (`idem check --engine`, `--url`).
-//! - The proofs of idem: [`harness`] (the day behind `idem prove`,
-//!   scenarios, races, `idem chaos`).
-//! - Stand-ins for the world outside: [`outside`] (a payout gateway with
-//!   seeded faults, a lossy network, a slow hop).
+//! - The binaries' modules, with feature `cli` only (so not on docs.rs):
+//!   `payout` (payouts through an outside gateway: the conductor, the
+//!   gateway's answer table, the reconciler, the runbook, provider events);
+//!   the fronts `api` (the lab's command-line contract, `idem_api`),
+//!   `service` (`idem serve`: the protocol over HTTP) and `client` (the
+//!   retrying client, `idem transfer`); `check`, the checker of other
+//!   people's implementations (`idem check --engine`, `--url`); `harness`,
+//!   the proofs of idem (the day behind `idem prove`, scenarios, races,
+//!   `idem chaos`); `outside`, stand-ins for the world outside (a payout
+//!   gateway with seeded faults, a lossy network, a slow hop).
 //!
 //! The binaries (`src/bin/`) parse the command line, read the environment,
 //! print, and choose the exit code; nothing in the library does.
