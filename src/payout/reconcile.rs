@@ -47,7 +47,10 @@ fn seconds(d: Duration) -> i64 {
 }
 
 /// One pass over the payouts due, by a reconciler of its own (a fresh
-/// token), each payout held for the gateway's lease; `now` is read per payout.
+/// token), each payout held for the gateway's lease; `now` is read per
+/// payout. Open payouts come first, and again whenever one falls due
+/// during the return checks: a long run of lookups for returns never keeps
+/// an `unknown` payout waiting.
 pub fn reconcile<S: Store + ?Sized>(
     store: &mut S,
     gateway: &dyn Gateway,
@@ -56,7 +59,37 @@ pub fn reconcile<S: Store + ?Sized>(
 ) -> Result<Vec<Decision>, StoreError> {
     let token = crate::protocol::fresh_token()
         .map_err(|e| StoreError::Backend(format!("no randomness for a reconciler's token: {e}").into()))?;
-    let (token, lease) = (&*format!("reconciler:{token}"), gateway.lease());
+    let token = &*format!("reconciler:{token}");
+    let mut decisions = Vec::new();
+    // bounded: a payout whose next look is drawn at once could otherwise
+    // interrupt the return checks round after round
+    for round in 0..ROUNDS {
+        let opened = open(store, gateway, token, now, policy)?;
+        if round > 0 && opened.is_empty() {
+            break; // what fell due was not this reconciler's to take: the next pass
+        }
+        decisions.extend(opened);
+        let (back, open_due) = returns(store, gateway, token, now, policy)?;
+        decisions.extend(back);
+        if !open_due {
+            break;
+        }
+    }
+    Ok(decisions)
+}
+
+/// The most times one pass goes back to the open payouts.
+const ROUNDS: usize = 16;
+
+/// The open payouts due now: each taken, asked about, and recorded.
+fn open<S: Store + ?Sized>(
+    store: &mut S,
+    gateway: &dyn Gateway,
+    token: &str,
+    now: &dyn Fn() -> Timestamp,
+    policy: &Policy,
+) -> Result<Vec<Decision>, StoreError> {
+    let lease = gateway.lease();
     let due = store::atomically(store, Durability::Lazy, policy, |tx| {
         Ok(End::Rollback(tx.payouts_open(now(), false)?))
     })?;
@@ -98,7 +131,6 @@ pub fn reconcile<S: Store + ?Sized>(
             decision,
         });
     }
-    decisions.extend(returns(store, gateway, token, now, lease, policy)?);
     Ok(decisions)
 }
 
@@ -110,12 +142,11 @@ fn returns<S: Store + ?Sized>(
     gateway: &dyn Gateway,
     token: &str,
     now: &dyn Fn() -> Timestamp,
-    lease: Duration,
     policy: &Policy,
-) -> Result<Vec<Decision>, StoreError> {
-    let limits = gateway.limits();
+) -> Result<(Vec<Decision>, bool), StoreError> {
+    let (limits, lease) = (gateway.limits(), gateway.lease());
     if limits.return_window.is_zero() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), false));
     }
     let at = now();
     let (checked_before, paid_since) =
@@ -125,6 +156,12 @@ fn returns<S: Store + ?Sized>(
     })?;
     let mut decisions = Vec::new();
     for seen in due {
+        let open_due = store::atomically(store, Durability::Lazy, policy, |tx| {
+            Ok(End::Rollback(!tx.payouts_open(now(), false)?.is_empty()))
+        })?;
+        if open_due {
+            return Ok((decisions, true)); // the rest are still due: the next round checks them
+        }
         let Some(p) = take(store, &seen, token, now(), lease, policy, |_| {})? else { continue };
         let Lookup::Failed { reason } = gateway.lookup(&p) else { continue };
         let back = store::atomically(store, Durability::Durable, policy, |tx| {
@@ -153,7 +190,7 @@ fn returns<S: Store + ?Sized>(
             decision,
         });
     }
-    Ok(decisions)
+    Ok((decisions, false))
 }
 
 /// A payout's own seed for its waits' jitter.

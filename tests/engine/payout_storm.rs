@@ -516,6 +516,8 @@ struct Scripted {
     send: Mutex<Call>,
     lookup: Mutex<Lookup>,
     sends: Mutex<usize>,
+    /// The payouts looked up, in order.
+    looked: Mutex<Vec<i64>>,
     limits: Limits,
 }
 
@@ -524,7 +526,8 @@ impl Gateway for Scripted {
         *self.sends.lock().unwrap() += 1;
         self.send.lock().unwrap().clone()
     }
-    fn lookup(&self, _: &PayoutRow) -> Lookup {
+    fn lookup(&self, p: &PayoutRow) -> Lookup {
+        self.looked.lock().unwrap().push(p.id);
         self.lookup.lock().unwrap().clone()
     }
     fn limits(&self) -> &Limits {
@@ -542,7 +545,13 @@ fn scripted(send: Call, lookup: Lookup) -> Scripted {
         max_sends: 4,
         ..Limits::default()
     };
-    Scripted { send: Mutex::new(send), lookup: Mutex::new(lookup), sends: Mutex::new(0), limits }
+    Scripted {
+        send: Mutex::new(send),
+        lookup: Mutex::new(lookup),
+        sends: Mutex::new(0),
+        looked: Mutex::default(),
+        limits,
+    }
 }
 
 /// Reconciles with `gateway` once a minute for `minutes` of the day's clock.
@@ -577,6 +586,53 @@ fn a_payout_never_found_is_sent_at_most_max_sends_times_with_a_growing_wait_then
             OPENING * 2,
             "{backend:?}: the money stays held"
         );
+    }
+}
+
+/// Review N7: 100 slow return checks (0.2 s each) kept an `unknown` payout
+/// waiting about 20 s on a 1 s loop. A payout that falls due while returns
+/// are checked is looked at before the checks go on.
+#[test]
+fn a_payout_falling_due_during_return_checks_is_looked_at_before_they_go_on() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        for key in 0..30 {
+            let row = day.begin(0, key, 10).unwrap().unwrap();
+            day.finish(&row, Call::Paid(None));
+        }
+        let row = day.begin(0, 99, 10).unwrap().unwrap();
+        let unknown = day.finish(&row, Call::Unknown("timeout".into())).id;
+        let mut gateway = scripted(Call::Unknown("lost".into()), Lookup::Paid(None));
+        gateway.limits.return_check = Duration::from_secs(3600);
+        // a clock a second further at each reading; the unknown payout's
+        // next look 10 s after the pass starts, the 30 paid ones due for a
+        // return check from its start
+        let start = day.now().plus_seconds(2 * 3600);
+        let policy = Policy::embedded();
+        store::atomically(&mut *day.store, Durability::Durable, policy, |tx| {
+            let mut p = tx.payout(unknown)?.unwrap();
+            let holder = p.holder.clone();
+            p.lease_until = start.plus_seconds(10);
+            assert!(tx.update_payout(&p, &holder)?);
+            Ok(End::Commit(()))
+        })
+        .unwrap();
+        let ticks = std::cell::Cell::new(0);
+        let now = || {
+            ticks.set(ticks.get() + 1);
+            start.plus_seconds(ticks.get())
+        };
+        let decisions = payout::reconcile(&mut *day.store, &gateway, &now, policy).unwrap();
+        let looked = gateway.looked.lock().unwrap().clone();
+        let at = looked.iter().position(|&id| id == unknown);
+        assert!(
+            at.is_some_and(|at| at < 20),
+            "{backend:?}: the unknown payout was looked up at {at:?} of {}",
+            looked.len()
+        );
+        assert!(decisions.iter().any(|d| d.payout_id == unknown && d.now == PayoutState::Completed));
+        assert_eq!(looked.len(), 31, "{backend:?}: every return checked once, in the same pass");
     }
 }
 
