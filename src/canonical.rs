@@ -28,13 +28,17 @@ pub(crate) fn clip(text: &str) -> String {
 /// A parsed JSON value that keeps what canonicalisation needs and no more.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Json {
+    /// JSON `null`.
     Null,
+    /// `true` or `false`.
     Bool(bool),
     /// An integer token that fits `i64`; kept exact for amounts and ids.
     Int(i64),
     /// Every other number (fractions, exponents, integers beyond `i64`).
     Float(f64),
+    /// A string, unescaped.
     String(String),
+    /// An array, in order.
     Array(Vec<Json>),
     /// Members in document order; names are unique (enforced when parsing).
     Object(Vec<(String, Json)>),

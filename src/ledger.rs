@@ -13,8 +13,11 @@ use crate::reason::Reason;
 use crate::store::{Account, Premise};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Why the ledger refuses a transfer: an answer stored and replayed like a success.
 pub enum Refusal {
+    /// `src` or `dst` is not an account.
     UnknownAccount,
+    /// `src` holds less than the amount.
     InsufficientFunds,
     /// `src` and `dst` spelled differently (`1` and `"1"`) but naming one row.
     SameAccount,
@@ -23,6 +26,7 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// The reason the stored answer carries.
     pub fn reason(self) -> Reason {
         match self {
             Refusal::UnknownAccount => Reason::UnknownAccount,
@@ -37,7 +41,9 @@ impl Refusal {
 /// premises (for `[src, dst]`) under which it is the same decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Verdict {
+    /// The decision: the transfer may go out, or why not.
     pub outcome: Result<(), Refusal>,
+    /// What the decision rests on, for `[src, dst]`: a store writes only while they hold.
     pub premises: [Premise; 2],
 }
 

@@ -6,6 +6,7 @@
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// Why an answer is not a plain success: the `reason` of a response, and of a problem+json.
 pub enum Reason {
     /// 409: the key's first request is still running.
     InProgress,
@@ -26,7 +27,12 @@ pub enum Reason {
     Unavailable,
     /// 400: the request is malformed: its code ([`INVALID_REQUEST`]) and
     /// what is wrong, in words for the client.
-    Invalid { code: &'static str, detail: String },
+    Invalid {
+        /// The machine-readable code.
+        code: &'static str,
+        /// What is wrong, in words for the client.
+        detail: String,
+    },
     /// Any other reason, as text: a payout's refusal in the gateway's words
     /// (`account_closed`), or a reason a key table holds that this build
     /// does not know.

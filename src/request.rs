@@ -19,8 +19,11 @@ pub const MAX_EXACT_INT: i64 = 9_007_199_254_740_991;
 /// The identity of a key: `(client_id, endpoint, idem_key)`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ScopedKey {
+    /// Who sent it (the authenticated client).
     pub client_id: String,
+    /// The operation (`POST /v1/transfers`).
     pub endpoint: String,
+    /// The client's own key.
     pub idem_key: String,
 }
 
@@ -28,7 +31,9 @@ pub struct ScopedKey {
 /// `account.acct_id` with the same SQL type (text or integer).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum AcctId {
+    /// An integer id (`"src": 1`).
     Int(i64),
+    /// A text id (`"src": "A"`).
     Text(String),
 }
 
@@ -42,6 +47,7 @@ impl fmt::Display for AcctId {
 }
 
 impl AcctId {
+    /// The id as JSON, as the client spelled it.
     pub fn to_json(&self) -> Json {
         match self {
             AcctId::Int(i) => Json::Int(*i),
@@ -51,17 +57,24 @@ impl AcctId {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// A transfer of `amount` from `src` to `dst`.
 pub struct Transfer {
+    /// The account debited.
     pub src: AcctId,
+    /// The account credited.
     pub dst: AcctId,
     /// In the currency's smallest unit; 1..=policy.max_amount.
     pub amount: i64,
+    /// An ISO 4217 code the policy lists.
     pub currency: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// A transfer request, parsed: its key, the transfer, and its fingerprint.
 pub struct Request {
+    /// The key, scoped.
     pub key: ScopedKey,
+    /// What the body asks for.
     pub transfer: Transfer,
     /// SHA-256 hex of the RFC 8785 form of `body`.
     pub fingerprint: String,
@@ -71,46 +84,72 @@ pub struct Request {
 /// gateway.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payout {
+    /// The account the money leaves.
     pub src: AcctId,
+    /// Who it goes to, as the gateway names them.
     pub beneficiary: String,
+    /// In the currency's smallest unit.
     pub amount: i64,
+    /// An ISO 4217 code the policy lists.
     pub currency: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// A payout request, parsed: its key, the payout, and its fingerprint.
 pub struct PayoutRequest {
+    /// The key, scoped.
     pub key: ScopedKey,
+    /// What the body asks for.
     pub payout: Payout,
+    /// SHA-256 hex of the RFC 8785 form of the body.
     pub fingerprint: String,
 }
 
 /// Why a request is malformed. `Display` is the `reason` of the 400 response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestError {
+    /// The body is over the policy's limit.
     TooLarge {
+        /// The limit, in bytes.
         limit: usize,
     },
+    /// The body is not UTF-8.
     NotUtf8,
+    /// The body is not JSON: the parser's words.
     NotJson(String),
+    /// This part is not a JSON object.
     NotObject(&'static str),
+    /// This field is missing.
     Missing(&'static str),
+    /// A field the request does not have.
     UnknownField(String),
+    /// A field of the wrong JSON type.
     WrongType {
+        /// The field.
         field: &'static str,
+        /// The type it must have.
         expected: &'static str,
     },
+    /// This field is an empty string.
     Empty(&'static str),
+    /// A field longer than the policy allows.
     TooLong {
+        /// The field.
         field: &'static str,
+        /// The limit, in characters.
         limit: usize,
     },
     /// A control character (NUL, a line break, …): no store keeps a NUL,
     /// and none belongs in an id, a key or a name.
     Control(&'static str),
+    /// The amount is not an integer in `1..=max`.
     Amount {
+        /// The largest amount the policy allows.
         max: i64,
     },
+    /// `src` and `dst` are the same account.
     SameAccount,
+    /// A currency the policy does not list.
     Currency(String),
 }
 

@@ -6,9 +6,11 @@
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator from `seed`: the same seed, the same numbers.
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
+    /// The next number.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         mix(self.0)

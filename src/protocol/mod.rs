@@ -54,8 +54,11 @@ pub use upkeep::{OpenClaim, open_claims, purge, purge_expired, release_claims};
 /// One response, as printed: `{"status","replay","reason","body"}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
+    /// The HTTP status.
     pub status: u16,
+    /// Whether this is a stored answer given again.
     pub replay: bool,
+    /// Why the answer is not a plain success, if it is not.
     pub reason: Option<Reason>,
     /// Raw JSON text of `body`; `null` when there is none.
     pub body: String,
@@ -92,8 +95,11 @@ impl Response {
 /// What an existing key means for an incoming request with `fingerprint`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
+    /// The key is completed with this request's body: its stored answer, again.
     Replay(Stored),
+    /// The key was used with another body: 422, nothing stored.
     Mismatch,
+    /// The key's first request is still running: 409, nothing stored.
     InProgress,
     /// The claim's holder is presumed dead: take the key over, keep its age.
     TakeOver,
@@ -130,14 +136,18 @@ pub enum Point {
 /// What a fault hook asks for at a [`Point`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flow {
+    /// Go on.
     Continue,
     /// Stop here: open transactions roll back, nothing is answered.
     Crash,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// How a request ended.
 pub enum Outcome {
+    /// It was answered.
     Respond(Response),
+    /// A fault hook stopped it at this point: nothing was answered.
     Crashed(Point),
 }
 
@@ -145,8 +155,11 @@ pub enum Outcome {
 /// attempt's unique claim token, the policy.
 #[derive(Debug, Clone, Copy)]
 pub struct Ctx<'a> {
+    /// The published rules.
     pub policy: &'a Policy,
+    /// The time the request is handled at.
     pub now: Timestamp,
+    /// The attempt's claim token: unique to it, so only it may complete the key.
     pub token: &'a str,
 }
 
@@ -191,6 +204,7 @@ pub enum Claimed {
 /// seam lets the harness drive, through the same calls, the deliberately
 /// broken engines kept under `tests/`, so it can prove it catches them.
 pub trait Engine {
+    /// Parses a request's bytes (the lab's request file).
     fn parse(&self, raw: &[u8], policy: &Policy) -> Result<Request, RequestError> {
         request::parse(raw, policy)
     }
@@ -211,8 +225,11 @@ pub trait Engine {
         ctx: Ctx,
         faults: &mut dyn FnMut(Point) -> Flow,
     ) -> Result<Outcome, StoreError>;
+    /// Lets go of the key if this attempt's claim still holds it in progress.
     fn release(&mut self, req: &Request, ctx: Ctx) -> Result<bool, StoreError>;
+    /// Deletes keys created before `before` (past retention); how many.
     fn purge(&mut self, before: Timestamp, policy: &Policy) -> Result<u64, StoreError>;
+    /// What the harness reads back to judge a run.
     fn audit(&mut self) -> Result<Audit, StoreError>;
 }
 

@@ -38,8 +38,11 @@ pub fn purge_expired<S: Store + ?Sized>(
 /// A claim still `in_progress`: its holder is executing now, or died.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenClaim {
+    /// The key claimed.
     pub key: ScopedKey,
+    /// When it was claimed.
     pub created_at: Timestamp,
+    /// When its lease runs out.
     pub lease_until: Timestamp,
     /// The lease has run out: the holder is presumed dead.
     pub stale: bool,

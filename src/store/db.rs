@@ -6,6 +6,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, PartialEq, Eq)]
+/// The database a store opens.
 pub enum Db {
     /// A SQLite file (the embedded default).
     Sqlite(PathBuf),
@@ -41,6 +42,7 @@ impl Db {
         }
     }
 
+    /// Whether this is PostgreSQL.
     pub fn is_postgres(&self) -> bool {
         matches!(self, Db::Postgres(_))
     }

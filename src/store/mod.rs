@@ -75,6 +75,7 @@ pub enum Durability {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// Why a store could not do what was asked.
 pub enum StoreError {
     /// A lock was held for longer than the busy budget, or no connection was
     /// free: nothing was written; the caller may try again later.
@@ -104,6 +105,7 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// A failure `what`, caused by `source` (shown to an operator).
     pub fn caused_by(
         what: impl Into<String>,
         source: impl std::error::Error + Send + Sync + 'static,
@@ -350,6 +352,7 @@ pub trait KeySteps {
 // No `Send` bound on the futures: a caller that blocks needs none, and the
 // service's, on a concrete connection, is `Send` as its steps are.
 pub trait Steps: KeySteps {
+    /// Runs one transfer under `x`'s claim: reads what [`Seen`] holds, writes what `plan` decides, completes the key in the same transaction; `crash` may stop it before the commit.
     fn execute(
         &mut self,
         x: Execution<'_>,
@@ -366,6 +369,7 @@ pub struct Blocking<'a, S: ?Sized> {
 }
 
 impl<'a, S: Store + ?Sized> Blocking<'a, S> {
+    /// `store` as steps, under `policy`.
     pub fn new(store: &'a mut S, policy: &'a Policy) -> Self {
         Blocking { store, policy }
     }
@@ -432,6 +436,7 @@ pub fn open(db: &Db, policy: &Policy, usage: Usage) -> Result<Box<dyn Store + Se
     })
 }
 
+/// One transaction of a store: every read and write the protocol makes, and its end.
 pub trait Tx: PayoutTx {
     /// Inserts the claim unless the key exists (`ON CONFLICT DO NOTHING`);
     /// if it does, returns its committed record and changes nothing. A racer
@@ -471,13 +476,16 @@ pub trait Tx: PayoutTx {
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError>;
     /// Every key still `in_progress`, oldest first.
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError>;
+    /// Commits what the transaction wrote.
     fn commit(self: Box<Self>) -> Result<(), StoreError>;
 }
 
 /// How a unit of work ends: commit what it wrote, or roll it back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum End<R> {
+    /// Commit, and return this.
     Commit(R),
+    /// Roll back, and return this.
     Rollback(R),
 }
 
@@ -533,6 +541,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// A backoff within `policy`'s busy budget.
     pub fn new(policy: &Policy) -> Backoff {
         let deadline = Instant::now() + Duration::from_millis(u64::from(policy.busy_timeout_ms));
         Backoff { deadline, pause: Duration::from_micros(200) }

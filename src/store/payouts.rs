@@ -15,15 +15,22 @@ use crate::request::{AcctId, ScopedKey};
 /// return, a reversal), credited back to `src`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum PayoutState {
+    /// The request's own call is out.
     InProgress,
+    /// Sent, its outcome not known: looked up until it is.
     Unknown,
+    /// Waiting for a person (`idem payouts settle`).
     NeedsAttention,
+    /// Paid.
     Completed,
+    /// Not paid: the hold went back to `src`.
     Failed,
+    /// Paid, then the money came back: credited back to `src`.
     Returned,
 }
 
 impl PayoutState {
+    /// Every state, in the order the tables list them.
     pub const ALL: [PayoutState; 6] = [
         PayoutState::InProgress,
         PayoutState::Unknown,
@@ -33,6 +40,7 @@ impl PayoutState {
         PayoutState::Returned,
     ];
 
+    /// The state as the tables spell it.
     pub fn name(self) -> &'static str {
         match self {
             PayoutState::InProgress => "in_progress",
@@ -44,6 +52,7 @@ impl PayoutState {
         }
     }
 
+    /// Reads a state as the tables spell it.
     pub fn parse(text: &str) -> Result<PayoutState, StoreError> {
         PayoutState::ALL
             .into_iter()
@@ -60,22 +69,31 @@ impl PayoutState {
 /// A payout's row: the intent and where it stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PayoutRow {
+    /// The payout's id (`/v1/payouts/{id}`).
     pub id: i64,
     /// The idempotency key it was made under, and the request's fingerprint.
     pub key: ScopedKey,
+    /// SHA-256 hex of the RFC 8785 form of the request's body.
     pub fingerprint: String,
+    /// The account the money leaves.
     pub src: AcctId,
+    /// Who it goes to, as the gateway names them.
     pub beneficiary: String,
+    /// In the currency's smallest unit.
     pub amount: i64,
+    /// An ISO 4217 code.
     pub currency: String,
     /// The key the gateway sees: derived from this row, never the client's.
     pub downstream_key: String,
+    /// Where it stands.
     pub state: PayoutState,
     /// Who may call the gateway for it now (a request, or a reconciler)…
     pub holder: String,
     /// …until then; for an `Unknown` payout, when it is next looked at.
     pub lease_until: Timestamp,
+    /// When it was made.
     pub created_at: Timestamp,
+    /// When it last changed.
     pub updated_at: Timestamp,
     /// The last thing learnt: the gateway's reason, or why it is unknown.
     pub note: Option<String>,
@@ -146,10 +164,15 @@ impl PayoutText {
 /// type, the downstream key it names, and what it did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GatewayEventRow {
+    /// The provider's id for the event.
     pub event_id: String,
+    /// When it came (RFC 3339).
     pub received_at: String,
+    /// Its type (`payout.paid`, `payout.returned`, …).
     pub kind: String,
+    /// The downstream key it names.
     pub downstream_key: String,
+    /// What it did.
     pub outcome: String,
 }
 
@@ -160,10 +183,15 @@ pub(crate) const EVENTS_FOR_A_PERSON: &str = "SELECT event_id, received_at, kind
 /// The payouts in one state, for the metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PayoutStat {
+    /// The state.
     pub state: PayoutState,
+    /// How many payouts are in it.
     pub count: i64,
+    /// When the oldest of them was made.
     pub oldest: Timestamp,
+    /// How many times they were sent, in all.
     pub sends: i64,
+    /// The most times one of them was sent.
     pub most_sends: i64,
 }
 
@@ -188,11 +216,17 @@ pub(crate) fn payout_stat(
 /// from what to what, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PayoutEvent {
+    /// The payout.
     pub payout_id: i64,
+    /// When it changed.
     pub at: Timestamp,
+    /// Who changed it: a request, a reconciler, a provider event, a person.
     pub actor: String,
+    /// The state before.
     pub was: PayoutState,
+    /// The state after.
     pub now: PayoutState,
+    /// Why, in words.
     pub why: String,
 }
 

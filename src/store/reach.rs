@@ -179,7 +179,9 @@ pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
 /// statements prepared), and whether one may go back into the pool.
 #[cfg(any(feature = "cli", feature = "axum"))]
 pub trait Ready: Send + Sync {
+    /// The connection handed out.
     type Conn: Send;
+    /// Makes a new connection ready: its session set, its statements prepared.
     fn ready(
         &self,
         client: tokio_postgres::Client,

@@ -10,15 +10,25 @@ use crate::request::{AcctId, ScopedKey};
 /// `transfer_id` the transfer it made, if any.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stored {
+    /// The HTTP status.
     pub status: u16,
+    /// Why it is not a plain success, if it is not.
     pub reason: Option<Reason>,
+    /// The exact JSON text sent.
     pub body: String,
+    /// The transfer it made, if any.
     pub transfer_id: Option<i64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// Where a key stands.
 pub enum KeyState {
-    InProgress { lease_until: Timestamp },
+    /// Claimed; the claim may be taken over once `lease_until` has passed.
+    InProgress {
+        /// When the claim's lease runs out.
+        lease_until: Timestamp,
+    },
+    /// Completed with this answer.
     Completed(Stored),
 }
 
@@ -118,9 +128,13 @@ impl KeyRow {
 /// attempt that claimed it, before or after completing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyRecord {
+    /// SHA-256 hex of the RFC 8785 form of the first request's body.
     pub fingerprint: String,
+    /// When the key was claimed (its retention counts from here).
     pub created_at: Timestamp,
+    /// The claiming attempt's token.
     pub token: String,
+    /// In progress, or completed with its answer.
     pub state: KeyState,
 }
 
@@ -134,17 +148,22 @@ impl KeyRecord {
 /// A fresh `in_progress` claim on a key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
+    /// The fingerprint of the request claiming it.
     pub fingerprint: String,
     /// Unique to the claiming attempt; only its holder may complete the key.
     pub token: String,
+    /// When it is claimed.
     pub created_at: Timestamp,
+    /// Until when the claim blocks a retry.
     pub lease_until: Timestamp,
 }
 
 /// An account as the ledger sees it; `id` is `acct_id` as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Account {
+    /// `acct_id` as stored.
     pub id: AcctId,
+    /// In the currency's smallest unit.
     pub balance: i64,
 }
 
@@ -154,14 +173,22 @@ pub struct Account {
 /// as it reads has them hold by construction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Premise {
+    /// The row does not exist.
     Absent,
-    Between { lo: i64, hi: i64 },
+    /// The row exists with a balance in `lo..=hi`.
+    Between {
+        /// The lowest balance the premise allows.
+        lo: i64,
+        /// The highest.
+        hi: i64,
+    },
 }
 
 impl Premise {
     /// Any balance, as long as the row exists.
     pub const PRESENT: Premise = Premise::Between { lo: i64::MIN, hi: i64::MAX };
 
+    /// Whether `account` (`None`: no row) is as this premise says.
     pub fn holds(self, account: Option<&Account>) -> bool {
         match (self, account) {
             (Premise::Absent, None) => true,
@@ -174,11 +201,13 @@ impl Premise {
 /// One execution: the claim it runs under and the accounts it decides on.
 #[derive(Debug, Clone, Copy)]
 pub struct Execution<'a> {
+    /// The key it completes.
     pub key: &'a ScopedKey,
     /// The claim's token: only its holder may complete the key.
     pub token: &'a str,
     /// `[src, dst]`, as the request names them.
     pub accounts: [&'a AcctId; 2],
+    /// The time of the execution.
     pub at: Timestamp,
 }
 
@@ -186,7 +215,9 @@ pub struct Execution<'a> {
 /// (`None`: no such row), as they stand.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {
+    /// The key's record, if it exists.
     pub key: Option<KeyRecord>,
+    /// `[src, dst]`; `None`: no such row.
     pub accounts: [Option<Account>; 2],
 }
 
@@ -197,8 +228,11 @@ pub const CREATED_HEAD: &str = r#"{"transfer_id":"#;
 /// is [`CREATED_HEAD`], the new `transfer_id`, then `body_tail`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payment {
+    /// In the currency's smallest unit.
     pub amount: i64,
+    /// An ISO 4217 code.
     pub currency: String,
+    /// The 201's body after the transfer's id.
     pub body_tail: String,
 }
 
@@ -215,9 +249,22 @@ impl Payment {
 /// `premises` (for `[src, dst]`) are what the plan rests on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
+    /// Write nothing (the key is not this attempt's any more).
     Nothing,
-    Refuse { answer: Stored, premises: [Premise; 2] },
-    Pay { payment: Payment, premises: [Premise; 2] },
+    /// Complete the key with a refusal.
+    Refuse {
+        /// The refusal, stored with the key.
+        answer: Stored,
+        /// What the refusal rests on, for `[src, dst]`.
+        premises: [Premise; 2],
+    },
+    /// Make the transfer and complete the key with its 201.
+    Pay {
+        /// The transfer, and the 201 that will name it.
+        payment: Payment,
+        /// What the payment rests on, for `[src, dst]`.
+        premises: [Premise; 2],
+    },
 }
 
 /// How an execution ended.
@@ -234,10 +281,15 @@ pub enum Executed {
 /// A transfer row to insert; `src`/`dst` are the stored account ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewTransfer<'a> {
+    /// The account debited.
     pub src: &'a AcctId,
+    /// The account credited.
     pub dst: &'a AcctId,
+    /// In the currency's smallest unit.
     pub amount: i64,
+    /// An ISO 4217 code.
     pub currency: &'a str,
+    /// When it was made.
     pub created_at: Timestamp,
 }
 
@@ -253,15 +305,19 @@ pub struct Audit {
     pub orphans: Vec<i64>,
     /// Completed keys whose 201 names a transfer that does not exist.
     pub hollow: i64,
+    /// Keys still claimed.
     pub keys_in_progress: i64,
+    /// Keys completed.
     pub keys_completed: i64,
 }
 
 impl Audit {
+    /// All the money there is: the sum of every balance.
     pub fn money(&self) -> i64 {
         self.balances.iter().map(|(_, b)| b).sum()
     }
 
+    /// The balance of account `id`, if it exists.
     pub fn balance(&self, id: &AcctId) -> Option<i64> {
         self.balances.iter().find(|(a, _)| a == id).map(|(_, b)| *b)
     }

@@ -35,7 +35,9 @@ pub(crate) fn who(key: &crate::request::ScopedKey) -> Who<'_> {
 /// The two SQL dialects the key table is written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dialect {
+    /// SQLite: `?n` parameters.
     Sqlite,
+    /// PostgreSQL: `$n` parameters.
     Postgres,
 }
 
@@ -43,6 +45,7 @@ pub enum Dialect {
 /// parameters: the key `$1..$3`, then as its doc says.
 #[derive(Debug, Clone)]
 pub struct KeyTable {
+    /// The table's name, as pasted into the SQL.
     pub name: String,
     /// `$4` fingerprint, `$5` token, `$6` created_at, `$7` lease_until;
     /// inserts the claim unless the key exists.
