@@ -378,6 +378,18 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
 
 /// Marks a handler's response as a business answer: stored with the key
 /// and replayed to its retries, whatever its status.
+///
+/// ```
+/// use axum::http::StatusCode;
+/// use axum::response::{IntoResponse, Response};
+/// use idem::embed::layer::business;
+///
+/// // a refusal its retries must meet again, not a fresh attempt
+/// fn insufficient_funds() -> Response {
+///     business((StatusCode::PAYMENT_REQUIRED, r#"{"reason":"insufficient_funds"}"#).into_response())
+/// }
+/// assert_eq!(insufficient_funds().status(), StatusCode::PAYMENT_REQUIRED);
+/// ```
 pub fn business(mut response: Response) -> Response {
     response.extensions_mut().insert(Business);
     response

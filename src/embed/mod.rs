@@ -218,6 +218,14 @@ impl Keys {
     /// Keys kept in the table `{prefix}idem_keys` (its migrations recorded
     /// in `{prefix}idem_schema`). The prefix may name a PostgreSQL schema:
     /// `"billing."`, `"billing.app_"`.
+    ///
+    /// ```
+    /// use idem::embed::Keys;
+    /// assert_eq!(Keys::new("app_")?.table(), "app_idem_keys");
+    /// assert_eq!(Keys::new("billing.")?.table(), "billing.idem_keys");
+    /// assert!(Keys::new("app; DROP TABLE orders; --").is_err()); // pasted into SQL: refused
+    /// # Ok::<(), idem::embed::BadPrefix>(())
+    /// ```
     pub fn new(prefix: &str) -> Result<Keys, BadPrefix> {
         let (schema, name) = prefix.rsplit_once('.').map_or((None, prefix), |(s, n)| (Some(s), n));
         let word = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');

@@ -155,6 +155,32 @@ impl Keys {
     /// gets [`Reply::InFlight`]. If `work` returns an error, or the future
     /// is dropped before it ends, its writes and the claim roll back and
     /// the key stays free.
+    ///
+    /// ```no_run
+    /// use idem::embed::{Answer, Keys, Reply, Scope};
+    /// # async fn shop() -> Result<(), Box<dyn std::error::Error>> {
+    /// let (mut client, connection) =
+    ///     tokio_postgres::connect("host=/run/postgresql dbname=shop", tokio_postgres::NoTls).await?;
+    /// tokio::spawn(connection);
+    /// let keys = Keys::new("shop_")?;
+    /// keys.migrate_pg(&mut client).await?; // at start-up
+    ///
+    /// let scope = Scope::new("client-7", "POST /orders");
+    /// let reply = keys
+    ///     .run_pg(&mut client, &scope, "k-1", r#"{"item":"tea"}"#, async |tx| {
+    ///         let row = tx.query_one("INSERT INTO orders (item) VALUES ('tea') RETURNING id", &[]).await?;
+    ///         let id: i64 = row.get(0);
+    ///         Ok::<_, tokio_postgres::Error>(Answer::new(201, format!(r#"{{"order":{id}}}"#)))
+    ///     })
+    ///     .await?;
+    /// match reply {
+    ///     Reply::Fresh(a) | Reply::Replayed(a) => println!("{} {}", a.status, a.body),
+    ///     Reply::InFlight => println!("409: the first request still runs"),
+    ///     Reply::Mismatch => println!("422: the key with another body"),
+    /// }
+    /// keys.purge_pg(&client, 1000).await?; // now and then
+    /// # Ok(()) }
+    /// ```
     pub async fn run_pg<E, F>(
         &self,
         client: &mut Client,

@@ -139,6 +139,15 @@ impl Keys {
     /// Deletes up to `limit` keys past retention, oldest first; how many.
     /// Run it now and then: a key older than the retention is never
     /// replayed, only kept.
+    ///
+    /// ```
+    /// use idem::embed::Keys;
+    /// let db = idem::embed::sqlite::Connection::open_in_memory()?;
+    /// let keys = Keys::new("app_")?.retention_hours(24);
+    /// keys.migrate_sqlite(&db)?;
+    /// assert_eq!(keys.purge_sqlite(&db, 1000)?, 0); // nothing a day old yet
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn purge_sqlite(&self, conn: &Connection, limit: u64) -> rusqlite::Result<u64> {
         key_sql::purge(conn, &self.sqlite, self.retained_since(), limit, super::NO_ENDPOINT)
     }
