@@ -482,7 +482,13 @@ async fn run(
             // not an answer to keep: the handler's writes go with the claim
             return Err(Stop::Work(Response::from_parts(head, Body::from(bytes))));
         }
-        let mut answer = Answer::new(head.status.as_u16(), String::from_utf8_lossy(&bytes).into_owned());
+        // the key table keeps text: an answer that is not would replay altered
+        let Ok(text) = std::str::from_utf8(&bytes) else {
+            let why =
+                "The answer is not UTF-8 text, which the key keeps: nothing was kept, and the key is free.";
+            return Err(Stop::Work(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer_not_text", why)));
+        };
+        let mut answer = Answer::new(head.status.as_u16(), text);
         answer.content_type =
             head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
         if !slot.complete_and_commit(&key, &token, &answer).await {

@@ -87,3 +87,38 @@ fn a_key_is_scoped_by_the_path_sent_and_bound_to_the_query() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 3, "v1 once, v2 once, k2 once");
 }
+
+/// The key table keeps text: a handler's answer that is not UTF-8 would
+/// replay altered (it went through a lossy conversion, U+FFFD for each bad
+/// byte). It is not kept: 500 `answer_not_text`, the handler's writes and
+/// the claim rolled back, the key free, every time alike.
+#[test]
+fn an_answer_that_is_not_text_is_never_kept_to_replay_altered() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("bytes.db").display().to_string();
+    let runs = Arc::new(AtomicU64::new(0));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let address = runtime.block_on(async {
+        let idem =
+            Idempotency::connect(&db, Keys::new("bytes_").unwrap(), 2, |_| Some("c1".into())).await.unwrap();
+        let counted = runs.clone();
+        let handler = move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { (StatusCode::CREATED, vec![0xff_u8, 0xfe, b'{']).into_response() }
+        };
+        let app =
+            Router::new().route("/orders", post(handler)).route_layer(from_fn_with_state(idem, idempotent));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        address
+    });
+    for attempt in 1..=2 {
+        let h = send(address, "/orders", "k1");
+        assert!(
+            h.status == 500 && h.body.contains("answer_not_text") && !replayed(&h),
+            "attempt {attempt}: {h:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the key stayed free: each attempt ran");
+}
