@@ -2,7 +2,9 @@
 //! PostgreSQL or SQLite: the key's claim, the handler's writes and the
 //! stored answer commit in one transaction, which the handler reaches
 //! through the [`Tx`] extractor ([`Tx::client`] on PostgreSQL,
-//! [`Tx::sqlite`] on SQLite).
+//! [`Tx::sqlite`] on SQLite). It is [`idempotent`] for axum's
+//! `from_fn_with_state`, and [`IdempotencyLayer`] as a `tower::Layer`; the
+//! handler reads the key it runs under as `Extension<`[`IdemKey`]`>`.
 //!
 //! On SQLite the layer holds one connection, and a request holds it from
 //! its claim to its commit: SQLite takes one writer at a time anyway, and
@@ -65,6 +67,11 @@ use std::sync::Arc;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 #[cfg(feature = "postgres")]
 use tokio_postgres::Client;
+
+mod key;
+mod service;
+pub use key::IdemKey;
+pub use service::{IdempotencyLayer, IdempotentService};
 
 /// Who the client is, from the request's headers (`None`: 401).
 type WhoIs = dyn Fn(&HeaderMap) -> Option<String> + Send + Sync;
@@ -403,8 +410,18 @@ struct Business;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller(pub String);
 
-/// The middleware (use it with `axum::middleware::from_fn_with_state`).
+/// The middleware (use it with `axum::middleware::from_fn_with_state`, or
+/// as a `tower::Layer`: [`IdempotencyLayer`]).
 pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next: Next) -> Response {
+    guard(idem, request, move |r| next.run(r)).await
+}
+
+/// The middleware around `next` (what runs the handler).
+async fn guard<F, Fut>(idem: Idempotency, request: Request, next: F) -> Response
+where
+    F: FnOnce(Request) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Response> + Send + 'static,
+{
     let (mut parts, body) = request.into_parts();
     let Some(client) = (idem.who)(&parts.headers) else {
         return problem(StatusCode::UNAUTHORIZED, "unauthorized", "Who the client is was not said.");
@@ -435,6 +452,8 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
     };
     parts.extensions.insert(Caller(client.clone()));
     let scope = Scope::new(client, format!("{} {}", parts.method, sent.path()));
+    let (client, endpoint) = (scope.client.clone(), scope.endpoint.clone());
+    parts.extensions.insert(IdemKey { client, endpoint, key: key.clone() });
     // From the claim on, the request runs to its end in a task of its own:
     // a client that hangs up, or a timeout layer that drops this future,
     // leaves the handler to finish and its answer to be stored, so the
@@ -454,13 +473,13 @@ pub async fn idempotent(State(idem): State<Idempotency>, request: Request, next:
 
 /// Claims the key, runs the handler in the claim's transaction, stores its
 /// answer and commits: `protocol::conduct`, with the handler as the work.
-async fn run(
+async fn run<Fut: std::future::Future<Output = Response>>(
     idem: Idempotency,
     scope: Scope,
     key: String,
     fingerprint: String,
     mut request: Request,
-    next: Next,
+    next: impl FnOnce(Request) -> Fut,
 ) -> Response {
     let unavailable = || problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
     let (Some(conn), Ok(token)) = (idem.connection().await, Keys::token::<()>()) else {
@@ -472,7 +491,7 @@ async fn run(
     let ctx = idem.keys.ctx(&token);
     let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
         request.extensions_mut().insert(slot.0.clone());
-        let (head, body) = next.run(request).await.into_parts();
+        let (head, body) = next(request).await.into_parts();
         let kept = head.status.is_success() || head.extensions.get::<Business>().is_some();
         let Ok(bytes) = to_bytes(body, usize::MAX).await else {
             let why = "The answer could not be read.";

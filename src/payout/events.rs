@@ -191,14 +191,7 @@ pub fn apply<S: Store + ?Sized>(
                         let why = format!("{}: {reason}", event.kind);
                         format!("payout {id}: {}", credit_back(tx, p, &why, now)?.state.name())
                     }
-                    (None, false) if mismatch => {
-                        format!(
-                            "needs a person: payout {} is {} and the event's amount or currency differs",
-                            p.id,
-                            p.state.name()
-                        )
-                    }
-                    (None, false) => format!("payout {} is {}: nothing to do", p.id, p.state.name()),
+                    (None, false) => unchanged(event, &p, mismatch),
                 }
             }
         };
@@ -208,6 +201,29 @@ pub fn apply<S: Store + ?Sized>(
             false => End::Rollback(None), // seen before: what it did stands, this changes nothing
         })
     })
+}
+
+/// What an event that changes nothing says: a person's when it contradicts
+/// idem's record (another amount or currency; paid, for a payout idem
+/// failed and released for another reason than a return: a refusal, a
+/// cancel, so the money is out twice), else nothing to do (a late `paid`
+/// after a return merely reorders).
+fn unchanged(event: &Event, p: &crate::store::PayoutRow, mismatch: bool) -> String {
+    let (id, state) = (p.id, p.state.name());
+    if mismatch {
+        format!("needs a person: payout {id} is {state} and the event's amount or currency differs")
+    } else if event.kind == "payout.paid" && p.state == PayoutState::Failed && !came_back(p) {
+        format!("needs a person: payout {id} is failed (its hold released) and the provider says it paid")
+    } else {
+        format!("payout {id} is {state}: nothing to do")
+    }
+}
+
+/// Whether a failed payout failed because its money came back after it was
+/// paid (an event or a lookup said returned or reversed).
+fn came_back(p: &crate::store::PayoutRow) -> bool {
+    let note = p.note.as_deref().unwrap_or("");
+    ["payout.returned", "payout.reversed", "returned", "reversed"].iter().any(|k| note.starts_with(k))
 }
 
 #[cfg(test)]

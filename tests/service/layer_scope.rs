@@ -39,6 +39,11 @@ async fn serve(db: &str, runs: Arc<AtomicU64>) -> SocketAddr {
             .route_layer(from_fn_with_state(idem.clone(), idempotent))
     };
     let app = Router::new().nest("/v1", version(order())).nest("/v2", version(order()));
+    listen(app).await
+}
+
+/// `app` served on a loopback port of its own.
+async fn listen(app: Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -108,10 +113,7 @@ fn an_answer_that_is_not_text_is_never_kept_to_replay_altered() {
         };
         let app =
             Router::new().route("/orders", post(handler)).route_layer(from_fn_with_state(idem, idempotent));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        address
+        listen(app).await
     });
     for attempt in 1..=2 {
         let h = send(address, "/orders", "k1");
@@ -121,4 +123,55 @@ fn an_answer_that_is_not_text_is_never_kept_to_replay_altered() {
         );
     }
     assert_eq!(runs.load(Ordering::SeqCst), 2, "the key stayed free: each attempt ran");
+}
+
+/// The layer as a `tower::Layer`: on an axum route, and around a plain
+/// `tower::Service`, the same claim, replay and refusal as the `from_fn`
+/// middleware; the handler reads the key it runs under and derives the key
+/// it would send a provider, the same at every run of the request.
+#[test]
+fn the_tower_layer_claims_replays_and_hands_the_key_to_the_handler() {
+    use axum::Extension;
+    use idem::embed::layer::{IdemKey, IdempotencyLayer};
+    use tower::{Layer, ServiceExt};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tower.db").display().to_string();
+    let runs = Arc::new(AtomicU64::new(0));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let idem = runtime
+        .block_on(Idempotency::connect(&db, Keys::new("tower_").unwrap(), 2, |h| {
+            h.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+        }))
+        .unwrap();
+    let counted = runs.clone();
+    let handler = move |Extension(key): Extension<IdemKey>| {
+        let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+        async move { (StatusCode::CREATED, format!(r#"{{"order":{n},"sent":"{}"}}"#, key.downstream("charge"))) }
+    };
+    let app = Router::new().route("/orders", post(handler)).route_layer(IdempotencyLayer::new(idem.clone()));
+    let address = runtime.block_on(listen(app));
+    let first = send(address, "/orders", "k1");
+    let again = send(address, "/orders", "k1");
+    let charge = IdemKey { client: "c1".into(), endpoint: "POST /orders".into(), key: "k1".into() }
+        .downstream("charge");
+    assert_eq!(first.body, format!(r#"{{"order":1,"sent":"{charge}"}}"#));
+    assert_eq!((again.status, replayed(&again), &again.body), (201, true, &first.body));
+    assert_eq!(send(address, "/orders?other=1", "k1").status, 422);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // around a plain tower service: no router, the same protocol
+    let plain = tower::service_fn(|_: axum::extract::Request| async {
+        Ok::<_, std::convert::Infallible>((StatusCode::CREATED, "made").into_response())
+    });
+    let service = IdempotencyLayer::new(idem).layer(plain);
+    let call = |key: &str| {
+        let request = axum::http::Request::post("/things")
+            .header("x-client", "c2")
+            .header("idempotency-key", format!("\"{key}\""))
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from("{}"))
+            .unwrap();
+        let response = runtime.block_on(service.clone().oneshot(request)).unwrap();
+        (response.status().as_u16(), response.headers().contains_key("idempotent-replayed"))
+    };
+    assert_eq!((call("t1"), call("t1"), call("t2")), ((201, false), (201, true), (201, false)));
 }

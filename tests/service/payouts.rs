@@ -836,6 +836,21 @@ fn provider_events(pg: bool) {
     event(&s2, secret, &payout_event("evt_6", "payout.paid", &key3, 50), None);
     assert_eq!(payouts(&db)[2].1, "failed", "the money came back: paid-then-returned is not paid");
     assert_eq!(balance(&db, "A"), START - 300, "p-3's hold released once");
+    assert!(!stray_ids(&db).contains(&"evt_6".to_owned()), "a reordered paid is no contradiction");
+    // refused, its hold released; then the provider says it paid: the money is
+    // out twice, and that is a person's (it was "nothing to do")
+    pay(&s, "p-4", &payout("closed-bob", 40));
+    let (key4, state4) = (payouts(&db)[3].2.clone(), payouts(&db)[3].1.clone());
+    assert_eq!((state4.as_str(), balance(&db, "A")), ("failed", START - 300), "refused, released");
+    let late = event(&s, secret, &payout_event("evt_7", "payout.paid", &key4, 40), None);
+    assert!(late.json()["outcome"].as_str().unwrap().starts_with("needs a person"), "{}", late.body);
+    assert_eq!(stray_ids(&db), ["evt_3", "evt_4", "evt_7"]);
+}
+
+fn stray_ids(db: &Path) -> Vec<String> {
+    let (ok, strays, err) = payouts_cmd(db, &["strays"]);
+    assert!(ok, "{err}");
+    strays.iter().map(|e| e["event_id"].as_str().unwrap().to_owned()).collect()
 }
 
 #[test]
