@@ -703,6 +703,20 @@ fn on_postgres_provider_events_are_signed_applied_once_and_credit_a_return_back(
     provider_events(true);
 }
 
+/// Review: idem took a 255-character beneficiary that its own gateway
+/// refused (over 200 bytes), so every such payout went to a person. The
+/// longest beneficiary idem takes (255 characters, 765 bytes here) is paid.
+#[test]
+fn the_longest_beneficiary_idem_takes_is_paid_through_its_gateway() {
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&[]);
+    let s = serve(&db, &gw.url, &[]);
+    let paid = pay(&s, "p-long", &payout(&"가".repeat(255), 10));
+    assert_eq!((paid.status, paid.json()["state"].as_str()), (201, Some("completed")), "{}", paid.body);
+    let longer = post(&s.url, "p-longer", &payout(&"가".repeat(256), 10));
+    assert_eq!(longer.status, 400, "{}", longer.body);
+}
+
 /// An empty secret (a template's unset variable) would let anyone sign a
 /// `payout.returned` and be credited: `idem serve` refuses to start on one,
 /// from the flag or the environment, and on a short one.

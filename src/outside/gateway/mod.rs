@@ -209,11 +209,14 @@ fn parse_payout(body: &[u8]) -> Result<(String, i64, String, String), String> {
     if let Some(extra) = obj.keys().find(|k| !matches!(k.as_str(), "beneficiary" | "amount" | "currency")) {
         return Err(format!("unknown member {extra:?}"));
     }
+    // as long as idem takes one (its policy's field limit, in characters):
+    // a payout idem accepts must not go to a person for its length alone
+    let limit = crate::policy::Policy::embedded().max_field_chars;
     let beneficiary = obj
         .get("beneficiary")
         .and_then(Value::as_str)
-        .filter(|b| !b.is_empty() && b.len() <= 200)
-        .ok_or("beneficiary must be a non-empty string")?;
+        .filter(|b| !b.is_empty() && b.chars().count() <= limit)
+        .ok_or_else(|| format!("beneficiary must be a non-empty string of at most {limit} characters"))?;
     let amount = obj
         .get("amount")
         .filter(|a| a.is_i64())
