@@ -60,7 +60,7 @@ use axum::body::{Body, to_bytes};
 use axum::extract::{FromRequestParts, OriginalUri, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 #[cfg(feature = "postgres")]
 use deadpool::managed;
 use std::sync::Arc;
@@ -68,8 +68,11 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 #[cfg(feature = "postgres")]
 use tokio_postgres::Client;
 
+mod answer;
 mod key;
 mod service;
+pub use answer::problem;
+use answer::{answer_of, unavailable};
 pub use key::IdemKey;
 pub use service::{IdempotencyLayer, IdempotentService};
 
@@ -85,6 +88,11 @@ pub struct Idempotency {
     who: Arc<WhoIs>,
     /// The largest request body read, in bytes.
     pub max_body: usize,
+    /// How long a request waits for a connection (SQLite's one, or one of
+    /// the pool's) before it is answered 503 `busy` with `Retry-After`:
+    /// behind a slow handler, a client learns at once to come back rather
+    /// than queueing without bound. Default 2 s.
+    pub max_wait: std::time::Duration,
 }
 
 #[derive(Clone)]
@@ -151,18 +159,34 @@ impl Idempotency {
                 );
             }
         };
-        Ok(Idempotency { keys: Arc::new(keys), store, who: Arc::new(who), max_body: 64 * 1024 })
+        let max_wait = std::time::Duration::from_secs(2);
+        Ok(Idempotency { keys: Arc::new(keys), store, who: Arc::new(who), max_body: 64 * 1024, max_wait })
     }
 
     /// A connection for one request (its transaction not yet begun), or
     /// `None` when none is to be had.
-    async fn connection(&self) -> Option<Conn> {
-        Some(match &self.store {
-            #[cfg(feature = "postgres")]
-            Store::Pg(pool) => Conn::Pg(Some(Box::new(pool.get().await.ok()?))),
-            #[cfg(feature = "sqlite")]
-            Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
-        })
+    /// A connection, or the answer when none is to be had: 503 `busy`
+    /// past [`Idempotency::max_wait`], 503 `unavailable` if the database
+    /// failed.
+    async fn connection(&self) -> Result<Conn, Response> {
+        let get = async {
+            Some(match &self.store {
+                #[cfg(feature = "postgres")]
+                Store::Pg(pool) => Conn::Pg(Some(Box::new(pool.get().await.ok()?))),
+                #[cfg(feature = "sqlite")]
+                Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
+            })
+        };
+        match tokio::time::timeout(self.max_wait, get).await {
+            Ok(Some(conn)) => Ok(conn),
+            Ok(None) => Err(unavailable()),
+            Err(_) => {
+                let mut r =
+                    problem(StatusCode::SERVICE_UNAVAILABLE, "busy", "No connection came free in time.");
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                Err(r)
+            }
+        }
     }
 }
 
@@ -481,10 +505,11 @@ async fn run<Fut: std::future::Future<Output = Response>>(
     mut request: Request,
     next: impl FnOnce(Request) -> Fut,
 ) -> Response {
-    let unavailable = || problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.");
-    let (Some(conn), Ok(token)) = (idem.connection().await, Keys::token::<()>()) else {
-        return unavailable();
+    let conn = match idem.connection().await {
+        Ok(conn) => conn,
+        Err(answer) => return answer,
     };
+    let Ok(token) = Keys::token::<()>() else { return unavailable() };
     let key = scope.key(&key);
     let held = Held { conn, keys: idem.keys.clone(), content_type: None, open: true };
     let tx = Tx(Arc::new(Mutex::new(Some(held))));
@@ -538,43 +563,4 @@ fn with_query(fingerprint: &str, query: &str) -> String {
     use sha2::{Digest, Sha256};
     let digest = Sha256::new().chain_update(fingerprint).chain_update("?").chain_update(query).finalize();
     digest.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A reply the layer gives without running the handler.
-fn answer_of(reply: Reply) -> Response {
-    match reply {
-        Reply::Replayed(a) | Reply::Fresh(a) => {
-            let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::OK);
-            let media_type = a.content_type.and_then(|t| HeaderValue::from_str(&t).ok());
-            let mut r = (status, a.body).into_response();
-            let h = r.headers_mut();
-            // what the first answer said; JSON when it said none (or was stored before the column)
-            h.insert(
-                header::CONTENT_TYPE,
-                media_type.unwrap_or(HeaderValue::from_static("application/json")),
-            );
-            h.insert("idempotent-replayed", HeaderValue::from_static("true"));
-            r
-        }
-        Reply::InFlight => {
-            let mut r =
-                problem(StatusCode::CONFLICT, "in_progress", "The key's first request is still running.");
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            r
-        }
-        Reply::Mismatch => problem(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "fingerprint_mismatch",
-            "The key was used with another request body.",
-        ),
-    }
-}
-
-/// An RFC 9457 problem.
-pub fn problem(status: StatusCode, reason: &str, detail: &str) -> Response {
-    let title = status.canonical_reason().unwrap_or("");
-    let body = crate::reason::problem_body("about:blank", status.as_u16(), title, reason, detail);
-    let mut r = (status, body).into_response();
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    r
 }

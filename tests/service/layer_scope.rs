@@ -175,3 +175,47 @@ fn the_tower_layer_claims_replays_and_hands_the_key_to_the_handler() {
     };
     assert_eq!((call("t1"), call("t1"), call("t2")), ((201, false), (201, true), (201, false)));
 }
+
+/// On SQLite a request holds the one connection from its claim to its
+/// commit; another client queued behind a slow handler without bound (4.96 s
+/// in the review). Past `max_wait` it is answered 503 `busy` with
+/// `Retry-After` at once, and its retry, once the slow one is done, runs.
+#[test]
+fn behind_a_slow_handler_a_request_is_told_to_come_back_within_the_wait_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("slow.db").display().to_string();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let address = runtime.block_on(async {
+        let mut idem =
+            Idempotency::connect(&db, Keys::new("slow_").unwrap(), 1, |_| Some("c1".into())).await.unwrap();
+        idem.max_wait = std::time::Duration::from_millis(300);
+        let handler = |body: String| async move {
+            if body.contains("slow") {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            }
+            (StatusCode::CREATED, "{}").into_response()
+        };
+        listen(
+            Router::new().route("/orders", post(handler)).route_layer(from_fn_with_state(idem, idempotent)),
+        )
+        .await
+    });
+    let slow = std::thread::spawn(move || {
+        let body = r#"{"item":"slow"}"#;
+        let request = format!(
+            "POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: \"s\"\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        exchange(address, request.as_bytes()).unwrap()
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let queued = send(address, "/orders", "q");
+    let waited = started.elapsed();
+    let retry_after = queued.headers.iter().any(|(n, v)| n.eq_ignore_ascii_case("retry-after") && v == "1");
+    assert!(queued.status == 503 && queued.body.contains("busy") && retry_after, "{queued:?}");
+    assert!(waited < std::time::Duration::from_secs(1), "queued {waited:?} behind the slow handler");
+    assert_eq!(slow.join().unwrap().status, 201);
+    assert_eq!(send(address, "/orders", "q").status, 201, "its retry runs");
+}

@@ -1,0 +1,49 @@
+//! The answers the layer gives itself: replays, refusals, problems.
+
+use crate::embed::Reply;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+/// A reply the layer gives without running the handler.
+pub(super) fn answer_of(reply: Reply) -> Response {
+    match reply {
+        Reply::Replayed(a) | Reply::Fresh(a) => {
+            let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::OK);
+            let media_type = a.content_type.and_then(|t| HeaderValue::from_str(&t).ok());
+            let mut r = (status, a.body).into_response();
+            let h = r.headers_mut();
+            // what the first answer said; JSON when it said none (or was stored before the column)
+            h.insert(
+                header::CONTENT_TYPE,
+                media_type.unwrap_or(HeaderValue::from_static("application/json")),
+            );
+            h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+            r
+        }
+        Reply::InFlight => {
+            let mut r =
+                problem(StatusCode::CONFLICT, "in_progress", "The key's first request is still running.");
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        }
+        Reply::Mismatch => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "fingerprint_mismatch",
+            "The key was used with another request body.",
+        ),
+    }
+}
+
+/// 503 `unavailable`: the database failed.
+pub(super) fn unavailable() -> Response {
+    problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database failed.")
+}
+
+/// An RFC 9457 problem.
+pub fn problem(status: StatusCode, reason: &str, detail: &str) -> Response {
+    let title = status.canonical_reason().unwrap_or("");
+    let body = crate::reason::problem_body("about:blank", status.as_u16(), title, reason, detail);
+    let mut r = (status, body).into_response();
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    r
+}
