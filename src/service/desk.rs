@@ -13,8 +13,9 @@ pub struct Desk {
     pub(super) budget: Budget,
     /// What provider events are signed with; `None`: the route is not served.
     pub(super) events_secret: Option<Vec<u8>>,
-    /// Event bodies being read at once: they are unauthenticated until read
-    /// whole, so stalled uploads may hold this few connections and bytes.
+    /// Events being read and applied at once: a body is unauthenticated
+    /// until read whole, so stalled uploads may hold this few connections
+    /// and bytes (the permit is kept until the event is applied).
     pub(super) event_reads: tokio::sync::Semaphore,
 }
 
