@@ -1,16 +1,24 @@
-# idem: `just prove` runs the day, `just test` the suite CI gates on.
+# idem: `just prove` runs the day, `just test` the suite a newcomer runs,
+# `just long` the long proofs, `just ci` everything CI runs.
 
 # The day: writes out/{idem.db,dup_report.json,day.db,result.json,policy.json,idem_report.md}
 prove out="out":
     cargo run --release --bin idem -- prove --out {{out}}
 
-# Everything CI runs: tests (scenarios, properties, races, loom), then lint.
+# The suite (scenarios, properties, races, loom, one pass of the checker's
+# cohort, one chaos day, one failover), then lint: minutes, not a quarter hour.
 test:
     cargo test --release
     cargo fmt --check
     cargo clippy --all-targets -- -D warnings
     tools/house --check
     RUSTDOCFLAGS="-D warnings" cargo doc --no-deps
+
+# The long proofs, which CI runs too: the whole checker cohort (every
+# profile, choice and mutant on every property), the failover and fault
+# mixes of a replicated cluster, the payouts' chaos day on PostgreSQL.
+long:
+    cargo test --release -- --ignored
 
 # The deep property storm: tens of thousands of random days.
 storm cases="20000":
@@ -84,7 +92,7 @@ failover-pause runs="3":
     failed=0
     log=$(mktemp)
     for i in $(seq {{runs}}); do
-      cargo test --release --test service a_running_service_moves -- --nocapture >"$log" 2>&1 ||
+      cargo test --release --test service a_running_service_moves -- --include-ignored --nocapture >"$log" 2>&1 ||
         failed=$((failed + 1))
       grep -E "resumed|lost|test result" "$log"
     done

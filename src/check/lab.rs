@@ -54,6 +54,16 @@ pub struct Profile {
     /// transfer): silently (`false`), or with an answer that is no success
     /// printed first (`true`).
     pub crash_answers: Option<bool>,
+    /// What `--crash-after-claim` does to a key already claimed or
+    /// completed, where there is no claim to crash after (the lab is
+    /// silent): answers as any retry (`false`), or crashes as
+    /// `crash_answers` says, with nothing moved (`true`).
+    pub crash_on_used_key: Option<bool>,
+    /// Whether the accounts are looked up before the key is claimed
+    /// (`true`: an unknown account is refused with the key untouched,
+    /// whatever the key holds or the crash switch says) or after (`false`:
+    /// a used key answers as a used key, a crash switch claims first).
+    pub accounts_before_claim: Option<bool>,
 }
 
 impl Profile {
@@ -91,6 +101,8 @@ pub struct Engine {
     pub command: Vec<String>,
     pub profile: Profile,
     pub seed: u64,
+    /// How many random days the model judges (each about twenty-five steps).
+    pub days: u32,
 }
 
 /// One answer of the lab's contract, parsed.

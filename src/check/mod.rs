@@ -18,6 +18,7 @@
 pub mod engine;
 pub mod http;
 pub mod lab;
+pub mod leak;
 pub mod model;
 pub mod url;
 
@@ -146,10 +147,16 @@ impl Trace {
     }
 }
 
-/// Judges every property of `table` on `target`.
-pub fn judge<'a, T: ?Sized>(table: &'a [Property<T>], target: &T) -> Vec<(&'a Property<T>, Verdict)> {
+/// Judges the properties of `table` on `target`: every one, or those
+/// whose name contains one of `only` (to rerun a failure alone).
+pub fn judge<'a, T: ?Sized>(
+    table: &'a [Property<T>],
+    target: &T,
+    only: &[String],
+) -> Vec<(&'a Property<T>, Verdict)> {
     table
         .iter()
+        .filter(|p| only.is_empty() || only.iter().any(|o| p.name.contains(o.as_str())))
         .map(|p| {
             let mut trace = Trace::default();
             let error = (p.judge)(target, &mut trace);

@@ -57,10 +57,11 @@ const UNPAYABLE: i64 = 5_000_000;
 
 /// Beside what the dice bring, every day holds, each at a random place
 /// under keys of its own (3 to 7: the dice use 0 to 2): a request from an
-/// account that does not exist; one its source cannot pay; a crash after
-/// the claim, retried at once; and a transfer, other money from the same
-/// source, the transfer's retry reordered, and its key under another
-/// amount. So a verdict on what one of them judges does not hang on the seed.
+/// account that does not exist, and its crash; one its source cannot pay;
+/// a crash after the claim, retried at once; and a transfer, other money
+/// from the same source, the transfer's retry reordered, its key under
+/// another amount and under an account that does not exist, and its crash.
+/// So a verdict on what one of them judges does not hang on the seed.
 fn cover(rng: &mut Rng, day: &mut Vec<Op>, accounts: usize) {
     let (src, dst) = (rng.below(accounts as u64) as usize, rng.below(accounts as u64 - 1) as usize);
     let dst = (src + 1 + dst) % accounts;
@@ -69,11 +70,19 @@ fn cover(rng: &mut Rng, day: &mut Vec<Op>, accounts: usize) {
     let unpayable = Op { key: 4, src, amount: UNPAYABLE, ..unknown };
     let crash = Op { key: 5, src, style: Style::CrashAfterClaim, ..unknown };
     let pay = Op { key: 6, src, ..unknown };
+    let crashed = |op: Op| Op { style: Style::CrashAfterClaim, ..op };
     let blocks = [
-        vec![unknown],
+        vec![unknown, crashed(unknown)],
         vec![unpayable],
         vec![crash, Op { style: Style::Plain, ..crash }],
-        vec![pay, Op { key: 7, ..pay }, Op { style: Style::Reordered, ..pay }, Op { amount: 101, ..pay }],
+        vec![
+            pay,
+            Op { key: 7, ..pay },
+            Op { style: Style::Reordered, ..pay },
+            Op { amount: 101, ..pay },
+            Op { src: accounts, ..pay },
+            crashed(pay),
+        ],
     ];
     for ops in blocks {
         let at = rng.below(day.len() as u64 + 1) as usize;
@@ -81,10 +90,11 @@ fn cover(rng: &mut Rng, day: &mut Vec<Op>, accounts: usize) {
     }
 }
 
-/// Four random days; the first that fails is shrunk and reported.
+/// The engine's random days; the first that fails is shrunk and reported.
 pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<(), CheckError> {
     let mut rng = Rng::new(engine.seed ^ 0x5eed);
-    for _ in 0..4 {
+    let choices = Choices::settle(engine, setting, &mut rng)?;
+    for _ in 0..engine.days {
         // half the steps retry an earlier one, as clients do, in another
         // style; a crashed request is retried at once, as its client would,
         // so every day that crashes also judges what a crash left behind
@@ -103,9 +113,9 @@ pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<
         }
         cover(&mut rng, &mut day, 3);
         let seed = rng.next_u64();
-        let (failed, steps) = run_day(engine, setting, &day, seed)?;
-        if failed {
-            let (day, steps) = shrink(engine, setting, day, seed, steps)?;
+        if let (Some(at), steps) = run_day(engine, &choices, setting, &day, seed)? {
+            day.truncate(at + 1);
+            let (day, steps) = shrink(engine, &choices, setting, day, seed, steps)?;
             t.step(format!("(shrunk to {} step(s))", day.len()));
             for step in steps {
                 t.step(step);
@@ -117,10 +127,64 @@ pub fn random_days(engine: &Engine, t: &mut Trace, setting: &Setting) -> Result<
     Ok(())
 }
 
+/// The choices the lab leaves open that change what a day's key holds, as
+/// the profile declares them or, where it is silent, as the engine shows
+/// them on a bank of its own before the days. A day then judges every
+/// answer by one rule: no answer is read two ways, and an engine that
+/// changes its mind mid-day fails.
+#[derive(Debug, Clone, Copy)]
+struct Choices {
+    /// Whether a refusal completes its key: of an unknown account, of funds.
+    stored: [bool; 2],
+    /// Whether an unknown account is refused before the key is looked at.
+    accounts_first: bool,
+    /// Whether `--crash-after-claim` on a used key crashes (else it answers).
+    crash_on_used: bool,
+}
+
+impl Choices {
+    fn settle(engine: &Engine, setting: &Setting, rng: &mut Rng) -> Result<Choices, CheckError> {
+        let p = &engine.profile;
+        let bank = Bank::new(&engine.command, rng, 3)?;
+        let mut t = Trace::default();
+        let client = format!("{}-choices", setting.client);
+        let (a, b) = (bank.ids[0].as_str(), bank.ids[1].as_str());
+        let mut send = |key: &str, src: &str, amount: i64, extra: &[&str]| {
+            let text = request(&client, super::lab::ENDPOINT, key, src, b, &amount.to_string());
+            bank.send(&mut t, &text, extra)
+        };
+        let mut replays = |key: &str, src: &str, amount: i64| -> Result<bool, CheckError> {
+            let (first, again) = (send(key, src, amount, &[])?, send(key, src, amount, &[])?);
+            Ok(matches!((first.answered(), again.answered()), (Some(f), Some(g)) if g.replays(f)))
+        };
+        let stored = [
+            p.refusals_stored.map_or_else(|| replays("unknown", "nobody", 100), Ok)?,
+            p.refusals_stored.map_or_else(|| replays("unpayable", a, UNPAYABLE), Ok)?,
+        ];
+        let paid = send("paid", a, 100, &[])?;
+        let accounts_first = match p.accounts_before_claim {
+            Some(d) => d,
+            None => {
+                let other = send("paid", "nobody", 100, &[])?;
+                paid.answered().is_some_and(|e| e.fresh_201())
+                    && other.answered().is_some_and(|e| {
+                        refusal(e, p.unknown_account_status) && !matches!(e.status, 409 | 422)
+                    })
+            }
+        };
+        let crash_on_used = match p.crash_on_used_key {
+            Some(d) => d,
+            None => p.crashed(&send("paid", a, 100, &["--crash-after-claim"])?),
+        };
+        Ok(Choices { stored, accounts_first, crash_on_used })
+    }
+}
+
 /// Removes steps while the day still fails; returns the shortest failing
 /// day and its steps.
 fn shrink(
     engine: &Engine,
+    choices: &Choices,
     setting: &Setting,
     mut day: Vec<Op>,
     seed: u64,
@@ -131,8 +195,8 @@ fn shrink(
         i -= 1;
         let mut shorter = day.clone();
         shorter.remove(i);
-        let (failed, fewer) = run_day(engine, setting, &shorter, seed)?;
-        if failed {
+        if let (Some(at), fewer) = run_day(engine, choices, setting, &shorter, seed)? {
+            shorter.truncate(at + 1);
             (day, steps) = (shorter, fewer);
             i = i.min(day.len());
         }
@@ -145,38 +209,38 @@ fn shrink(
 type Held = ((usize, usize, i64), Option<Envelope>);
 
 /// The contract as a plain model: the balances, what each key holds, and
-/// the choices the engine declared, or showed the first time it made one.
+/// the choices the engine declared or showed.
 struct Model<'a> {
     balances: Vec<i64>,
     keys: BTreeMap<(u8, u8), Held>,
     transfers: usize,
     accounts: usize,
     profile: &'a Profile,
-    /// Whether a refusal completes its key: declared, or seen first.
-    refusals_stored: Option<bool>,
+    choices: Choices,
 }
 
-/// Runs one day on a fresh bank; returns whether it failed, and its steps.
+/// Runs one day on a fresh bank up to its first failing step; returns that
+/// step's index, if one failed, and the steps taken.
 fn run_day(
     engine: &Engine,
+    choices: &Choices,
     setting: &Setting,
     day: &[Op],
     seed: u64,
-) -> Result<(bool, Vec<String>), CheckError> {
+) -> Result<(Option<usize>, Vec<String>), CheckError> {
     let mut rng = Rng::new(seed);
     let bank = Bank::new(&engine.command, &mut rng, 3)?;
-    let p = &engine.profile;
     let mut model = Model {
         balances: bank.balances.clone(),
         keys: BTreeMap::new(),
         transfers: 0,
         accounts: bank.ids.len(),
-        profile: p,
-        refusals_stored: p.refusals_stored,
+        profile: &engine.profile,
+        choices: *choices,
     };
     let mut t = Trace::default();
     let id = |i: usize| bank.ids.get(i).cloned().unwrap_or_else(|| format!("nobody-{}", bank.ids.len()));
-    for op in day {
+    for (i, op) in day.iter().enumerate() {
         let client = format!("{}-day-{}", setting.client, op.client);
         let key = format!("{}-day-{}", setting.key, op.key);
         let (src, dst, amount) = (id(op.src), id(op.dst), op.amount.to_string());
@@ -199,9 +263,12 @@ fn run_day(
                 model.transfers
             )
         });
+        if t.failures > 0 {
+            // what follows cannot undo the failure: the day ends here
+            return Ok((Some(i), t.steps));
+        }
     }
-    let failed = t.failures > 0;
-    Ok((failed, t.steps))
+    Ok((None, t.steps))
 }
 
 impl Model<'_> {
@@ -211,20 +278,25 @@ impl Model<'_> {
         let e = answer.answered();
         let body = (op.src, op.dst, op.amount);
         let k = (op.client, op.key);
-        match self.keys.get(&k).cloned() {
-            Some((first, Some(refused))) if is_refusal(&refused) && self.refusals_stored != Some(true) => {
-                // a refusal may have left its key free: stored or not, as declared or first seen
-                let replayed =
-                    e.is_some_and(|e| if first == body { e.replays(&refused) } else { e.status == 422 });
-                if self.refusals_stored.is_none() {
-                    self.refusals_stored = Some(replayed);
-                }
-                match self.refusals_stored {
-                    Some(true) => self.settled(t, first == body, e, &refused),
-                    _ => self.first_use(t, op, answer),
-                }
-            }
+        if op.src >= self.accounts && self.choices.accounts_first {
+            // refused before the key is looked at: whatever it holds stays
+            let ok = e.is_some_and(|e| refusal(e, self.profile.unknown_account_status))
+                || (crash && self.profile.crashed(answer));
+            t.expect(ok, || "an unknown account, looked up before the claim (accounts_before_claim): wanted a refusal, replay false".into());
+            return;
+        }
+        // a refusal that is not stored left its key free
+        let held = self.keys.get(&k).cloned().filter(|(first, answer)| {
+            !answer.as_ref().is_some_and(is_refusal)
+                || self.choices.stored[usize::from(first.0 < self.accounts)]
+        });
+        match held {
             None => self.first_use(t, op, answer),
+            Some(_) if crash && self.choices.crash_on_used => {
+                t.expect(self.profile.crashed(answer), || {
+                    "--crash-after-claim on a used key: wanted a crash (crash_on_used_key, declared or shown first)".into()
+                });
+            }
             Some((first, None)) => {
                 let wanted = self.profile.in_flight_mismatch_status;
                 let ok = match first == body {

@@ -33,6 +33,9 @@ it breaks:
   key-before-auth      the key is read (and refused) before the token
   doubled-auth         of two Authorization headers, the first is taken
   leak                 error bodies show a traceback
+  path-leak            error bodies name the database file by its absolute path
+  missing-key-first    a request without a key is refused 400 before its token
+                       is read (a bad token and no key: 400, not 401)
   quoted-distinct      "K" and K are two keys (the sf-string is not unquoted)
   token-scope          the scope is the token, not its client
   lost-update          balances read, then written back absolute
@@ -44,12 +47,12 @@ it breaks:
   unknown-500          an unknown account is not looked for: the KeyError is
                        answered 500 by the catch-all, and its key freed
 """
-import argparse, datetime, hashlib, http.server, json, sqlite3, threading, time, traceback
+import argparse, datetime, hashlib, http.server, json, os, sqlite3, threading, time, traceback
 
 CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after", "plain-errors", "bare-key-refused",
            "other-statuses", "replay-header-always"]
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
-          "doubled-auth", "leak", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
+          "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
           "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500"]
 MISTAKES = CHOICES + ERRORS
 p = argparse.ArgumentParser()
@@ -102,6 +105,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         detail = reason
         if mistake == "leak":
             detail = "Traceback (most recent call last):\n  File \"/srv/app.py\", line 12\nKeyError: " + reason
+        if mistake == "path-leak":
+            detail = f"{reason} (database {os.path.abspath(a.db)})"
         body = json.dumps({"type": "about:blank", "title": reason, "status": status, "detail": detail, "reason": reason})
         self.reply(status, body, [("Content-Type", "application/problem+json")] + list(extra))
 
@@ -140,6 +145,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if mistake == "key-before-auth" and self.key() is None:
             return self.problem(400, "invalid_idempotency_key")
+        if mistake == "missing-key-first" and not self.headers.get_all("Idempotency-Key"):
+            return self.problem(400, "missing_idempotency_key")
         who = self.client()
         if who is None:
             return self.problem(401, "unauthorized")

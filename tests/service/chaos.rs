@@ -139,6 +139,7 @@ fn a_lossy_day_with_payouts_through_a_lossy_gateway_pays_each_out_exactly_once()
 }
 
 #[test]
+#[ignore = "long suite: cargo test --release -- --ignored"]
 fn on_postgres_a_lossy_day_with_payouts_pays_each_out_exactly_once() {
     let Some(server) = crate::common::pg::server() else { return };
     payouts_day(Some(server.fresh_schema(false)));

@@ -46,7 +46,12 @@ fn check_the_ledger(db: &str) {
     for out in [open, declared] {
         let text = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "{db}:\n{text}{}", String::from_utf8_lossy(&out.stderr));
-        assert!(text.contains("15 passed, 0 failed"), "{db}:\n{text}");
+        // every property passes; Retry-After may be a SKIP (the open
+        // profile does not ask for it; a race may provoke no 409)
+        let passed = text.lines().filter(|l| l.starts_with("PASS  ")).count();
+        let skipped =
+            text.lines().filter(|l| l.starts_with("SKIP  an in-flight answer carries Retry-After")).count();
+        assert!(passed + skipped == 16 && text.contains(" 0 failed"), "{db}:\n{text}");
     }
 }
 

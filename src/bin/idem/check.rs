@@ -53,10 +53,18 @@ pub struct Check {
     profile_template: Option<String>,
     #[arg(long)]
     seed: Option<u64>,
+    /// How many random days the engine's model judges (more find rarer
+    /// mistakes; one is a quick look).
+    #[arg(long, default_value_t = 4, requires = "engine", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    days: u32,
+    /// Judge only the properties whose name contains TEXT (repeatable), to
+    /// rerun a failure alone.
+    #[arg(long, value_name = "TEXT")]
+    only: Vec<String>,
 }
 
 pub fn check(
-    Check { engine, engine_arg, url, token, src, dst, profile, profile_template, seed }: Check,
+    Check { engine, engine_arg, url, token, src, dst, profile, profile_template, seed, days, only }: Check,
 ) -> Result<(), Failure> {
     if let Some(target) = profile_template {
         let template = match target.as_str() {
@@ -71,14 +79,14 @@ pub fn check(
         (Some(engine), _) => {
             let command = lab::command(&engine, &engine_arg)?;
             say!("idem check --engine {engine:?} --seed {seed}");
-            let target = lab::Engine { command, profile: read_profile(profile)?, seed };
-            report(&check::judge(&lab::PROPERTIES, &target))
+            let target = lab::Engine { command, profile: read_profile(profile)?, seed, days };
+            report(&check::judge(&lab::PROPERTIES, &target, &only))?
         }
         (None, Some(url)) => {
             say!("idem check --url {url} --seed {seed}");
             let (src, dst) = (account_id(src), account_id(dst));
             let target = http::Target::new(&url, token, src, dst, read_profile(profile)?, seed)?;
-            report(&check::judge(&http::PROPERTIES, &target))
+            report(&check::judge(&http::PROPERTIES, &target, &only))?
         }
         (None, None) => return Err(Failure("give --engine or --url".into())),
     };
@@ -94,8 +102,12 @@ fn read_profile<P: serde::de::DeserializeOwned + Default>(file: Option<PathBuf>)
     serde_json::from_str(&text).map_err(|e| Failure(format!("{}: {e}", file.display())))
 }
 
-/// Prints one line per property (and a failure's steps); whether all passed.
-fn report<T: ?Sized>(results: &[(&check::Property<T>, check::Verdict)]) -> bool {
+/// Prints one line per property (and a failure's steps); whether all
+/// passed. No property at all (an `--only` that matches none) is an error.
+fn report<T: ?Sized>(results: &[(&check::Property<T>, check::Verdict)]) -> Result<bool, Failure> {
+    if results.is_empty() {
+        return Err(Failure("--only: no property's name contains that text".into()));
+    }
     crate::common::say(format_args!("{}", check::report(results)));
-    results.iter().all(|(_, v)| !v.failed())
+    Ok(results.iter().all(|(_, v)| !v.failed()))
 }

@@ -19,6 +19,12 @@ must pass without a profile (and hold to once a profile declares it):
   409-in-flight       another body under a key still in flight is 409, not 422
                       (the draft's order: in flight before the fingerprint)
   crash-answers       --crash-after-claim prints a 500 answer, then exits 4
+  crash-on-used-key   --crash-after-claim on a key already claimed or completed
+                      dies where the claim failed (exit 4, unanswered) instead
+                      of answering the retry (the lab only says what a claim does)
+  accounts-first      both accounts are looked up before the key is claimed: an
+                      unknown account is refused (404) with the key untouched,
+                      whatever the key holds and whatever the crash switch says
 
 Each --mistake is one classic error of the lab, which `idem check --engine`
 must catch on the property it breaks:
@@ -53,7 +59,7 @@ MISTAKES = ["lookup", "completed-first", "raw-fingerprint", "recompute", "global
             "stale-id", "no-funds-check", "unreadable-crash"]
 p = argparse.ArgumentParser()
 CHOICES = ["refusals-evaluated", "zero-amount", "js-numbers", "digit-strings", "exit3-unparseable",
-           "json-broken-db", "409-in-flight", "crash-answers"]
+           "json-broken-db", "409-in-flight", "crash-answers", "crash-on-used-key", "accounts-first"]
 p.add_argument("--mistake", choices=MISTAKES)
 p.add_argument("--choice", choices=CHOICES, action="append", default=[])
 p.add_argument("--db", required=True)
@@ -213,6 +219,11 @@ def lookup():
                       scope).fetchone()
 
 
+if "accounts-first" in choice:
+    for acct in (body["src"], body["dst"]):
+        if db.execute("SELECT 1 FROM account WHERE acct_id = ?", (acct,)).fetchone() is None:
+            answer(404, reason="no such account")
+
 if mistake == "lookup":
     row = lookup()
     if row:
@@ -236,6 +247,8 @@ else:
         except sqlite3.IntegrityError:
             row = lookup()
             db.execute("ROLLBACK")
+            if a.crash_after_claim and "crash-on-used-key" in choice:
+                sys.exit(4)
             replay_row(row)
     except sqlite3.OperationalError as e:
         raise SystemExit(f"claim failed: {e}")
