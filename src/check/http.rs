@@ -57,6 +57,9 @@ pub struct Profile {
     /// An account of known balance that nothing else uses, to catch lost
     /// updates by draining it (spent by the check: give a fresh one).
     pub drain: Option<Drain>,
+    /// How long, in seconds, a key may stay in flight after its client
+    /// walked away (the service's lease on an unfinished request).
+    pub lease_seconds: u64,
 }
 
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -87,6 +90,7 @@ impl Default for Profile {
             get_path: None,
             clients: None,
             drain: None,
+            lease_seconds: 30,
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod lab;
 pub mod leak;
 pub mod model;
 pub mod url;
+pub mod walk;
 
 /// Why the check could not carry out a step, or set itself up: its own
 /// trouble, as opposed to a failure of the implementation (a verdict).

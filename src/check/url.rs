@@ -22,7 +22,7 @@ use std::time::Duration;
 
 /// A fresh key: from the seed, and a number of this run, so a rerun with
 /// the same seed never meets the keys of the run before.
-fn key(target: &Target, salt: u64) -> String {
+pub(super) fn key(target: &Target, salt: u64) -> String {
     let mut rng = Rng::new(target.seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     format!("check-{:012x}-{:08x}", rng.next_u64() & 0xffff_ffff_ffff, super::lab::run_nonce())
 }
@@ -432,7 +432,7 @@ macro_rules! property {
 }
 
 /// The properties an HTTP implementation must have, each with its sentence.
-pub static PROPERTIES: [Property<Target>; 16] = [
+pub static PROPERTIES: [Property<Target>; 17] = [
     property!(
         "a new key is created",
         "draft §2: the first request with a key is processed as usual (any 2xx; profile created_status)",
@@ -474,7 +474,7 @@ pub static PROPERTIES: [Property<Target>; 16] = [
         race
     ),
     property!(
-        "an in-flight answer carries Retry-After, if the profile declares it (provoked on purpose)",
+        "an in-flight answer carries Retry-After, if the profile declares it, on 409s provoked on purpose",
         "draft §2.7: a request while the first is in flight SHOULD be 409; Retry-After (RFC 9110 §10.2.3) is judged only if the profile declares in_flight_retry_after, on in-flight answers the check provokes in up to 8 races",
         retry_after
     ),
@@ -482,6 +482,11 @@ pub static PROPERTIES: [Property<Target>; 16] = [
         "an answer lost after the commit is replayed on retry, not made again",
         "draft §1: the retry of a request whose answer was lost must not repeat its effect",
         lost_answer
+    ),
+    property!(
+        "a client that hangs up leaves no key held past the lease and nothing paid twice",
+        "draft §2.7 and §1: a request in flight is answered 409 until it ends, and a retry must not repeat its effect; a key is not held past the service's lease (profile lease_seconds) because its client walked away",
+        super::walk::hang_ups
     ),
     property!(
         "a malformed request is refused and does not consume its key",

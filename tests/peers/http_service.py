@@ -46,14 +46,20 @@ it breaks:
                        forgotten: a retry after the answer is made again
   unknown-500          an unknown account is not looked for: the KeyError is
                        answered 500 by the catch-all, and its key freed
+  stuck-on-hangup      a request whose client hung up keeps its writes but
+                       never completes its key: 409 for ever (idem's library
+                       before the key's one home, whose lease was 72 h)
+  drop-on-hangup       a request whose client hung up keeps its writes and
+                       frees its key: the retry pays again
 """
-import argparse, datetime, hashlib, http.server, json, os, sqlite3, threading, time, traceback
+import argparse, datetime, hashlib, http.server, json, os, select, socket, sqlite3, threading, time, traceback
 
 CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after", "plain-errors", "bare-key-refused",
            "other-statuses", "replay-header-always"]
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
           "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
-          "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500"]
+          "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500", "stuck-on-hangup",
+          "drop-on-hangup"]
 MISTAKES = CHOICES + ERRORS
 p = argparse.ArgumentParser()
 p.add_argument("--db", required=True)
@@ -201,12 +207,26 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with lock:
                 del keys[scope]
             return self.problem(500, "internal_error")
+        if mistake in ("stuck-on-hangup", "drop-on-hangup") and self.hung_up():
+            if mistake == "drop-on-hangup":
+                with lock:
+                    del keys[scope]
+            return
         with lock:
             if mistake == "in-flight-only" or status in (402, 404) and mistake == "refusals-not-stored":
                 del keys[scope]
             else:
                 keys[scope] = {"fp": fp, "done": True, "status": status, "body": body}
         self.answer(status, body, False)
+
+    def hung_up(self):
+        """Whether the client has closed its side of the connection."""
+        if not select.select([self.connection], [], [], 0)[0]:
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def transfer(self, who, t):
         src, dst, amount = str(t["src"]), str(t["dst"]), t["amount"]

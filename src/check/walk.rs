@@ -1,0 +1,144 @@
+//! Clients that walk away: a request whose client hangs up at a random
+//! moment must leave its key as any request does, finished or free, never
+//! held past the service's lease, and never paid twice (the hang-up defect
+//! of idem's own library before the key's one home: writes committed, the
+//! key held for 72 h, then a second payment).
+
+use super::http::{Http, Target, exchange};
+use super::{CheckError, Trace};
+use crate::rng::Rng;
+use serde_json::json;
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// How many keys the clients walk away from.
+const KEYS: i64 = 12;
+
+/// Each of [`KEYS`] requests is cut at a random moment (before its last
+/// byte, just after it, or a few milliseconds later); then each key is
+/// retried as its client would, until an answer that is final, within the
+/// profile's lease; a final answer must replay. With the profile's drain,
+/// the money moved is counted: each key paid once.
+pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
+    let p = &target.profile;
+    let mut rng = Rng::new(target.seed ^ 0x4a6e_6775);
+    let drain = match p.drain.as_ref().filter(|d| d.balance >= KEYS * (KEYS + 1) / 2) {
+        Some(d) if holds_all(target, t, d)? => Some(d),
+        Some(_) => {
+            t.step("(the drain no longer holds its balance, spent by an earlier run: the money moved is not counted)");
+            None
+        }
+        None => None,
+    };
+    let body = |amount: i64| match drain {
+        Some(d) => json!({"src": d.src, "dst": d.dst, "amount": amount, "currency": "KRW"}).to_string(),
+        None => target.transfer(amount),
+    };
+    let keys: Vec<(String, i64)> = (1..=KEYS).map(|i| (super::url::key(target, 200 + i as u64), i)).collect();
+    let mut cuts = [0; 3];
+    for (k, amount) in &keys {
+        let request = target.post_bytes(&headers(target, k), &body(*amount));
+        let cut = rng.below(3) as usize;
+        cuts[cut] += 1;
+        let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
+            .map_err(super::CheckError::io("connect"))?;
+        let sent = if cut == 0 { &request[..request.len() - 1] } else { &request[..] };
+        s.write_all(sent).map_err(super::CheckError::io("send"))?;
+        if cut == 2 {
+            std::thread::sleep(Duration::from_millis(rng.below(20)));
+        }
+        drop(s);
+    }
+    t.step(format!(
+        "{KEYS} requests, each client gone: {} before the last byte, {} just after it, {} within 20 ms",
+        cuts[0], cuts[1], cuts[2]
+    ));
+    let lease = Duration::from_secs(p.lease_seconds);
+    let deadline = Instant::now() + lease;
+    for (k, amount) in &keys {
+        let Some(last) = retried(target, k, &body(*amount), deadline) else {
+            t.expect(false, || {
+                format!(
+                    "key {k} is still in flight {}s after its client hung up (the profile's lease_seconds)",
+                    lease.as_secs()
+                )
+            });
+            continue;
+        };
+        let again = exchange(target.address, &target.post_bytes(&headers(target, k), &body(*amount)))?;
+        t.expect(target.replays(&again, &last), || {
+            format!("key {k}: the retry after a final answer {} got {}", last.short(), again.short())
+        });
+    }
+    match drain {
+        Some(d) => paid_once(target, t, d, KEYS * (KEYS + 1) / 2),
+        None => {
+            t.step("(no drain in the profile, or too small: the money moved is not counted)");
+            Ok(())
+        }
+    }
+}
+
+fn headers(target: &Target, k: &str) -> [(&'static str, String); 2] {
+    [("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(k))]
+}
+
+/// Sends the request until an answer that is final (not in flight, not a
+/// 5xx or 429, not a lost connection), as a client retries; `None` if none
+/// came before `deadline`.
+fn retried(target: &Target, k: &str, body: &str, deadline: Instant) -> Option<Http> {
+    let request = target.post_bytes(&headers(target, k), body);
+    loop {
+        if let Ok(h) = exchange(target.address, &request) {
+            let retry = h.status == target.profile.in_flight_status || h.status == 429 || h.status >= 500;
+            if !retry {
+                return Some(h);
+            }
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// One transfer from `src` to `dst` of `amount` under a fresh key `n`.
+fn send(
+    target: &Target,
+    t: &mut Trace,
+    n: u64,
+    (src, dst): (&serde_json::Value, &serde_json::Value),
+    amount: i64,
+) -> Result<Http, CheckError> {
+    let body = json!({"src": src, "dst": dst, "amount": amount, "currency": "KRW"}).to_string();
+    target.post(t, Some(&target.tokens[0]), Some(&super::url::key(target, 300 + n)), &body)
+}
+
+/// Whether the drain holds its whole balance (it can pay it, and is paid
+/// it back), so that the money of the walked-away keys can be counted.
+fn holds_all(target: &Target, t: &mut Trace, d: &super::http::Drain) -> Result<bool, CheckError> {
+    if !target.made(&send(target, t, 1, (&d.src, &d.dst), d.balance)?) {
+        return Ok(false);
+    }
+    let back = send(target, t, 2, (&d.dst, &d.src), d.balance)?;
+    t.expect(target.made(&back), || "the drain's balance could not be put back".into());
+    Ok(target.made(&back))
+}
+
+/// The drain paid `moved` to its destination through the walked-away keys:
+/// the check sends it back, then asks the drain for its whole balance (made
+/// only if nothing was paid twice) and puts that back too.
+fn paid_once(target: &Target, t: &mut Trace, d: &super::http::Drain, moved: i64) -> Result<(), CheckError> {
+    let back = send(target, t, 3, (&d.dst, &d.src), moved)?;
+    t.expect(target.made(&back), || format!("the {moved} the drain paid could not be sent back"));
+    let whole = target.made(&send(target, t, 4, (&d.src, &d.dst), d.balance)?);
+    t.expect(whole, || {
+        format!("the drain no longer holds its {}: a walked-away key was paid twice", d.balance)
+    });
+    if whole {
+        let again = send(target, t, 5, (&d.dst, &d.src), d.balance)?;
+        t.expect(target.made(&again), || "the drain's balance could not be put back".into());
+    }
+    Ok(())
+}
