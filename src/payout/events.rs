@@ -136,6 +136,10 @@ impl Event {
     }
 }
 
+/// How the outcome of an event that needs a person begins (what `idem
+/// payouts strays` lists and the service counts).
+pub const FOR_A_PERSON: &str = "needs a person";
+
 /// Applies `event` once: `Ok(None)` if its id was seen before, else what
 /// it did. An event for no payout of idem's, or with another amount or
 /// currency, changes no money: it is recorded as needing a person (and an
@@ -149,7 +153,7 @@ pub fn apply<S: Store + ?Sized>(
     let actor = format!("event:{}", gateway_text(&event.id));
     store::atomically(store, Durability::Durable, policy, |tx| {
         let outcome = match tx.payout_by_downstream_key(&event.downstream_key)? {
-            None => "needs a person: no payout under this key".to_owned(),
+            None => format!("{FOR_A_PERSON}: no payout under this key"),
             Some(seen) => {
                 // the key before the payout, in the order every writer locks them
                 tx.lock_key(&seen.key)?;
@@ -211,9 +215,9 @@ pub fn apply<S: Store + ?Sized>(
 fn unchanged(event: &Event, p: &crate::store::PayoutRow, mismatch: bool) -> String {
     let (id, state) = (p.id, p.state.name());
     if mismatch {
-        format!("needs a person: payout {id} is {state} and the event's amount or currency differs")
+        format!("{FOR_A_PERSON}: payout {id} is {state} and the event's amount or currency differs")
     } else if event.kind == "payout.paid" && p.state == PayoutState::Failed && !came_back(p) {
-        format!("needs a person: payout {id} is failed (its hold released) and the provider says it paid")
+        format!("{FOR_A_PERSON}: payout {id} is failed (its hold released) and the provider says it paid")
     } else {
         format!("payout {id} is {state}: nothing to do")
     }

@@ -29,7 +29,9 @@ mod gateway;
 mod person;
 mod reconcile;
 
-pub use events::{Event, Refused, SIGNATURE_HEADER, Signature, apply as apply_event, sign, verify};
+pub use events::{
+    Event, FOR_A_PERSON, Refused, SIGNATURE_HEADER, Signature, apply as apply_event, sign, verify,
+};
 pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, classify_send, gateway_url};
 pub use person::{Finding, events, listed, settle_by_hand, stats, stray_events};
 pub use reconcile::{Decision, reconcile};

@@ -19,6 +19,8 @@ pub struct Metrics {
     replays: AtomicU64,
     in_flight: AtomicI64,
     accept_errors: AtomicU64,
+    /// Provider events that moved no money and wait for a person.
+    events_for_a_person: AtomicU64,
     /// One count per bucket, then the overflow (+Inf).
     latency: [AtomicU64; BUCKETS.len() + 1],
     latency_sum_micros: AtomicU64,
@@ -33,6 +35,11 @@ impl Metrics {
 
     pub fn accept_failed(&self) {
         self.accept_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A provider event recorded as needing a person (not a duplicate).
+    pub fn event_for_a_person(&self) {
+        self.events_for_a_person.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn started(&self) {
@@ -125,8 +132,12 @@ impl Metrics {
             "# HELP idem_log_lines_dropped_total Log lines dropped because the log's sink did not keep up.\n\
              # TYPE idem_log_lines_dropped_total counter\nidem_log_lines_dropped_total {log_dropped}\n\
              # HELP idem_accept_errors_total Connections the listener failed to accept (e.g. descriptors exhausted).\n\
-             # TYPE idem_accept_errors_total counter\nidem_accept_errors_total {}\n",
+             # TYPE idem_accept_errors_total counter\nidem_accept_errors_total {}\n\
+             # HELP idem_gateway_events_for_a_person_total Provider events that moved no money and wait for a \
+             person (idem payouts strays): no payout of idem's, another amount, paid after released.\n\
+             # TYPE idem_gateway_events_for_a_person_total counter\nidem_gateway_events_for_a_person_total {}\n",
             self.accept_errors.load(Ordering::Relaxed),
+            self.events_for_a_person.load(Ordering::Relaxed),
         );
         out.push_str(
             "# HELP idem_request_duration_seconds Time to answer a request.\n\

@@ -175,6 +175,11 @@ pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>,
         Some(Err(e)) => return store_error(app, &e, note),
         None => return busy(app, note),
     };
+    if !duplicate && outcome.starts_with(payout::FOR_A_PERSON) {
+        // the request's log line carries why, the metric alerts
+        app.metrics.event_for_a_person();
+        note.reason = Some(outcome.clone());
+    }
     let body = serde_json::json!({"event_id": event.id, "duplicate": duplicate, "outcome": outcome});
     text(StatusCode::OK, "application/json", body.to_string())
 }

@@ -859,6 +859,10 @@ fn provider_events(pg: bool) {
     let late = event(&s, secret, &payout_event("evt_7", "payout.paid", &key4, 40), None);
     assert!(late.json()["outcome"].as_str().unwrap().starts_with("needs a person"), "{}", late.body);
     assert_eq!(stray_ids(&db), ["evt_3", "evt_4", "evt_7"]);
+    // counted for an alert, each once: a duplicate delivery is not counted again
+    event(&s, secret, &payout_event("evt_7", "payout.paid", &key4, 40), None);
+    let metrics = read(Serve::agent().get(format!("{}/metrics", s.url)).call()).body;
+    assert!(metrics.contains("\nidem_gateway_events_for_a_person_total 3\n"), "{metrics}");
 }
 
 fn stray_ids(db: &Path) -> Vec<String> {
