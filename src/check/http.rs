@@ -141,7 +141,7 @@ impl Target {
     }
 
     pub(super) fn transfer(&self, amount: i64) -> String {
-        json!({"src": self.src, "dst": self.dst, "amount": amount, "currency": "KRW"}).to_string()
+        transfer_body(&self.src, &self.dst, amount)
     }
 
     pub(super) fn key_header(&self, key: &str) -> String {
@@ -249,6 +249,11 @@ impl Target {
         }
         (distinct, same)
     }
+}
+
+/// The body of a transfer of `amount` KRW from `src` to `dst`.
+pub(super) fn transfer_body(src: &Value, dst: &Value, amount: i64) -> String {
+    json!({"src": src, "dst": dst, "amount": amount, "currency": "KRW"}).to_string()
 }
 
 /// Two bearer tokens.

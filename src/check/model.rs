@@ -161,12 +161,14 @@ impl Choices {
             p.refusals_stored.map_or_else(|| replays("unknown", "nobody", 100), Ok)?,
             p.refusals_stored.map_or_else(|| replays("unpayable", a, UNPAYABLE), Ok)?,
         ];
-        let paid = send("paid", a, 100, &[])?;
+        // a used key, for the two choices that need one (if either is open)
+        let undeclared = p.accounts_before_claim.is_none() || p.crash_on_used_key.is_none();
+        let paid = if undeclared { Some(send("paid", a, 100, &[])?) } else { None };
         let accounts_first = match p.accounts_before_claim {
             Some(d) => d,
             None => {
                 let other = send("paid", "nobody", 100, &[])?;
-                paid.answered().is_some_and(|e| e.fresh_201())
+                paid.as_ref().and_then(Answer::answered).is_some_and(|e| e.fresh_201())
                     && other.answered().is_some_and(|e| {
                         refusal(e, p.unknown_account_status) && !matches!(e.status, 409 | 422)
                     })

@@ -11,7 +11,7 @@
 pub use super::http::{Profile, Target};
 
 use super::CheckError;
-use super::http::{Http, exchange, parse_answer, read_answer};
+use super::http::{Http, exchange, parse_answer, read_answer, transfer_body};
 use super::{Property, Trace, short};
 use crate::outside::proxy::{Odds, Proxy};
 use crate::rng::Rng;
@@ -249,7 +249,7 @@ fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 10);
     let token = Some(target.tokens[0].as_str());
-    let bad = json!({"src": target.src, "dst": target.dst, "amount": 0, "currency": "KRW"}).to_string();
+    let bad = transfer_body(&target.src, &target.dst, 0);
     let refused = target.post(t, token, Some(&k), &bad)?;
     let want = target.profile.invalid_status;
     let ok = want.map_or((400..500).contains(&refused.status), |w| refused.status == w);
@@ -262,8 +262,7 @@ fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 11);
     let token = Some(target.tokens[0].as_str());
-    let ghost =
-        json!({"src": format!("ghost-{k}"), "dst": target.dst, "amount": 1, "currency": "KRW"}).to_string();
+    let ghost = transfer_body(&format!("ghost-{k}").into(), &target.dst, 1);
     let first = target.post(t, token, Some(&k), &ghost)?;
     let p = &target.profile;
     // a fresh key: no 4xx there can mean "in flight" or "another body"
@@ -385,7 +384,7 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     if amount < 1 {
         return Err(format!("the drain account's balance must be at least {PAY}").into());
     }
-    let body = json!({"src": drain.src, "dst": drain.dst, "amount": amount, "currency": "KRW"}).to_string();
+    let body = transfer_body(&drain.src, &drain.dst, amount);
     let k = key(target, 16);
     let requests: Vec<Vec<u8>> = (0..2 * PAY)
         .map(|i| {

@@ -4,10 +4,9 @@
 //! of idem's own library before the key's one home: writes committed, the
 //! key held for 72 h, then a second payment).
 
-use super::http::{Http, Target, exchange};
+use super::http::{Http, Target, exchange, transfer_body};
 use super::{CheckError, Trace};
 use crate::rng::Rng;
-use serde_json::json;
 use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -32,7 +31,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
         None => None,
     };
     let body = |amount: i64| match drain {
-        Some(d) => json!({"src": d.src, "dst": d.dst, "amount": amount, "currency": "KRW"}).to_string(),
+        Some(d) => transfer_body(&d.src, &d.dst, amount),
         None => target.transfer(amount),
     };
     let keys: Vec<(String, i64)> = (1..=KEYS).map(|i| (super::url::key(target, 200 + i as u64), i)).collect();
@@ -42,9 +41,9 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
         let cut = rng.below(3) as usize;
         cuts[cut] += 1;
         let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
-            .map_err(super::CheckError::io("connect"))?;
+            .map_err(CheckError::io("connect"))?;
         let sent = if cut == 0 { &request[..request.len() - 1] } else { &request[..] };
-        s.write_all(sent).map_err(super::CheckError::io("send"))?;
+        s.write_all(sent).map_err(CheckError::io("send"))?;
         if cut == 2 {
             std::thread::sleep(Duration::from_millis(rng.below(20)));
         }
@@ -111,7 +110,7 @@ fn send(
     (src, dst): (&serde_json::Value, &serde_json::Value),
     amount: i64,
 ) -> Result<Http, CheckError> {
-    let body = json!({"src": src, "dst": dst, "amount": amount, "currency": "KRW"}).to_string();
+    let body = transfer_body(src, dst, amount);
     target.post(t, Some(&target.tokens[0]), Some(&super::url::key(target, 300 + n)), &body)
 }
 
