@@ -78,8 +78,24 @@ async fn main() -> Result<(), Error> {
     });
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("http://{}", listener.local_addr()?);
-    axum::serve(listener, app).await?;
+    // SIGTERM (or Ctrl-C) stops taking connections and lets the requests
+    // being read or run finish: a deploy's stop never drops an accepted one
+    axum::serve(listener, app).with_graceful_shutdown(stopped()).await?;
     Ok(())
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn stopped() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => drop(term.recv().await),
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
 }
 
 /// The client a request's one `Authorization: Bearer` token names.

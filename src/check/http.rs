@@ -60,6 +60,9 @@ pub struct Profile {
     /// How long, in seconds, a key may stay in flight after its client
     /// walked away (the service's lease on an unfinished request).
     pub lease_seconds: u64,
+    /// How long, in seconds, the service may take to exit after SIGTERM
+    /// (`--serve` only): it answers the requests it accepted meanwhile.
+    pub shutdown_seconds: u64,
 }
 
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -91,6 +94,7 @@ impl Default for Profile {
             clients: None,
             drain: None,
             lease_seconds: 30,
+            shutdown_seconds: 30,
         }
     }
 }
@@ -106,6 +110,8 @@ pub struct Target {
     pub dst: Value,
     pub profile: Profile,
     pub seed: u64,
+    /// The service's process, when the check started it (`--serve`).
+    pub process: Option<super::life::Process>,
 }
 
 impl Target {
@@ -137,7 +143,7 @@ impl Target {
         if tokens.is_empty() {
             return Err("--url needs --token".into());
         }
-        Ok(Target { address, host, tokens, src, dst, profile, seed })
+        Ok(Target { address, host, tokens, src, dst, profile, seed, process: None })
     }
 
     pub(super) fn transfer(&self, amount: i64) -> String {

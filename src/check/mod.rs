@@ -8,8 +8,10 @@
 //! --db DB --request REQ [--crash-after-claim]`, `CMD --db DB --purge-before
 //! T`), judged on SQLite databases the check builds with its own random
 //! accounts, amounts and keys; or an HTTP service ([`url`]), judged by the
-//! IETF draft and DESIGN §2. [`model`] holds the plain model that random
-//! days are judged against.
+//! IETF draft and DESIGN §2; or a service the check starts itself
+//! ([`life`]: `--serve`), judged as a URL is and, besides, through a
+//! SIGKILL and a restart and a SIGTERM, under load. [`model`] holds the
+//! plain model that random days are judged against.
 //!
 //! A property runs all its steps even after one fails, so a report shows
 //! every failure a property found; a property that cannot be decided
@@ -19,6 +21,7 @@ pub mod engine;
 pub mod http;
 pub mod lab;
 pub mod leak;
+pub mod life;
 pub mod model;
 pub mod url;
 pub mod walk;
@@ -151,12 +154,12 @@ impl Trace {
 /// Judges the properties of `table` on `target`: every one, or those
 /// whose name contains one of `only` (to rerun a failure alone).
 pub fn judge<'a, T: ?Sized>(
-    table: &'a [Property<T>],
+    table: impl IntoIterator<Item = &'a Property<T>>,
     target: &T,
     only: &[String],
 ) -> Vec<(&'a Property<T>, Verdict)> {
     table
-        .iter()
+        .into_iter()
         .filter(|p| only.is_empty() || only.iter().any(|o| p.name.contains(o.as_str())))
         .map(|p| {
             let mut trace = Trace::default();

@@ -23,7 +23,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
     let p = &target.profile;
     let mut rng = Rng::new(target.seed ^ 0x4a6e_6775);
     let drain = match p.drain.as_ref().filter(|d| d.balance >= KEYS * (KEYS + 1) / 2) {
-        Some(d) if holds_all(target, t, d)? => Some(d),
+        Some(d) if holds_all(target, t, d, 300)? => Some(d),
         Some(_) => {
             t.step("(the drain no longer holds its balance, spent by an earlier run: the money moved is not counted)");
             None
@@ -56,7 +56,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
     let lease = Duration::from_secs(p.lease_seconds);
     let deadline = Instant::now() + lease;
     for (k, amount) in &keys {
-        let Some(last) = retried(target, k, &body(*amount), deadline) else {
+        let Some(last) = retried(target, &headers(target, k), &body(*amount), deadline) else {
             t.expect(false, || {
                 format!(
                     "key {k} is still in flight {}s after its client hung up (the profile's lease_seconds)",
@@ -71,7 +71,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
         });
     }
     match drain {
-        Some(d) => paid_once(target, t, d, KEYS * (KEYS + 1) / 2),
+        Some(d) => paid_once(target, t, d, KEYS * (KEYS + 1) / 2, 300),
         None => {
             t.step("(no drain in the profile, or too small: the money moved is not counted)");
             Ok(())
@@ -86,8 +86,13 @@ fn headers(target: &Target, k: &str) -> [(&'static str, String); 2] {
 /// Sends the request until an answer that is final (not in flight, not a
 /// 5xx or 429, not a lost connection), as a client retries; `None` if none
 /// came before `deadline`.
-fn retried(target: &Target, k: &str, body: &str, deadline: Instant) -> Option<Http> {
-    let request = target.post_bytes(&headers(target, k), body);
+pub(super) fn retried(
+    target: &Target,
+    headers: &[(&str, String)],
+    body: &str,
+    deadline: Instant,
+) -> Option<Http> {
+    let request = target.post_bytes(headers, body);
     loop {
         if let Ok(h) = exchange(target.address, &request) {
             let retry = h.status == target.profile.in_flight_status || h.status == 429 || h.status >= 500;
@@ -111,32 +116,43 @@ fn send(
     amount: i64,
 ) -> Result<Http, CheckError> {
     let body = transfer_body(src, dst, amount);
-    target.post(t, Some(&target.tokens[0]), Some(&super::url::key(target, 300 + n)), &body)
+    target.post(t, Some(&target.tokens[0]), Some(&super::url::key(target, n)), &body)
 }
 
 /// Whether the drain holds its whole balance (it can pay it, and is paid
 /// it back), so that the money of the walked-away keys can be counted.
-fn holds_all(target: &Target, t: &mut Trace, d: &super::http::Drain) -> Result<bool, CheckError> {
-    if !target.made(&send(target, t, 1, (&d.src, &d.dst), d.balance)?) {
+/// Its keys are fresh keys `salt + 1` and `salt + 2`.
+pub(super) fn holds_all(
+    target: &Target,
+    t: &mut Trace,
+    d: &super::http::Drain,
+    salt: u64,
+) -> Result<bool, CheckError> {
+    if !target.made(&send(target, t, salt + 1, (&d.src, &d.dst), d.balance)?) {
         return Ok(false);
     }
-    let back = send(target, t, 2, (&d.dst, &d.src), d.balance)?;
+    let back = send(target, t, salt + 2, (&d.dst, &d.src), d.balance)?;
     t.expect(target.made(&back), || "the drain's balance could not be put back".into());
     Ok(target.made(&back))
 }
 
 /// The drain paid `moved` to its destination through the walked-away keys:
 /// the check sends it back, then asks the drain for its whole balance (made
-/// only if nothing was paid twice) and puts that back too.
-fn paid_once(target: &Target, t: &mut Trace, d: &super::http::Drain, moved: i64) -> Result<(), CheckError> {
-    let back = send(target, t, 3, (&d.dst, &d.src), moved)?;
+/// only if nothing was paid twice) and puts that back too. Its keys are
+/// fresh keys `salt + 3` to `salt + 5`.
+pub(super) fn paid_once(
+    target: &Target,
+    t: &mut Trace,
+    d: &super::http::Drain,
+    moved: i64,
+    salt: u64,
+) -> Result<(), CheckError> {
+    let back = send(target, t, salt + 3, (&d.dst, &d.src), moved)?;
     t.expect(target.made(&back), || format!("the {moved} the drain paid could not be sent back"));
-    let whole = target.made(&send(target, t, 4, (&d.src, &d.dst), d.balance)?);
-    t.expect(whole, || {
-        format!("the drain no longer holds its {}: a walked-away key was paid twice", d.balance)
-    });
+    let whole = target.made(&send(target, t, salt + 4, (&d.src, &d.dst), d.balance)?);
+    t.expect(whole, || format!("the drain no longer holds its {}: a key was paid twice", d.balance));
     if whole {
-        let again = send(target, t, 5, (&d.dst, &d.src), d.balance)?;
+        let again = send(target, t, salt + 5, (&d.dst, &d.src), d.balance)?;
         t.expect(target.made(&again), || "the drain's balance could not be put back".into());
     }
     Ok(())

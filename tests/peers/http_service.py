@@ -5,6 +5,14 @@ HTTP server, an in-memory ledger (the accounts read once from --db) and key
 table behind one lock. Same flags as `idem serve` (--db, --listen,
 --clients); the first line on stdout is the URL, printed once it listens.
 
+Durable against its process's death, as `idem check --serve` needs: a
+transfer and its key's completion change the ledger under one hold of the
+lock, which then writes the whole state to DB.state.json (a new file
+renamed over the old: a SIGKILL leaves the one before or the one after);
+a restart reads it back. A claim in flight is not written: the process's
+death forgets it with the transfer it never made. SIGTERM stops taking
+connections, lets the requests being read or run finish, and exits.
+
 Correct with no --mistake. Some --mistake values are no mistake under the
 draft but a choice it leaves open, made the other way; the service stays
 correct and `idem check --url` must pass it, unless the profile declares the
@@ -51,15 +59,24 @@ it breaks:
                        before the key's one home, whose lease was 72 h)
   drop-on-hangup       a request whose client hung up keeps its writes and
                        frees its key: the retry pays again
+  claim-committed-apart the claim is written before the transfer runs (as
+                       idem's library once committed it apart, with a 72 h
+                       lease): a process killed mid-request leaves its key
+                       held for ever
+  sigterm-ignored      SIGTERM is ignored (a server as PID 1 with no handler):
+                       it never stops
+  shutdown-abandons    SIGTERM ends the process at once (Python's default
+                       with no handler): requests being read or run are
+                       dropped unanswered
 """
-import argparse, datetime, hashlib, http.server, json, os, select, socket, sqlite3, threading, time, traceback
+import argparse, datetime, hashlib, http.server, json, os, select, signal, socket, sqlite3, sys, threading, time
 
 CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after", "plain-errors", "bare-key-refused",
            "other-statuses", "replay-header-always"]
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
           "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
           "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500", "stuck-on-hangup",
-          "drop-on-hangup"]
+          "drop-on-hangup", "claim-committed-apart", "sigterm-ignored", "shutdown-abandons"]
 MISTAKES = CHOICES + ERRORS
 p = argparse.ArgumentParser()
 p.add_argument("--db", required=True)
@@ -69,11 +86,28 @@ p.add_argument("--mistake", choices=MISTAKES)
 a = p.parse_args()
 mistake = a.mistake
 clients = json.load(open(a.clients))
-with sqlite3.connect(a.db) as db:
-    balances = {str(k): v for k, v in db.execute("SELECT acct_id, balance FROM account")}
-keys = {}        # scope -> {"fp", "done", "status", "body", "transfer"}
-transfers = {}   # id -> (client, body text)
+STATE = a.db + ".state.json"
+keys = {}        # scope -> {"fp", "done", "status", "body"; "held": written while in flight}
+transfers = {}   # id -> [client, body text]
+if os.path.exists(STATE):
+    with open(STATE) as f:
+        saved = json.load(f)
+    balances, transfers = saved["balances"], saved["transfers"]
+    keys = {tuple(s.split("\x00", 1)): v for s, v in saved["keys"].items()}
+else:
+    with sqlite3.connect(a.db) as db:
+        balances = {str(k): v for k, v in db.execute("SELECT acct_id, balance FROM account")}
 lock = threading.Lock()
+running = [0]    # requests being read or run
+stopping = threading.Event()
+
+
+def save():
+    """Writes the state (the lock held): done keys, and claims marked held."""
+    kept = {"\x00".join(s): v for s, v in keys.items() if v["done"] or v.get("held")}
+    with open(STATE + ".new", "w") as f:
+        json.dump({"balances": balances, "keys": kept, "transfers": transfers}, f)
+    os.replace(STATE + ".new", STATE)
 
 
 def canonical(body):
@@ -148,6 +182,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.problem(404, "not_found")
 
     def do_POST(self):
+        with lock:
+            running[0] += 1
+        try:
+            self.post()
+        finally:
+            with lock:
+                running[0] -= 1
+            self.close_connection = self.close_connection or stopping.is_set()
+
+    def post(self):
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if mistake == "key-before-auth" and self.key() is None:
             return self.problem(400, "invalid_idempotency_key")
@@ -179,7 +223,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 seen = keys.get(scope)
             if seen is None:
                 time.sleep(0.05)  # the transfer is prepared meanwhile; a racer looks too
-                status, body = self.transfer(who, t)
+                with lock:
+                    status, body = self.transfer(who, t)
                 with lock:
                     keys[scope] = {"fp": fp, "done": True, "status": status, "body": body}
                 return self.answer(status, body, False)
@@ -187,7 +232,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with lock:
                 seen = keys.get(scope)
                 if seen is None:
-                    keys[scope] = {"fp": fp, "done": False}
+                    keys[scope] = {"fp": fp, "done": False, "held": mistake == "claim-committed-apart"}
+                    if mistake == "claim-committed-apart":
+                        save()
         if seen is not None:
             if seen["fp"] != fp and seen["fp"] and mistake != "no-fingerprint":
                 return self.problem(422, "fingerprint_mismatch")
@@ -201,22 +248,34 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 body = json.dumps(rebuilt)
             return self.answer(seen["status"], body, True)
         time.sleep(0.005)  # the transfer's own work
-        try:
-            status, body = self.transfer(who, t)
-        except KeyError:  # unknown-500: the framework's catch-all
+        read = None
+        if mistake == "lost-update":
             with lock:
+                read = balances.get(str(t["src"])), balances.get(str(t["dst"]))
+            time.sleep(0.02)
+        hung = mistake in ("stuck-on-hangup", "drop-on-hangup") and self.hung_up()
+        with lock:  # the transfer and its key's completion: one commit
+            try:
+                status, body = self.transfer(who, t, read)
+            except KeyError:  # unknown-500: the framework's catch-all
+                status = 500
                 del keys[scope]
-            return self.problem(500, "internal_error")
-        if mistake in ("stuck-on-hangup", "drop-on-hangup") and self.hung_up():
-            if mistake == "drop-on-hangup":
-                with lock:
+            if hung:  # the writes kept; the key held for ever, or freed
+                if mistake == "drop-on-hangup":
                     del keys[scope]
-            return
-        with lock:
-            if mistake == "in-flight-only" or status in (402, 404) and mistake == "refusals-not-stored":
+                else:
+                    keys[scope]["held"] = True
+            elif status == 500:
+                pass
+            elif mistake == "in-flight-only" or status in (402, 404) and mistake == "refusals-not-stored":
                 del keys[scope]
             else:
                 keys[scope] = {"fp": fp, "done": True, "status": status, "body": body}
+            save()
+        if hung:
+            return
+        if status == 500:
+            return self.problem(500, "internal_error")
         self.answer(status, body, False)
 
     def hung_up(self):
@@ -228,29 +287,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def transfer(self, who, t):
+    def transfer(self, who, t, read=None):
+        """Moves the money (the lock held); `read`: balances read before (lost-update)."""
         src, dst, amount = str(t["src"]), str(t["dst"]), t["amount"]
+        if (src not in balances or dst not in balances) and mistake != "unknown-500":
+            return 404, json.dumps({"reason": "unknown_account", "status": 404})
+        have = read[0] if mistake == "lost-update" else balances[src]
+        if have < amount:
+            return 402, json.dumps({"reason": "insufficient_funds", "status": 402})
         if mistake == "lost-update":
-            with lock:
-                seen = balances.get(src), balances.get(dst)
-            time.sleep(0.02)
-        with lock:
-            if (src not in balances or dst not in balances) and mistake != "unknown-500":
-                return 404, json.dumps({"reason": "unknown_account", "status": 404})
-            have = seen[0] if mistake == "lost-update" else balances[src]
-            if have < amount:
-                return 402, json.dumps({"reason": "insufficient_funds", "status": 402})
-            if mistake == "lost-update":
-                balances[src], balances[dst] = seen[0] - amount, seen[1] + amount
-            else:
-                balances[src] -= amount
-                balances[dst] += amount
-            tid = str(len(transfers) + 1)
-            body = json.dumps({"transfer_id": int(tid), "src": t["src"], "dst": t["dst"], "amount": amount,
-                               "currency": "KRW", "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                               "balance_after": balances[src]})
-            transfers[tid] = (who, body)
-            return 201, body
+            balances[src], balances[dst] = read[0] - amount, read[1] + amount
+        else:
+            balances[src] -= amount
+            balances[dst] += amount
+        tid = str(len(transfers) + 1)
+        body = json.dumps({"transfer_id": int(tid), "src": t["src"], "dst": t["dst"], "amount": amount,
+                           "currency": "KRW", "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                           "balance_after": balances[src]})
+        transfers[tid] = [who, body]
+        return 201, body
 
     def answer(self, status, body, replayed):
         marked = replayed and mistake != "no-replay-header" or mistake == "replay-header-always"
@@ -265,5 +320,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
 host, port = a.listen.rsplit(":", 1)
 server = http.server.ThreadingHTTPServer((host, int(port)), Handler)
 server.daemon_threads = True
+
+
+def stop(*_):
+    stopping.set()
+    threading.Thread(target=server.shutdown).start()
+
+
+if mistake == "sigterm-ignored":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+elif mistake != "shutdown-abandons":
+    signal.signal(signal.SIGTERM, stop)
 print(f"http://{host}:{server.server_address[1]}", flush=True)
 server.serve_forever()
+server.server_close()  # no more connections: those queued are refused
+until = time.monotonic() + 25
+while running[0] and time.monotonic() < until:
+    time.sleep(0.01)
+sys.exit(0)

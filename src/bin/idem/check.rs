@@ -16,6 +16,13 @@ use std::path::PathBuf;
 /// --url URL --token T [--token T2]: an HTTP service, judged by the IETF
 /// draft and DESIGN §2.
 ///
+/// --serve CMD: an HTTP service the check starts itself, on a fresh bank
+/// of its own (a SQLite file with the lab's `account` table) and a
+/// clients file, judged as --url is and, besides, through a SIGKILL under
+/// load and a restart, and a SIGTERM under load. In CMD, {db}, {clients},
+/// {listen} (127.0.0.1:PORT), {port} and {dir} are replaced; with none of
+/// them, `--db {db} --listen {listen} --clients {clients}` is appended.
+///
 /// --profile FILE: what the implementation chose where the contract
 /// leaves it open (JSON; see docs/check.md). Without one, idem's choices
 /// for --url, and for --engine every correct choice passes; a choice the
@@ -29,15 +36,17 @@ pub struct Check {
     #[arg(
         long,
         value_name = "CMD",
-        required_unless_present_any = ["url", "profile_template"],
-        conflicts_with = "url"
+        required_unless_present_any = ["url", "serve", "profile_template"],
+        conflicts_with_all = ["url", "serve"]
     )]
     engine: Option<String>,
     /// One more argument for the engine, taken as it is (repeatable).
     #[arg(long, value_name = "ARG", requires = "engine", allow_hyphen_values = true)]
     engine_arg: Vec<String>,
-    #[arg(long)]
+    #[arg(long, conflicts_with = "serve")]
     url: Option<String>,
+    #[arg(long, value_name = "CMD")]
+    serve: Option<String>,
     /// Bearer token(s): two of distinct clients check the scope.
     #[arg(long, requires = "url")]
     token: Vec<String>,
@@ -49,7 +58,7 @@ pub struct Check {
     #[arg(long)]
     profile: Option<PathBuf>,
     /// Print a profile with every field and its default, for TARGET (engine or url), and exit.
-    #[arg(long, value_name = "TARGET", value_parser = ["engine", "url"], conflicts_with_all = ["engine", "url", "profile"])]
+    #[arg(long, value_name = "TARGET", value_parser = ["engine", "url"], conflicts_with_all = ["engine", "url", "serve", "profile"])]
     profile_template: Option<String>,
     #[arg(long)]
     seed: Option<u64>,
@@ -64,7 +73,7 @@ pub struct Check {
 }
 
 pub fn check(
-    Check { engine, engine_arg, url, token, src, dst, profile, profile_template, seed, days, only }: Check,
+    Check { engine, engine_arg, url, serve, token, src, dst, profile, profile_template, seed, days, only }: Check,
 ) -> Result<(), Failure> {
     if let Some(target) = profile_template {
         let template = match target.as_str() {
@@ -76,6 +85,12 @@ pub fn check(
     }
     let seed = seed_or_clock(seed);
     let passed = match (engine, url) {
+        (None, None) if serve.is_some() => {
+            let serve = serve.unwrap_or_default();
+            say!("idem check --serve {serve:?} --seed {seed}");
+            let target = check::life::start(&serve, read_profile(profile)?, seed)?;
+            report(&check::judge(http::PROPERTIES.iter().chain(&check::life::PROPERTIES), &target, &only))?
+        }
         (Some(engine), _) => {
             let command = lab::command(&engine, &engine_arg)?;
             say!("idem check --engine {engine:?} --seed {seed}");
@@ -88,7 +103,7 @@ pub fn check(
             let target = http::Target::new(&url, token, src, dst, read_profile(profile)?, seed)?;
             report(&check::judge(&http::PROPERTIES, &target, &only))?
         }
-        (None, None) => return Err(Failure("give --engine or --url".into())),
+        (None, None) => return Err(Failure("give --engine, --url or --serve".into())),
     };
     match passed {
         true => Ok(()),

@@ -1,0 +1,424 @@
+//! `idem check --serve CMD`: the check starts the service itself, on a
+//! fresh bank of its own, and judges what only its process can show: a
+//! SIGKILL at a random moment under load, then a restart; a SIGTERM under
+//! load. Through both, every key's retry must execute once or replay
+//! what was answered before (no double payment, no key held past the
+//! lease), and a shutdown must answer every request it accepted.
+//!
+//! The bank is a SQLite file with the lab's `account` table (accounts `A`,
+//! rich; `B`, empty; `D`, the drain of the `--url` properties; `K` and
+//! `T`, one for each property here), and the clients a JSON file of token
+//! → client id (`tok-1` and `tok-1b` of `shop-1`, `tok-2` of `shop-2`).
+//! CMD is run in a process group of its own (a wrapper script's children
+//! get the signals too), its output kept in the check's directory.
+
+use super::http::{Drain, Http, Profile, Target, exchange, read_answer, transfer_body};
+use super::walk::{holds_all, paid_once, retried};
+use super::{CheckError, Property, Trace};
+use crate::rng::Rng;
+use serde_json::json;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// The service's process, as the check started it.
+pub struct Process {
+    command: Vec<String>,
+    child: Mutex<Option<Child>>,
+    log: PathBuf,
+    address: SocketAddr,
+    // the bank and the log live as long as the process
+    _dir: tempfile::TempDir,
+}
+
+/// The accounts the check's bank holds, and their balances.
+const ACCOUNTS: [(&str, i64); 5] = [("A", 1_000_000_000), ("B", 0), ("D", 800), ("K", PAID), ("T", PAID)];
+/// The tokens the check's clients file holds, and whose they are.
+const CLIENTS: [(&str, &str); 3] = [("tok-1", "shop-1"), ("tok-2", "shop-2"), ("tok-1b", "shop-1")];
+/// Keys a property sends, each of an amount 1, 2, … [`KEYS`].
+const KEYS: i64 = 24;
+/// What those keys pay together: the balance of each property's account.
+const PAID: i64 = KEYS * (KEYS + 1) / 2;
+/// Connections sending the load at once.
+const LANES: usize = 4;
+
+/// Starts `command` on a fresh bank, with `{db}`, `{clients}`, `{listen}`,
+/// `{port}` and `{dir}` in its words replaced (none of them: `--db {db}
+/// --listen {listen} --clients {clients}` are appended, `idem serve`'s
+/// flags); returns the target, with the profile's clients and drain the
+/// bank's own.
+pub fn start(command: &str, mut profile: Profile, seed: u64) -> Result<Target, CheckError> {
+    let words = shlex::split(command).ok_or_else(|| format!("--serve {command:?}: unbalanced quotes"))?;
+    if words.is_empty() {
+        return Err("--serve: the command is empty".into());
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("idem-check-serve-")
+        .tempdir()
+        .map_err(CheckError::io("a directory for the service"))?;
+    let db = dir.path().join("bank.db");
+    let conn = rusqlite::Connection::open(&db)?;
+    conn.execute_batch(crate::store::bank::ACCOUNT)?;
+    for (id, balance) in ACCOUNTS {
+        conn.execute("INSERT INTO account VALUES (?1, 'check', ?2)", (id, balance))?;
+    }
+    drop(conn);
+    let clients = dir.path().join("clients.json");
+    let map: serde_json::Map<String, serde_json::Value> =
+        CLIENTS.iter().map(|(t, c)| (t.to_string(), json!(c))).collect();
+    std::fs::write(&clients, serde_json::Value::Object(map).to_string())
+        .map_err(CheckError::io("writing the clients file"))?;
+    // a port free now, kept across restarts
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(CheckError::io("finding a free port"))?
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let fill = |w: &str| {
+        let dir = dir.path().display().to_string();
+        w.replace("{db}", &db.display().to_string())
+            .replace("{clients}", &clients.display().to_string())
+            .replace("{listen}", &listen)
+            .replace("{port}", &port.to_string())
+            .replace("{dir}", &dir)
+    };
+    let placed =
+        words.iter().any(|w| ["{db}", "{clients}", "{listen}", "{port}"].iter().any(|p| w.contains(p)));
+    let mut command: Vec<String> = words.iter().map(|w| fill(w)).collect();
+    if !placed {
+        command.extend(["--db", "{db}", "--listen", "{listen}", "--clients", "{clients}"].map(fill));
+    }
+    profile.clients = Some(CLIENTS.iter().map(|(t, c)| (t.to_string(), c.to_string())).collect());
+    profile.drain = Some(Drain { src: json!("D"), dst: json!("B"), balance: 800 });
+    let tokens = CLIENTS.iter().map(|(t, _)| t.to_string()).collect();
+    let mut target = Target::new(&format!("http://{listen}"), tokens, json!("A"), json!("B"), profile, seed)?;
+    let process = Process {
+        command,
+        child: Mutex::new(None),
+        log: dir.path().join("service.log"),
+        address: target.address,
+        _dir: dir,
+    };
+    process.spawn()?;
+    target.process = Some(process);
+    Ok(target)
+}
+
+impl Process {
+    /// Starts the command and waits until its port takes connections; how
+    /// long that took.
+    fn spawn(&self) -> Result<Duration, CheckError> {
+        use std::os::unix::process::CommandExt;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(CheckError::io("the service's log"))?;
+        let err = log.try_clone().map_err(CheckError::io("the service's log"))?;
+        let begun = Instant::now();
+        let mut child = Command::new(&self.command[0])
+            .args(&self.command[1..])
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .process_group(0)
+            .spawn()
+            .map_err(CheckError::io(format!("cannot run {}", self.command[0])))?;
+        while TcpStream::connect_timeout(&self.address, Duration::from_millis(200)).is_err() {
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_some() || begun.elapsed() > Duration::from_secs(30) {
+                let _ = child.kill();
+                let _ = child.wait();
+                let why = exited.map_or("did not listen within 30 s".into(), |s| format!("exited ({s})"));
+                return Err(format!("--serve: the service {why}; its output ends:\n{}", self.tail()).into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
+        Ok(begun.elapsed())
+    }
+
+    /// Sends `signal` to the service's process group.
+    #[allow(unsafe_code)] // kill(2) with SIGTERM, to a group: std's Child::kill sends SIGKILL to one
+    fn signal(&self, signal: libc::c_int) {
+        if let Some(child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            // the group the child leads (process_group(0)): a wrapper's children too
+            let group = -(child.id() as libc::pid_t);
+            // SAFETY: kill(2) takes plain integers and touches no memory of ours;
+            // the child is not reaped yet (we hold it), so its group id is not reused
+            unsafe { libc::kill(group, signal) };
+        }
+    }
+
+    /// Waits up to `limit` for the service to exit: its status, or `None`
+    /// if it is still running.
+    fn exited(&self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let until = Instant::now() + limit;
+        loop {
+            let mut slot = self.child.lock().unwrap_or_else(|e| e.into_inner());
+            match slot.as_mut().map(|c| c.try_wait()) {
+                Some(Ok(Some(status))) => {
+                    *slot = None;
+                    return Some(status);
+                }
+                None => return None,
+                _ if Instant::now() > until => return None,
+                _ => {}
+            }
+            drop(slot);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL, and the process reaped.
+    fn kill(&self) {
+        self.signal(libc::SIGKILL);
+        if let Some(mut child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = child.wait();
+        }
+    }
+
+    /// The last lines of the service's output, for an error.
+    fn tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(12)..].join("\n")
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The process the check started, or a SKIP saying it has none.
+fn process<'a>(target: &'a Target, t: &mut Trace) -> Option<&'a Process> {
+    if target.process.is_none() {
+        t.skip("needs --serve: the check starts the service to stop it");
+    }
+    target.process.as_ref()
+}
+
+/// The keys of one property: `KEYS` keys, key `i` paying `i` from `src`.
+fn keys(target: &Target, salt: u64) -> Vec<(String, i64)> {
+    (1..=KEYS).map(|i| (super::url::key(target, salt + i as u64), i)).collect()
+}
+
+fn headers(target: &Target, k: &str) -> [(&'static str, String); 2] {
+    [("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(k))]
+}
+
+/// Sends `keys` on [`LANES`] connections at once, one request each, and
+/// runs `stop` after `delay` (or once every answer is back); each key's
+/// answer, if one came.
+fn under_load(
+    target: &Target,
+    keys: &[(String, i64)],
+    src: &str,
+    delay: Duration,
+    stop: impl FnOnce(),
+) -> Vec<Option<Http>> {
+    let answered = AtomicUsize::new(0);
+    let lanes = keys.len().div_ceil(LANES);
+    std::thread::scope(|s| {
+        let runs: Vec<_> = keys
+            .chunks(lanes)
+            .map(|chunk| {
+                let answered = &answered;
+                s.spawn(move || {
+                    let sent = chunk.iter().map(|(k, amount)| {
+                        let body = transfer_body(&json!(src), &json!("B"), *amount);
+                        let got =
+                            exchange(target.address, &target.post_bytes(&headers(target, k), &body)).ok();
+                        answered.fetch_add(1, Ordering::SeqCst);
+                        got
+                    });
+                    sent.collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let until = Instant::now() + delay;
+        while answered.load(Ordering::SeqCst) < keys.len() && Instant::now() < until {
+            std::thread::yield_now();
+        }
+        stop();
+        runs.into_iter().flat_map(|r| r.join().unwrap_or_default()).collect()
+    })
+}
+
+/// Whether `h` ends its key's story (not in flight, not busy, not a 5xx).
+fn is_final(target: &Target, h: &Http) -> bool {
+    h.status != target.profile.in_flight_status && h.status != 429 && h.status < 500
+}
+
+/// After the restart: each key retried until final within the lease, made
+/// (the account holds what all of them pay), its earlier final answer
+/// replayed, and the money counted (each key paid once).
+fn settle(
+    target: &Target,
+    t: &mut Trace,
+    keys: &[(String, i64)],
+    before: &[Option<Http>],
+    drain: &Drain,
+    salt: u64,
+) -> Result<(), CheckError> {
+    let lease = Duration::from_secs(target.profile.lease_seconds);
+    let deadline = Instant::now() + lease;
+    let mut settled = true;
+    for ((k, amount), first) in keys.iter().zip(before) {
+        let body = transfer_body(&drain.src, &drain.dst, *amount);
+        let Some(last) = retried(target, &headers(target, k), &body, deadline) else {
+            settled = t.expect(false, || {
+                format!(
+                    "key {k} is still in flight {}s after the restart (the profile's lease_seconds)",
+                    lease.as_secs()
+                )
+            });
+            continue;
+        };
+        t.expect(target.made(&last), || {
+            format!("key {k} of {amount}: wanted a transfer made, got {}", last.short())
+        });
+        if let Some(first) = first.as_ref().filter(|f| is_final(target, f)) {
+            t.expect(target.replays(&last, first), || match last.body == first.body {
+                true => format!("key {k}: its answer after the restart is not marked as a replay"),
+                false => {
+                    format!("key {k}: answered {} before, {} after the restart", first.short(), last.short())
+                }
+            });
+        }
+    }
+    if !settled {
+        t.step("(keys left in flight: the money moved is not counted)");
+        return Ok(());
+    }
+    paid_once(target, t, drain, PAID, salt)
+}
+
+/// Rounds of [`LANES`] transfers at once, each ended by a SIGKILL at a
+/// random moment within two requests' time and a restart; then every key
+/// settled.
+fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
+    let Some(process) = process(target, t) else { return Ok(()) };
+    let mut rng = Rng::new(target.seed ^ 0x6b69_6c6c);
+    let drain = Drain { src: json!("K"), dst: json!("B"), balance: PAID };
+    let begun = Instant::now();
+    if !holds_all(target, t, &drain, 400)? {
+        return Err("the account K does not hold its balance: the check's bank was changed".into());
+    }
+    // how long one request takes here (the drain's two, sent one by one)
+    let unit = begun.elapsed() / 2;
+    let keys = keys(target, 500);
+    let (mut before, mut answered, mut restarts) = (Vec::new(), Vec::new(), Duration::ZERO);
+    for round in keys.chunks(LANES) {
+        let delay = unit.mul_f64(rng.below(2_000) as f64 / 1_000.0);
+        let mut got = under_load(target, round, "K", delay, || process.kill());
+        answered.push(got.iter().filter(|a| a.is_some()).count());
+        before.append(&mut got);
+        restarts = restarts.max(process.spawn()?);
+    }
+    t.step(format!(
+        "{KEYS} transfers, {LANES} at once, each round ended by SIGKILL within {} µs (two requests' time) and a restart (at most {} ms): answered before the kill {answered:?}",
+        2 * unit.as_micros(),
+        restarts.as_millis()
+    ));
+    settle(target, t, &keys, &before, &drain, 400)
+}
+
+/// Requests whose head and all but the last byte of the body are sent:
+/// the service has accepted each, and is reading it.
+fn half_sent(target: &Target, keys: &[(String, i64)]) -> Result<Vec<(TcpStream, u8)>, CheckError> {
+    keys.iter()
+        .map(|(k, amount)| {
+            let body = transfer_body(&json!("T"), &json!("B"), *amount);
+            let request = target.post_bytes(&headers(target, k), &body);
+            let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
+                .map_err(CheckError::io("connect"))?;
+            s.write_all(&request[..request.len() - 1]).map_err(CheckError::io("send"))?;
+            Ok((s, request[request.len() - 1]))
+        })
+        .collect()
+}
+
+/// SIGTERM under load, with four requests being read: the service must
+/// answer them and exit within the profile's shutdown_seconds; after a
+/// restart every key is settled.
+fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
+    let Some(process) = process(target, t) else { return Ok(()) };
+    let mut rng = Rng::new(target.seed ^ 0x7465_726d);
+    let drain = Drain { src: json!("T"), dst: json!("B"), balance: PAID };
+    let begun = Instant::now();
+    if !holds_all(target, t, &drain, 410)? {
+        return Err("the account T does not hold its balance: the check's bank was changed".into());
+    }
+    let unit = begun.elapsed() / 2;
+    let keys = keys(target, 600);
+    let (reading, loaded) = keys.split_at(4);
+    let mut open = half_sent(target, reading)?;
+    std::thread::sleep(Duration::from_millis(300));
+    // within the time the load takes, sent one request a lane at a time
+    let lanes = loaded.len().div_ceil(LANES) as u32;
+    let delay = (unit * lanes).mul_f64(rng.below(1_000) as f64 / 1_000.0);
+    let mut late = Vec::new();
+    let mut loads = under_load(target, loaded, "T", delay, || {
+        process.signal(libc::SIGTERM);
+        std::thread::sleep(Duration::from_millis(50));
+        // the last bytes of the requests the service was reading
+        for (s, last) in &mut open {
+            let sent = s.write_all(&[*last]).map_err(CheckError::io("send"));
+            late.push(sent.and_then(|()| {
+                s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
+                read_answer(s)
+            }));
+        }
+    });
+    let shutdown = Duration::from_secs(target.profile.shutdown_seconds);
+    let exited = process.exited(shutdown);
+    t.step(format!(
+        "4 requests being read, {} on {LANES} connections; SIGTERM after {} µs; the 4 read: {:?}; exit: {}",
+        loaded.len(),
+        delay.as_micros(),
+        late.iter().map(|a| a.as_ref().map_or("no answer".into(), Http::short)).collect::<Vec<_>>(),
+        exited.map_or("none".into(), |s| s.to_string())
+    ));
+    for ((k, _), answer) in reading.iter().zip(&late) {
+        t.expect(answer.is_ok(), || {
+            format!("key {k}: a request the service was reading at SIGTERM got no answer")
+        });
+    }
+    if exited.is_none() {
+        t.expect(false, || {
+            format!("still running {}s after SIGTERM (the profile's shutdown_seconds)", shutdown.as_secs())
+        });
+        process.kill();
+    }
+    process.spawn()?;
+    let mut before: Vec<Option<Http>> = late.into_iter().map(Result::ok).collect();
+    before.append(&mut loads);
+    settle(target, t, &keys, &before, &drain, 410)
+}
+
+macro_rules! property {
+    ($name:expr, $contract:expr, $judge:expr) => {
+        Property { name: $name, contract: $contract, judge: $judge }
+    };
+}
+
+/// The properties that need the service's process (`--serve`).
+pub static PROPERTIES: [Property<Target>; 2] = [
+    property!(
+        "a service killed under load and restarted pays every key once and replays what it answered",
+        "draft §1 and §2.6: the retry of a request must not repeat its effect, and a completed request's response is stored, so a crash (SIGKILL at a random moment) loses no answer given and holds no key past the lease (profile lease_seconds)",
+        killed
+    ),
+    property!(
+        "a service stopped (SIGTERM) under load answers what it accepted, exits, and loses nothing",
+        "RFC 9110 §9.2.2 and draft §2.6: a request accepted is answered or left undone, never half-done; a shutdown ends within the profile's shutdown_seconds, and after a restart every key replays or runs once",
+        terminated
+    ),
+];
