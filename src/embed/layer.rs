@@ -53,12 +53,13 @@ use super::sqlite::OnSqlite;
 use super::{Answer, Keys, Reply, Scope, Stop};
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
+use crate::store::keys::Kept;
 #[cfg(feature = "postgres")]
 use crate::store::reach::{Connector, Ready};
 use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
 use axum::extract::{FromRequestParts, OriginalUri, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
 use axum::response::Response;
 #[cfg(feature = "postgres")]
@@ -71,13 +72,14 @@ use tokio_postgres::Client;
 mod answer;
 mod key;
 mod service;
-pub use answer::problem;
-use answer::{answer_of, unavailable};
+use answer::{Business, answer_of, unavailable};
+pub use answer::{business, problem};
 pub use key::IdemKey;
 pub use service::{IdempotencyLayer, IdempotentService};
 
-/// Who the client is, from the request's headers (`None`: 401).
-type WhoIs = dyn Fn(&HeaderMap) -> Option<String> + Send + Sync;
+/// Who the client is, from the request's head: its headers, or what an
+/// auth layer before this one put in its extensions (`None`: 401).
+type WhoIs = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 
 /// The middleware's state: where keys live, the connections, and who the
 /// client is. Cheap to clone.
@@ -93,6 +95,10 @@ pub struct Idempotency {
     /// behind a slow handler, a client learns at once to come back rather
     /// than queueing without bound. Default 2 s.
     pub max_wait: std::time::Duration,
+    /// The headers of a stored answer that its replays carry besides
+    /// `Content-Type`, each value as the handler set it. Default:
+    /// `Location` (a created resource's address).
+    pub replayed_headers: Vec<HeaderName>,
 }
 
 #[derive(Clone)]
@@ -160,11 +166,35 @@ impl Idempotency {
             }
         };
         let max_wait = std::time::Duration::from_secs(2);
-        Ok(Idempotency { keys: Arc::new(keys), store, who: Arc::new(who), max_body: 64 * 1024, max_wait })
+        Ok(Idempotency {
+            keys: Arc::new(keys),
+            store,
+            who: Arc::new(move |parts: &Parts| who(&parts.headers)),
+            max_body: 64 * 1024,
+            max_wait,
+            replayed_headers: vec![header::LOCATION],
+        })
     }
 
-    /// A connection for one request (its transaction not yet begun), or
-    /// `None` when none is to be had.
+    /// The same state, naming the client from the request's whole head
+    /// instead of its headers alone: the claims an auth layer before this
+    /// one put in the request's extensions, say (`None`: 401).
+    ///
+    /// ```no_run
+    /// # use idem::embed::{Keys, layer::Idempotency};
+    /// #[derive(Clone)]
+    /// struct Claims { subject: String } // what the team's auth layer inserts
+    /// # async fn setup() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let idem = Idempotency::connect("shop.db", Keys::new("app_")?, 1, |_| None)
+    ///     .await?
+    ///     .who_from_parts(|parts| parts.extensions.get::<Claims>().map(|c| c.subject.clone()));
+    /// # Ok(()) }
+    /// ```
+    pub fn who_from_parts(mut self, who: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        self.who = Arc::new(who);
+        self
+    }
+
     /// A connection, or the answer when none is to be had: 503 `busy`
     /// past [`Idempotency::max_wait`], 503 `unavailable` if the database
     /// failed.
@@ -198,9 +228,9 @@ impl Idempotency {
 struct Held {
     conn: Conn,
     keys: Arc<Keys>,
-    /// The media type stored with the answer of the key's row, if the
-    /// claim found one.
-    content_type: Option<String>,
+    /// The media type and headers stored with the answer of the key's
+    /// row, if the claim found one.
+    kept: Kept,
     /// Whether the transaction may still be open: set until a COMMIT or
     /// ROLLBACK went through.
     open: bool,
@@ -270,21 +300,21 @@ impl KeySteps for OnSlot {
         accounts: Option<[&AcctId; 2]>,
     ) -> Result<Option<KeyRecord>, StoreError> {
         let mut slot = self.0.0.lock().await;
-        let Some(Held { conn, keys, content_type, .. }) = slot.as_mut() else { return Err(gone()) };
+        let Some(Held { conn, keys, kept, .. }) = slot.as_mut() else { return Err(gone()) };
         // BEGIN goes with the claim: one round trip on PostgreSQL
         let claimed;
-        (claimed, *content_type) = match conn {
+        (claimed, *kept) = match conn {
             #[cfg(feature = "postgres")]
             Conn::Pg(Some(c)) => {
                 let mut on = OnPg::new(&***c, keys, true);
-                (on.claim(key, claim, accounts).await, on.content_type)
+                (on.claim(key, claim, accounts).await, on.kept)
             }
             #[cfg(feature = "postgres")]
             Conn::Pg(None) => return Err(gone()),
             #[cfg(feature = "sqlite")]
             Conn::Sqlite(c) => {
                 let mut on = OnSqlite::new(c, &keys.sqlite, true);
-                (on.claim(key, claim, accounts).await, on.content_type)
+                (on.claim(key, claim, accounts).await, on.kept)
             }
         };
         claimed
@@ -407,28 +437,6 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
     }
 }
 
-/// Marks a handler's response as a business answer: stored with the key
-/// and replayed to its retries, whatever its status.
-///
-/// ```
-/// use axum::http::StatusCode;
-/// use axum::response::{IntoResponse, Response};
-/// use idem::embed::layer::business;
-///
-/// // a refusal its retries must meet again, not a fresh attempt
-/// fn insufficient_funds() -> Response {
-///     business((StatusCode::PAYMENT_REQUIRED, r#"{"reason":"insufficient_funds"}"#).into_response())
-/// }
-/// assert_eq!(insufficient_funds().status(), StatusCode::PAYMENT_REQUIRED);
-/// ```
-pub fn business(mut response: Response) -> Response {
-    response.extensions_mut().insert(Business);
-    response
-}
-
-#[derive(Clone, Copy)]
-struct Business;
-
 /// Who the client of a claimed request is (as the `who` function said), for
 /// the handler: `axum::Extension<Caller>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -447,7 +455,7 @@ where
     Fut: std::future::Future<Output = Response> + Send + 'static,
 {
     let (mut parts, body) = request.into_parts();
-    let Some(client) = (idem.who)(&parts.headers) else {
+    let Some(client) = (idem.who)(&parts) else {
         return problem(StatusCode::UNAUTHORIZED, "unauthorized", "Who the client is was not said.");
     };
     let key = match crate::request::idempotency_key(
@@ -511,7 +519,7 @@ async fn run<Fut: std::future::Future<Output = Response>>(
     };
     let Ok(token) = Keys::token::<()>() else { return unavailable() };
     let key = scope.key(&key);
-    let held = Held { conn, keys: idem.keys.clone(), content_type: None, open: true };
+    let held = Held { conn, keys: idem.keys.clone(), kept: (None, None), open: true };
     let tx = Tx(Arc::new(Mutex::new(Some(held))));
     let ctx = idem.keys.ctx(&token);
     let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
@@ -535,6 +543,11 @@ async fn run<Fut: std::future::Future<Output = Response>>(
         let mut answer = Answer::new(head.status.as_u16(), text);
         answer.content_type =
             head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
+        for name in &idem.replayed_headers {
+            for value in head.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
+                answer.headers.push((name.as_str().to_owned(), value.to_owned()));
+            }
+        }
         if !slot.complete_and_commit(&key, &token, &answer).await {
             // whether it committed is unknown: the retry replays it or runs it
             let why = "Whether it was done is unknown: retry.";
@@ -550,7 +563,7 @@ async fn run<Fut: std::future::Future<Output = Response>>(
     held.rollback().await;
     match conducted {
         Ok(Ok(response)) | Err(Stop::Work(response)) => response,
-        Ok(Err(decision)) => answer_of(Keys::decided(decision, held.content_type.take())),
+        Ok(Err(decision)) => answer_of(Keys::decided(decision, std::mem::take(&mut held.kept))),
         Err(Stop::Store(StoreError::Busy)) => answer_of(Reply::InFlight),
         Err(Stop::Store(_)) => unavailable(),
     }

@@ -46,6 +46,7 @@ use crate::protocol::{Ctx, Decision, fresh_token};
 use crate::request::ScopedKey;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use crate::store::KeyTable;
+use crate::store::keys::Kept;
 use crate::store::{Dialect, StoreError};
 use std::fmt;
 
@@ -103,23 +104,40 @@ pub struct Answer {
     /// The body's media type, when the work said one: a replay carries it
     /// as the first answer did (a stored refusal stays problem+json).
     pub content_type: Option<String>,
+    /// Other headers a replay carries as the first answer did, in order
+    /// (`Location`, say): name and value.
+    pub headers: Vec<(String, String)>,
 }
 
 impl Answer {
     /// An answer of `status` with `body`.
     pub fn new(status: u16, body: impl Into<String>) -> Answer {
-        Answer { status, body: body.into(), content_type: None }
+        Answer { status, body: body.into(), content_type: None, headers: Vec::new() }
     }
 
-    /// The answer as the key table stores it, and its media type.
-    fn stored(&self) -> (crate::store::Stored, Option<&str>) {
+    /// The answer as the key table stores it, its media type, and its
+    /// other headers as the `headers` column keeps them (JSON, or NULL).
+    fn stored(&self) -> (crate::store::Stored, Option<&str>, Option<String>) {
         let stored = crate::store::Stored {
             status: self.status,
             reason: None,
             body: self.body.clone(),
             transfer_id: None,
         };
-        (stored, self.content_type.as_deref())
+        let headers = (!self.headers.is_empty()).then(|| serde_json::json!(self.headers).to_string());
+        (stored, self.content_type.as_deref(), headers)
+    }
+
+    /// The same answer, with one more header for its replays to carry.
+    ///
+    /// ```
+    /// use idem::embed::Answer;
+    /// let made = Answer::new(201, r#"{"order":7}"#).header("Location", "/orders/7");
+    /// assert_eq!(made.headers, [("Location".to_owned(), "/orders/7".to_owned())]);
+    /// ```
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Answer {
+        self.headers.push((name.into(), value.into()));
+        self
     }
 
     /// The same answer, with the body's media type.
@@ -279,25 +297,27 @@ impl Keys {
     }
 
     /// The reply a decision on the key's row gives without running the work
-    /// (a replay carries the `content_type` stored with it).
-    fn decided(decision: Decision, content_type: Option<String>) -> Reply {
+    /// (a replay carries the `content_type` and headers `kept` with it).
+    fn decided(decision: Decision, (content_type, headers): Kept) -> Reply {
         match decision {
-            Decision::Replay(s) => Reply::Replayed(Answer { status: s.status, body: s.body, content_type }),
+            Decision::Replay(s) => {
+                // written by `Answer::stored`; a row of another hand's that is
+                // not a list of pairs replays with none
+                let headers = headers.and_then(|h| serde_json::from_str(&h).ok()).unwrap_or_default();
+                Reply::Replayed(Answer { status: s.status, body: s.body, content_type, headers })
+            }
             Decision::Mismatch => Reply::Mismatch,
             Decision::InProgress | Decision::TakeOver | Decision::Expired => Reply::InFlight,
         }
     }
 
     /// The reply of a run `protocol::conduct` conducted: the work's answer,
-    /// or the decision that answered instead (a replay carries the
-    /// `content_type` stored with it), or why there is none.
-    fn reply<E>(
-        conducted: Result<Result<Answer, Decision>, Stop<E>>,
-        content_type: Option<String>,
-    ) -> Result<Reply, Error<E>> {
+    /// or the decision that answered instead (a replay carries what was
+    /// `kept` with it), or why there is none.
+    fn reply<E>(conducted: Result<Result<Answer, Decision>, Stop<E>>, kept: Kept) -> Result<Reply, Error<E>> {
         match conducted {
             Ok(Ok(answer)) => Ok(Reply::Fresh(answer)),
-            Ok(Err(decision)) => Ok(Self::decided(decision, content_type)),
+            Ok(Err(decision)) => Ok(Self::decided(decision, kept)),
             // the claim waited past its bound on a racer's claim of the key
             Err(Stop::Store(StoreError::Busy)) => Ok(Reply::InFlight),
             Err(Stop::Store(e)) => Err(Error::Db(Box::new(e))),

@@ -15,7 +15,7 @@ use crate::clock::Timestamp;
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
 use crate::store::keys::pg::{self as key_sql, WAIT_AS_BEFORE, WAIT_FOR_CLAIM};
-use crate::store::keys::{self, KeyTable};
+use crate::store::keys::{self, Kept, KeyTable};
 use crate::store::{Claim, Failure, KeyRecord, KeySteps, StoreError};
 use std::time::Duration;
 use tokio_postgres::GenericClient;
@@ -44,14 +44,14 @@ pub(super) struct OnPg<'c, C> {
     wait: Duration,
     /// `BEGIN` first, sent with the claim
     begin: bool,
-    /// The media type stored with the answer of the key's row, if the
-    /// claim found one.
-    pub(super) content_type: Option<String>,
+    /// The media type and headers stored with the answer of the key's
+    /// row, if the claim found one.
+    pub(super) kept: Kept,
 }
 
 impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
     pub(super) fn new(c: &'c C, keys: &'c Keys, begin: bool) -> Self {
-        OnPg { c, table: &keys.pg, wait: keys.wait, begin, content_type: None }
+        OnPg { c, table: &keys.pg, wait: keys.wait, begin, kept: (None, None) }
     }
 
     /// [`OnPg::complete`] and `COMMIT`, sent together (one round trip);
@@ -71,9 +71,9 @@ impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
         token: &str,
         answer: &Answer,
     ) -> Result<(), StoreError> {
-        let (stored, media) = answer.stored();
-        let who = keys::who(key);
-        match key_sql::complete(self.c, self.table, who, token, &stored, media, Timestamp::now()).await {
+        let (stored, media, headers) = answer.stored();
+        let (who, kept) = (keys::who(key), (media, headers.as_deref()));
+        match key_sql::complete(self.c, self.table, who, token, &stored, kept, Timestamp::now()).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
             Err(e) => Err(failed(e)),
@@ -114,7 +114,7 @@ impl<C: GenericClient + Sync> KeySteps for OnPg<'_, C> {
         let Some(row) = key_sql::read_nowait(c, t, who).await.map_err(failed)? else {
             return Err(StoreError::Busy); // purged meanwhile: in flight, retry
         };
-        self.content_type = row.get(9);
+        self.kept = (row.get(9), row.get(10));
         key_sql::record(&row, 0).map(Some)
     }
 
@@ -203,7 +203,7 @@ impl Keys {
             Ok(answer)
         })
         .await;
-        let reply = Self::reply(conducted, lent.content_type.take())?;
+        let reply = Self::reply(conducted, std::mem::take(&mut lent.kept))?;
         // anything but a fresh answer wrote nothing: the dropped transaction rolls back
         if let Reply::Fresh(_) = reply {
             tx.commit().await.map_err(db)?;

@@ -11,7 +11,7 @@ use super::{Answer, Error, Keys, Reply, Stop};
 use crate::clock::Timestamp;
 use crate::protocol::{conduct, now};
 use crate::request::{AcctId, ScopedKey};
-use crate::store::keys::{self, sqlite as key_sql};
+use crate::store::keys::{self, Kept, sqlite as key_sql};
 use crate::store::{Claim, Failure, KeyRecord, KeySteps, KeyTable, StoreError};
 use rusqlite::TransactionBehavior;
 use std::ops::Deref;
@@ -33,21 +33,21 @@ pub(super) struct OnSqlite<'c, C> {
     /// `BEGIN IMMEDIATE` first: SQLite's write lock before any read, so no
     /// read is upgraded
     begin: bool,
-    /// The media type stored with the answer of the key's row, if the
-    /// claim found one.
-    pub(super) content_type: Option<String>,
+    /// The media type and headers stored with the answer of the key's
+    /// row, if the claim found one.
+    pub(super) kept: Kept,
 }
 
 impl<'c, C: Deref<Target = Connection>> OnSqlite<'c, C> {
     pub(super) fn new(conn: &'c mut C, table: &'c KeyTable, begin: bool) -> Self {
-        OnSqlite { conn, table, begin, content_type: None }
+        OnSqlite { conn, table, begin, kept: (None, None) }
     }
 
     /// Stores `answer` with the key `token` claimed (the caller commits).
     pub(super) fn complete(&self, key: &ScopedKey, token: &str, answer: &Answer) -> Result<(), StoreError> {
-        let (stored, media) = answer.stored();
-        let who = keys::who(key);
-        match key_sql::complete(self.conn, self.table, who, token, &stored, media, Timestamp::now()) {
+        let (stored, media, headers) = answer.stored();
+        let (who, kept) = (keys::who(key), (media, headers.as_deref()));
+        match key_sql::complete(self.conn, self.table, who, token, &stored, kept, Timestamp::now()) {
             Ok(true) => Ok(()),
             Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
             Err(e) => Err(failed(e)),
@@ -71,8 +71,8 @@ impl<C: Deref<Target = Connection>> KeySteps for OnSqlite<'_, C> {
         }
         // the primary key says the key exists: its committed row decides
         match key_sql::read(self.conn, self.table, who).map_err(failed)? {
-            Some((existing, content_type)) => {
-                self.content_type = content_type;
+            Some((existing, kept)) => {
+                self.kept = kept;
                 Ok(Some(existing))
             }
             None => Err(StoreError::Busy), // purged meanwhile: in flight, retry
@@ -128,7 +128,7 @@ impl Keys {
             lent.complete(&key, &token, &answer)?;
             Ok(answer)
         }));
-        let reply = Self::reply(conducted, lent.content_type.take())?;
+        let reply = Self::reply(conducted, std::mem::take(&mut lent.kept))?;
         // anything but a fresh answer wrote nothing: the dropped transaction rolls back
         if let Reply::Fresh(_) = reply {
             tx.commit().map_err(db)?;

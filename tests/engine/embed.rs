@@ -144,7 +144,18 @@ fn sqlite_a_key_table_of_version_1_is_upgraded_to_the_engines_shape() {
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .unwrap();
-    assert_eq!((state.as_str(), versions), ("completed,completed", 3));
+    assert_eq!((state.as_str(), versions), ("completed,completed", 4));
+    // version 4's `headers`: an answer's Location is replayed with it
+    let located = |tx: &idem::embed::sqlite::Transaction<'_>| {
+        pay_sqlite(3)(tx).map(|a| a.header("Location", "/movements/9"))
+    };
+    let first = keys.run_sqlite(&mut db, &me, "located", r#"{"cents":3}"#, located).unwrap();
+    let again = keys.run_sqlite(&mut db, &me, "located", r#"{"cents":3}"#, located).unwrap();
+    let (Reply::Fresh(first), Reply::Replayed(again)) = (first, again) else {
+        panic!("fresh, then replayed")
+    };
+    assert_eq!(again, first);
+    assert_eq!(again.headers, [("Location".to_owned(), "/movements/9".to_owned())]);
 }
 
 #[test]

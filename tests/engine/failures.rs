@@ -344,31 +344,36 @@ fn a_busy_execution_answers_503_and_frees_its_key() {
 }
 
 #[test]
-fn a_database_of_schema_version_1_is_upgraded_and_keeps_its_keys() {
-    for backend in backends() {
+fn a_database_of_schema_version_1_or_2_is_upgraded_and_keeps_its_keys() {
+    // version 1 had neither content_type nor headers; version 2 no headers
+    let versions = [(1, "DROP COLUMN content_type, DROP COLUMN headers"), (2, "DROP COLUMN headers")];
+    for (backend, (version, drop)) in backends().into_iter().flat_map(|b| versions.map(|v| (b, v))) {
         let mut rng = rng();
         let bank = Bank::on(backend, &mut rng, 2, false);
         let text = request("c", "/v1/transfers", "k", &bank.accounts[0], &bank.accounts[1], 5);
         let first = bank.send(&text);
         assert_eq!(first.status(), 201, "{backend:?}");
-        // back to version 1: the key table without content_type, as idem left it then
-        let downgrade = "ALTER TABLE idem_key DROP COLUMN content_type;";
+        // back to the old version: the key table as idem left it then
         match backend {
-            Backend::Sqlite => Connection::open(&bank.db)
-                .unwrap()
-                .execute_batch(&format!("{downgrade} PRAGMA user_version = 1;"))
-                .unwrap(),
+            Backend::Sqlite => {
+                let drops: Vec<String> =
+                    drop.split(", ").map(|d| format!("ALTER TABLE idem_key {d};")).collect();
+                Connection::open(&bank.db)
+                    .unwrap()
+                    .execute_batch(&format!("{} PRAGMA user_version = {version};", drops.concat()))
+                    .unwrap()
+            }
             _ => pg::execute(
                 &bank.spec(),
-                &format!("{downgrade} COMMENT ON TABLE idem_key IS 'idem schema 1'"),
+                &format!("ALTER TABLE idem_key {drop}; COMMENT ON TABLE idem_key IS 'idem schema {version}'"),
             ),
         }
         let again = bank.send(&text);
         assert!(again.replay() && again.raw_body() == first.raw_body(), "{backend:?}: {again:?}");
         let other = request("c", "/v1/transfers", "k2", &bank.accounts[0], &bank.accounts[1], 7);
         assert_eq!(bank.send(&other).status(), 201, "{backend:?}");
-        let typed = "SELECT count(*) FROM idem_key WHERE content_type IS NULL";
-        assert_eq!(bank.count(typed), 2, "{backend:?}: the column is back");
+        let typed = "SELECT count(*) FROM idem_key WHERE content_type IS NULL AND headers IS NULL";
+        assert_eq!(bank.count(typed), 2, "{backend:?} version {version}: the columns are back");
         assert_eq!(bank.transfers().len(), 2, "{backend:?}");
     }
 }

@@ -219,3 +219,114 @@ fn behind_a_slow_handler_a_request_is_told_to_come_back_within_the_wait_bound() 
     assert_eq!(slow.join().unwrap().status, 201);
     assert_eq!(send(address, "/orders", "q").status, 201, "its retry runs");
 }
+
+/// A replay carries the headers the first answer set that the layer keeps:
+/// `Location` by default, each value as the handler set it, and any header
+/// added to `replayed_headers`; one that is not named is not replayed. On
+/// both stores (the key table's `headers` column).
+#[test]
+fn a_replay_carries_the_location_and_the_headers_named_to_keep() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut dbs = vec![dir.path().join("headers.db").display().to_string()];
+    let server = crate::common::pg::server();
+    if let Some(server) = &server {
+        dbs.push(server.fresh_schema(false));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    for db in &dbs {
+        let runs = Arc::new(AtomicU64::new(0));
+        let counted = runs.clone();
+        let serve = |names: &'static [&'static str], prefix: &'static str| {
+            let (db, counted) = (db.clone(), counted.clone());
+            async move {
+                let mut idem =
+                    Idempotency::connect(&db, Keys::new(prefix).unwrap(), 2, |_| Some("c1".into()))
+                        .await
+                        .unwrap();
+                idem.replayed_headers.extend(names.iter().map(|n| n.parse().unwrap()));
+                let handler = move || {
+                    let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                    let location = format!("/orders/{n}");
+                    let headers =
+                        [("location", location), ("x-trace", format!("t{n}")), ("x-kept", format!("k{n}"))];
+                    async move { (StatusCode::CREATED, headers, format!(r#"{{"order":{n}}}"#)).into_response() }
+                };
+                let app = Router::new()
+                    .route("/orders", post(handler))
+                    .route_layer(from_fn_with_state(idem, idempotent));
+                listen(app).await
+            }
+        };
+        let plain = runtime.block_on(serve(&[], "hdr_"));
+        let first = send(plain, "/orders", "k1");
+        let again = send(plain, "/orders", "k1");
+        let kept = |h: &Http, name: &str| h.header(name).map(String::from);
+        assert_eq!((first.status, kept(&first, "location")), (201, Some("/orders/1".into())), "{db}");
+        assert!(replayed(&again), "{db}: {again:?}");
+        assert_eq!(kept(&again, "location"), Some("/orders/1".into()), "{db}: the Location was not replayed");
+        assert_eq!(kept(&again, "x-trace"), None, "{db}: a header not named was replayed");
+        let named = runtime.block_on(serve(&["x-kept"], "hdr2_"));
+        let first = send(named, "/orders", "k1");
+        let again = send(named, "/orders", "k1");
+        assert!(replayed(&again) && again.body == first.body, "{db}: {again:?}");
+        assert_eq!(
+            (kept(&again, "location"), kept(&again, "x-kept")),
+            (kept(&first, "location"), kept(&first, "x-kept")),
+            "{db}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{db}: each key ran once");
+    }
+}
+
+/// `who_from_parts`: the client named from what an auth layer before the
+/// idempotency layer put in the request's extensions (its claims), not
+/// from the headers again. Two subjects own distinct keys; a request the
+/// auth layer found no subject for is 401, and consumes nothing.
+#[test]
+fn the_client_can_come_from_an_auth_layers_claims() {
+    use axum::extract::Request;
+    use axum::middleware::{Next, from_fn};
+    #[derive(Clone)]
+    struct Claims(String);
+    async fn auth(mut request: Request, next: Next) -> axum::response::Response {
+        let subject =
+            request.headers().get("x-client").and_then(|v| v.to_str().ok()).map(|s| format!("sub-{s}"));
+        if let Some(subject) = subject {
+            request.extensions_mut().insert(Claims(subject));
+        }
+        next.run(request).await
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("claims.db").display().to_string();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let address = runtime.block_on(async {
+        let idem = Idempotency::connect(&db, Keys::new("claims_").unwrap(), 2, |_| None)
+            .await
+            .unwrap()
+            .who_from_parts(|parts| parts.extensions.get::<Claims>().map(|c| c.0.clone()));
+        let handler = |axum::Extension(key): axum::Extension<idem::embed::layer::IdemKey>| async move {
+            (StatusCode::CREATED, format!(r#"{{"client":"{}"}}"#, key.client)).into_response()
+        };
+        let app = Router::new()
+            .route("/orders", post(handler))
+            .route_layer(from_fn_with_state(idem, idempotent))
+            .layer(from_fn(auth));
+        listen(app).await
+    });
+    let one = send(address, "/orders", "k1");
+    assert_eq!((one.status, one.body.as_str()), (201, r#"{"client":"sub-c1"}"#));
+    let request = |client: &str| {
+        let body = r#"{"item":"tea"}"#;
+        format!(
+            "POST /orders HTTP/1.1\r\nHost: x\r\n{client}Idempotency-Key: \"k1\"\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let other = exchange(address, request("X-Client: c2\r\n").as_bytes()).unwrap();
+    assert_eq!((other.status, other.body.as_str(), replayed(&other)), (201, r#"{"client":"sub-c2"}"#, false));
+    let nobody = exchange(address, request("").as_bytes()).unwrap();
+    assert_eq!(nobody.status, 401, "{nobody:?}");
+    let again = send(address, "/orders", "k1");
+    assert!(replayed(&again) && again.body == one.body, "{again:?}");
+}

@@ -1,7 +1,7 @@
 //! The answers the layer gives itself: replays, refusals, problems.
 
 use crate::embed::Reply;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 /// A reply the layer gives without running the handler.
@@ -18,6 +18,14 @@ pub(super) fn answer_of(reply: Reply) -> Response {
                 media_type.unwrap_or(HeaderValue::from_static("application/json")),
             );
             h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+            // as the handler set them (a header that is not one now is left out)
+            for (name, value) in a.headers {
+                if let (Ok(name), Ok(value)) =
+                    (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(&value))
+                {
+                    h.append(name, value);
+                }
+            }
             r
         }
         Reply::InFlight => {
@@ -47,3 +55,25 @@ pub fn problem(status: StatusCode, reason: &str, detail: &str) -> Response {
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
     r
 }
+
+/// Marks a handler's response as a business answer: stored with the key
+/// and replayed to its retries, whatever its status.
+///
+/// ```
+/// use axum::http::StatusCode;
+/// use axum::response::{IntoResponse, Response};
+/// use idem::embed::layer::business;
+///
+/// // a refusal its retries must meet again, not a fresh attempt
+/// fn insufficient_funds() -> Response {
+///     business((StatusCode::PAYMENT_REQUIRED, r#"{"reason":"insufficient_funds"}"#).into_response())
+/// }
+/// assert_eq!(insufficient_funds().status(), StatusCode::PAYMENT_REQUIRED);
+/// ```
+pub fn business(mut response: Response) -> Response {
+    response.extensions_mut().insert(Business);
+    response
+}
+
+#[derive(Clone, Copy)]
+pub(super) struct Business;

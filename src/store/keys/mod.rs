@@ -14,8 +14,10 @@
 //! with their arguments and the reading of their rows.
 //!
 //! `content_type` is the stored answer's media type, which the library
-//! keeps (a refusal answered as problem+json replays as one); the engine's
-//! answers are JSON and leave it NULL.
+//! keeps (a refusal answered as problem+json replays as one), and `headers`
+//! the other headers of the answer it replays (`Location` by default), a
+//! JSON array of `[name, value]` pairs; the engine's answers are JSON with
+//! no header to replay, and leave both NULL.
 
 use super::record::{PURGEABLE, RECORD_COLUMNS};
 
@@ -23,6 +25,10 @@ use super::record::{PURGEABLE, RECORD_COLUMNS};
 pub(crate) mod pg;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
+
+/// What a completed key's row keeps for its replay besides the record:
+/// `content_type`, and `headers` (JSON).
+pub(crate) type Kept = (Option<String>, Option<String>);
 
 /// A key as the statements bind it: client, endpoint, key.
 pub(crate) type Who<'a> = [&'a str; 3];
@@ -50,7 +56,7 @@ pub struct KeyTable {
     /// `$4` fingerprint, `$5` token, `$6` created_at, `$7` lease_until;
     /// inserts the claim unless the key exists.
     pub insert_claim: String,
-    /// The key's record (`RECORD_COLUMNS`), then `content_type`.
+    /// The key's record (`RECORD_COLUMNS`), then `content_type`, `headers`.
     pub read: String,
     /// [`KeyTable::read`], the row locked without waiting (PostgreSQL).
     pub read_nowait: String,
@@ -58,8 +64,8 @@ pub struct KeyTable {
     /// are still the version seen.
     pub replace_claim: String,
     /// `$4` status, `$5` reason, `$6` body, `$7` transfer_id, `$8`
-    /// completed_at, `$10` content_type; only if `$9` token holds it in
-    /// progress.
+    /// completed_at, `$10` content_type, `$11` headers; only if `$9` token
+    /// holds it in progress.
     pub complete: String,
     /// Deletes the key if `$4` token holds it in progress.
     pub release: String,
@@ -86,19 +92,20 @@ impl KeyTable {
                  VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
                  ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING"
             ),
-            read: format!("SELECT {RECORD_COLUMNS}, content_type FROM {t} WHERE {KEY}"),
+            read: format!("SELECT {RECORD_COLUMNS}, content_type, headers FROM {t} WHERE {KEY}"),
             read_nowait: format!(
-                "SELECT {RECORD_COLUMNS}, content_type FROM {t} WHERE {KEY} FOR UPDATE NOWAIT"
+                "SELECT {RECORD_COLUMNS}, content_type, headers FROM {t} WHERE {KEY} FOR UPDATE NOWAIT"
             ),
             replace_claim: format!(
                 "UPDATE {t} SET fingerprint = $4, state = 'in_progress', token = $5,
                         created_at = $6, lease_until = $7, status = NULL, reason = NULL,
-                        body = NULL, transfer_id = NULL, completed_at = NULL, content_type = NULL
+                        body = NULL, transfer_id = NULL, completed_at = NULL, content_type = NULL,
+                        headers = NULL
                  WHERE {KEY} AND token = $8 AND state = $9"
             ),
             complete: format!(
                 "UPDATE {t} SET state = 'completed', status = $4, reason = $5, body = $6,
-                        transfer_id = $7, completed_at = $8, content_type = $10
+                        transfer_id = $7, completed_at = $8, content_type = $10, headers = $11
                  WHERE {KEY} AND state = 'in_progress' AND token = $9"
             ),
             release: format!("DELETE FROM {t} WHERE {KEY} AND state = 'in_progress' AND token = $4"),
@@ -147,6 +154,12 @@ impl KeyTable {
 
     /// Creates the table, without its index, if it is not there.
     pub fn create_table(&self, dialect: Dialect) -> String {
+        self.create_table_of(dialect, ",\n                 headers      text")
+    }
+
+    /// The same, of the shape before `headers` (`more` empty), or with the
+    /// columns `more` adds after `content_type`.
+    fn create_table_of(&self, dialect: Dialect, more: &str) -> String {
         // Times are RFC 3339 UTC text of fixed width; in the C collation text
         // order is time order, and the bytes are the same on both databases.
         let (time, id, rest) = match dialect {
@@ -168,7 +181,7 @@ impl KeyTable {
                  body         text,
                  transfer_id  {id} UNIQUE,
                  completed_at text,
-                 content_type text,
+                 content_type text{more},
                  PRIMARY KEY (client_id, endpoint, idem_key),
                  -- a completed key always has its response; only a completed key has a transfer
                  CHECK ((state = 'completed') = (status IS NOT NULL AND body IS NOT NULL AND completed_at IS NOT NULL)),
@@ -185,7 +198,7 @@ impl KeyTable {
 /// rows of versions 1 and 2, each committed with its answer, carried over
 /// as completed keys, and a claim left without one (an abandoned request
 /// whose transaction was committed by another) as a claim whose lease has
-/// run out, which the next request takes over.
+/// run out, which the next request takes over. Version 4 adds `headers`.
 pub(crate) fn migrations(table: &str, index: &str, dialect: Dialect) -> Vec<String> {
     let t = table;
     let next = KeyTable::new(&format!("{t}_v3"), dialect);
@@ -217,9 +230,10 @@ pub(crate) fn migrations(table: &str, index: &str, dialect: Dialect) -> Vec<Stri
              DROP TABLE {t};
              ALTER TABLE {n} RENAME TO {short};
              CREATE INDEX IF NOT EXISTS {index} ON {t} (created_at)",
-            next.create_table(dialect),
+            next.create_table_of(dialect, ""),
             n = next.name,
         ),
+        format!("ALTER TABLE {t} ADD COLUMN headers TEXT"),
     ]
 }
 

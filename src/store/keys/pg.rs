@@ -92,7 +92,7 @@ pub(crate) async fn complete<C: GenericClient + Sync>(
     who: Who<'_>,
     token: &str,
     answer: &Stored,
-    content_type: Option<&str>,
+    (content_type, headers): (Option<&str>, Option<&str>),
     at: Timestamp,
 ) -> Result<bool, tokio_postgres::Error> {
     let (status, at) = (i32::from(answer.status), at.to_string());
@@ -106,6 +106,7 @@ pub(crate) async fn complete<C: GenericClient + Sync>(
         (&at, Type::TEXT),
         (&token, Type::TEXT),
         (&content_type, Type::TEXT),
+        (&headers, Type::TEXT),
     ]);
     Ok(c.execute_typed(&t.complete, &args).await? == 1)
 }

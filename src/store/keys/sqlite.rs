@@ -1,7 +1,7 @@
 //! The key table's statements run on a SQLite connection the caller lends,
 //! inside the write transaction the caller holds (`BEGIN IMMEDIATE`).
 
-use super::{KeyTable, Who};
+use super::{Kept, KeyTable, Who};
 use crate::clock::Timestamp;
 use crate::store::{Claim, KeyRecord, KeyRow, Stored};
 use rusqlite::{Connection, OptionalExtension, Row, ToSql};
@@ -24,12 +24,8 @@ pub(crate) fn record(r: &Row, at: usize) -> rusqlite::Result<KeyRecord> {
 }
 
 /// The key's record and its answer's media type, if the key exists.
-pub(crate) fn read(
-    conn: &Connection,
-    t: &KeyTable,
-    who: Who,
-) -> rusqlite::Result<Option<(KeyRecord, Option<String>)>> {
-    conn.prepare_cached(&t.read)?.query_row(who, |r| Ok((record(r, 0)?, r.get(9)?))).optional()
+pub(crate) fn read(conn: &Connection, t: &KeyTable, who: Who) -> rusqlite::Result<Option<(KeyRecord, Kept)>> {
+    conn.prepare_cached(&t.read)?.query_row(who, |r| Ok((record(r, 0)?, (r.get(9)?, r.get(10)?)))).optional()
 }
 
 /// Inserts `claim` unless the key exists (`false`: it does).
@@ -75,7 +71,7 @@ pub(crate) fn complete(
     who: Who,
     token: &str,
     answer: &Stored,
-    content_type: Option<&str>,
+    (content_type, headers): (Option<&str>, Option<&str>),
     at: Timestamp,
 ) -> rusqlite::Result<bool> {
     let reason = answer.reason.as_ref().map(ToString::to_string);
@@ -90,6 +86,7 @@ pub(crate) fn complete(
         at.to_string(),
         token,
         content_type,
+        headers,
     ])?;
     Ok(done == 1)
 }

@@ -359,7 +359,7 @@ impl Tx for PgTx<'_> {
         at: Timestamp,
     ) -> Result<bool, StoreError> {
         // the engine's answers are JSON: no media type of their own
-        let complete = |c| key_sql::complete(c, keys(), who(key), token, response, None, at);
+        let complete = |c| key_sql::complete(c, keys(), who(key), token, response, (None, None), at);
         self.client.run(complete).map_err(pg)
     }
 

@@ -4,12 +4,13 @@
 use super::*;
 
 /// The comment that marks `idem_key` as this schema version.
-/// Version 2 added `content_type`, the key table's one shape
-/// (`store::keys`); a table of version 1 is upgraded on connect.
-pub(super) const SCHEMA_MARK: &str = "idem schema 2";
+/// Version 2 added `content_type` and version 3 `headers`, the key table's
+/// one shape (`store::keys`); a table of an older version is upgraded on
+/// connect.
+pub(super) const SCHEMA_MARK: &str = "idem schema 3";
 
-/// The mark of version 1, which a connection upgrades.
-const SCHEMA_MARK_1: &str = "idem schema 1";
+/// The marks of the versions a connection upgrades.
+const OLDER_MARKS: [&str; 2] = ["idem schema 1", "idem schema 2"];
 
 /// Any constant: serialises schema creation across racing first calls.
 pub(super) const SCHEMA_LOCK: i64 = 0x1de3_5c4e_3a00_0001;
@@ -117,7 +118,9 @@ pub(super) fn create_schema(client: &mut Client, shape: &Shape) -> Result<(), St
         tx.query_one("SELECT obj_description(to_regclass('idem_key'), 'pg_class')", &[]).map_err(pg)?.get(0);
     let upgrade = match mark.as_deref() {
         Some(SCHEMA_MARK) => return Ok(()), // another first call got here first
-        Some(SCHEMA_MARK_1) => "ALTER TABLE idem_key ADD COLUMN content_type text;",
+        Some(old) if OLDER_MARKS.contains(&old) => {
+            "ALTER TABLE idem_key ADD COLUMN IF NOT EXISTS content_type text, ADD COLUMN IF NOT EXISTS headers text;"
+        }
         Some(other) if !other.is_empty() => {
             return Err(StoreError::Schema(format!(
                 "idem_key is marked {other:?}; this idem understands {SCHEMA_MARK:?}"

@@ -325,7 +325,7 @@ impl Tx for SqliteTx<'_> {
         at: Timestamp,
     ) -> Result<bool, StoreError> {
         // the engine's answers are JSON: no media type of their own
-        key_sql::complete(self.conn, keys(), who(key), token, response, None, at).map_err(backend)
+        key_sql::complete(self.conn, keys(), who(key), token, response, (None, None), at).map_err(backend)
     }
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {

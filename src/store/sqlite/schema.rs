@@ -5,9 +5,10 @@
 use super::*;
 
 /// Bumped whenever the tables below change shape.
-/// Version 2 added `idem_key.content_type`, the key table's one shape
-/// (`store::keys`); a file of version 1 is upgraded on open.
-pub const SCHEMA_VERSION: i64 = 2;
+/// Version 2 added `idem_key.content_type` and version 3 `idem_key.headers`,
+/// the key table's one shape (`store::keys`); a file of an older version is
+/// upgraded on open.
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// The engine's tables besides the key table, whose shape is `store::keys`'s.
 pub(super) const SCHEMA: &str = "
@@ -99,9 +100,13 @@ pub(super) fn create_schema(conn: &Connection) -> Result<(), StoreError> {
         if user_version(conn)? < SCHEMA_VERSION {
             conn.execute_batch(SCHEMA).map_err(backend)?;
             conn.execute_batch(&keys().create("idem_key_created_at", Dialect::Sqlite)).map_err(backend)?;
-            // a table of version 1, or the file's own of the engine's shape
-            if !columns(conn, "idem_key")?.iter().any(|c| c == "content_type") {
-                conn.execute_batch("ALTER TABLE idem_key ADD COLUMN content_type TEXT").map_err(backend)?;
+            // a table of an older version, or the file's own of the engine's shape
+            let have = columns(conn, "idem_key")?;
+            for added in ["content_type", "headers"] {
+                if !have.iter().any(|c| c == added) {
+                    let add = format!("ALTER TABLE idem_key ADD COLUMN {added} TEXT");
+                    conn.execute_batch(&add).map_err(backend)?;
+                }
             }
             conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(backend)?;
         }
