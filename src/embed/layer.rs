@@ -54,12 +54,10 @@ use super::{Answer, Keys, Reply, Scope, Stop};
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
 use crate::store::keys::Kept;
-#[cfg(feature = "postgres")]
-use crate::store::reach::{Connector, Ready};
 use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
 use axum::extract::{FromRequestParts, OriginalUri, Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header, request::Parts};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
 use axum::response::Response;
 #[cfg(feature = "postgres")]
@@ -71,10 +69,13 @@ use tokio_postgres::Client;
 
 mod answer;
 mod key;
+mod lend;
 mod service;
 use answer::{Business, answer_of, unavailable};
 pub use answer::{business, problem};
 pub use key::IdemKey;
+#[cfg(feature = "postgres")]
+use lend::Lend;
 pub use service::{IdempotencyLayer, IdempotentService};
 
 /// Who the client is, from the request's head: its headers, or what an
@@ -104,78 +105,12 @@ pub struct Idempotency {
 #[derive(Clone)]
 enum Store {
     #[cfg(feature = "postgres")]
-    Pg(managed::Pool<Connector<Plain>>),
+    Pg(managed::Pool<Lend>),
     #[cfg(feature = "sqlite")]
     Sqlite(Arc<Mutex<rusqlite::Connection>>),
 }
 
-/// The layer's PostgreSQL connections are the caller's own: nothing is
-/// set on them, nothing prepared (`reach::Connector` makes them).
-#[cfg(feature = "postgres")]
-struct Plain;
-
-#[cfg(feature = "postgres")]
-impl Ready for Plain {
-    type Conn = Client;
-
-    async fn ready(&self, client: Client) -> Result<Client, tokio_postgres::Error> {
-        Ok(client)
-    }
-
-    fn usable(&self, client: &Client) -> bool {
-        !client.is_closed()
-    }
-}
-
 impl Idempotency {
-    /// The middleware's state over `db`: a PostgreSQL connection string
-    /// (libpq `key=value` or a URL; at most `connections` at once) or else a
-    /// SQLite file. Builds the key table if it is not there. `who` names the
-    /// client of a request from its headers, as the service authenticates it.
-    // on SQLite alone, `connections` has nothing to bound: one connection
-    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
-    pub async fn connect(
-        db: &str,
-        keys: Keys,
-        connections: usize,
-        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
-    ) -> Result<Idempotency, Box<dyn std::error::Error + Send + Sync>> {
-        let store = match crate::store::Db::parse(db) {
-            #[cfg(feature = "postgres")]
-            crate::store::Db::Postgres(spec) => {
-                let connector = Connector::with(&spec, crate::policy::Policy::embedded(), Plain)?;
-                let pool = connector.pool_of(connections, std::time::Duration::from_secs(5))?;
-                let mut first = pool.get().await.map_err(|e| e.to_string())?;
-                keys.migrate_pg(&mut first).await?;
-                Store::Pg(pool)
-            }
-            #[cfg(feature = "sqlite")]
-            crate::store::Db::Sqlite(path) => {
-                let conn = rusqlite::Connection::open(path)?;
-                conn.busy_timeout(std::time::Duration::from_secs(5))?;
-                conn.pragma_update(None, "journal_mode", "WAL")?;
-                keys.migrate_sqlite(&conn)?;
-                Store::Sqlite(Arc::new(Mutex::new(conn)))
-            }
-            #[allow(unreachable_patterns)] // with both stores built, none is left
-            _ => {
-                return Err(
-                    "this build of idem has no store for that database (features `postgres`, `sqlite`)"
-                        .into(),
-                );
-            }
-        };
-        let max_wait = std::time::Duration::from_secs(2);
-        Ok(Idempotency {
-            keys: Arc::new(keys),
-            store,
-            who: Arc::new(move |parts: &Parts| who(&parts.headers)),
-            max_body: 64 * 1024,
-            max_wait,
-            replayed_headers: vec![header::LOCATION],
-        })
-    }
-
     /// The same state, naming the client from the request's whole head
     /// instead of its headers alone: the claims an auth layer before this
     /// one put in the request's extensions, say (`None`: 401).
@@ -239,7 +174,7 @@ struct Held {
 enum Conn {
     // `None` only once dropped
     #[cfg(feature = "postgres")]
-    Pg(Option<Box<managed::Object<Connector<Plain>>>>),
+    Pg(Option<Box<managed::Object<Lend>>>),
     #[cfg(feature = "sqlite")]
     Sqlite(OwnedMutexGuard<rusqlite::Connection>),
 }

@@ -330,3 +330,79 @@ fn the_client_can_come_from_an_auth_layers_claims() {
     let again = send(address, "/orders", "k1");
     assert!(replayed(&again) && again.body == one.body, "{again:?}");
 }
+
+/// The application's own connections: on SQLite the one connection its
+/// other routes lock too (in memory here, so a second connection of the
+/// layer's would see an empty database), on PostgreSQL connections made by
+/// its own function (a session setting of its own, which the handler
+/// reads back). Each key runs once and replays, and the application's own
+/// route sees the layer's writes on the same connection.
+#[test]
+fn the_layer_runs_on_the_applications_own_connections() {
+    use axum::extract::State;
+    use axum::routing::get;
+    use idem::embed::layer::Tx;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    // SQLite: one in-memory connection, shared
+    let address = runtime.block_on(async {
+        let db = rusqlite::Connection::open_in_memory().unwrap();
+        db.execute_batch("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT)").unwrap();
+        let db = Arc::new(tokio::sync::Mutex::new(db));
+        let idem = Idempotency::on_sqlite(db.clone(), Keys::new("own_").unwrap(), |_| Some("c1".into()))
+            .await
+            .unwrap();
+        let order = |tx: Tx| async move {
+            let c = tx.sqlite().await.unwrap();
+            c.execute("INSERT INTO orders (item) VALUES ('tea')", []).unwrap();
+            (StatusCode::CREATED, format!(r#"{{"order":{}}}"#, c.last_insert_rowid())).into_response()
+        };
+        let count = |State(db): State<Arc<tokio::sync::Mutex<rusqlite::Connection>>>| async move {
+            let n: i64 = db.lock().await.query_row("SELECT count(*) FROM orders", [], |r| r.get(0)).unwrap();
+            n.to_string()
+        };
+        let app = Router::new()
+            .route("/orders", post(order))
+            .route_layer(from_fn_with_state(idem, idempotent))
+            .route("/count", get(count))
+            .with_state(db);
+        listen(app).await
+    });
+    let first = send(address, "/orders", "k1");
+    let again = send(address, "/orders", "k1");
+    assert_eq!((first.status, first.body.as_str()), (201, r#"{"order":1}"#));
+    assert!(replayed(&again) && again.body == first.body, "{again:?}");
+    let count = exchange(address, b"GET /count HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    assert_eq!(count.body, "1", "the application's own route reads the layer's write");
+    // PostgreSQL: the application's own way of connecting
+    let Some(server) = crate::common::pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    let made = Arc::new(AtomicU64::new(0));
+    let counted = made.clone();
+    let address = runtime.block_on(async move {
+        let make = move || {
+            let (spec, counted) = (spec.clone(), counted.clone());
+            async move {
+                let (client, connection) = tokio_postgres::connect(&spec, tokio_postgres::NoTls).await?;
+                tokio::spawn(connection);
+                client.batch_execute("SET application_name = 'the_team'").await?;
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, tokio_postgres::Error>(client)
+            }
+        };
+        let idem = Idempotency::on_postgres(make, Keys::new("own_").unwrap(), 2, |_| Some("c1".into()))
+            .await
+            .unwrap();
+        let order = |tx: Tx| async move {
+            let c = tx.client().await.unwrap();
+            let name: String = c.query_one("SHOW application_name", &[]).await.unwrap().get(0);
+            (StatusCode::CREATED, format!(r#"{{"session":"{name}"}}"#)).into_response()
+        };
+        listen(Router::new().route("/orders", post(order)).route_layer(from_fn_with_state(idem, idempotent)))
+            .await
+    });
+    let first = send(address, "/orders", "k1");
+    let again = send(address, "/orders", "k1");
+    assert_eq!((first.status, first.body.as_str()), (201, r#"{"session":"the_team"}"#));
+    assert!(replayed(&again) && again.body == first.body, "{again:?}");
+    assert!(made.load(Ordering::SeqCst) >= 1);
+}

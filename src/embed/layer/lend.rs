@@ -1,0 +1,185 @@
+//! The connections the layer runs its requests on: its own, made from a
+//! connection string, or the application's own (a SQLite connection it
+//! shares, a way of making PostgreSQL connections it already has, TLS and
+//! all), so that the layer opens nothing beside the application's pool.
+
+use super::{Idempotency, Store};
+use crate::embed::Keys;
+use axum::http::{HeaderMap, header, request::Parts};
+use std::sync::Arc;
+#[cfg(feature = "sqlite")]
+use tokio::sync::Mutex;
+#[cfg(feature = "postgres")]
+use {
+    crate::store::StoreError, deadpool::managed, std::future::Future, std::pin::Pin, tokio_postgres::Client,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Makes one PostgreSQL connection of the layer's pool.
+#[cfg(feature = "postgres")]
+type Make = dyn Fn() -> Pin<Box<dyn Future<Output = Result<Client, StoreError>> + Send>> + Send + Sync;
+
+/// The manager of the layer's PostgreSQL pool (deadpool's): a connection
+/// comes from the maker, and goes back only if it is not closed (one whose
+/// transaction a request left open is never returned: `Held`'s drop).
+#[cfg(feature = "postgres")]
+pub(super) struct Lend(Box<Make>);
+
+#[cfg(feature = "postgres")]
+impl managed::Manager for Lend {
+    type Type = Client;
+    type Error = StoreError;
+
+    async fn create(&self) -> Result<Client, StoreError> {
+        (self.0)().await
+    }
+
+    async fn recycle(&self, client: &mut Client, _: &managed::Metrics) -> managed::RecycleResult<StoreError> {
+        match client.is_closed() {
+            false => Ok(()),
+            true => Err(managed::RecycleError::message("the connection is closed")),
+        }
+    }
+}
+
+impl Idempotency {
+    /// The middleware's state over `db`: a PostgreSQL connection string
+    /// (libpq `key=value` or a URL; at most `connections` at once) or else a
+    /// SQLite file. Builds the key table if it is not there. `who` names the
+    /// client of a request from its headers, as the service authenticates it.
+    /// To lend the application's own connections instead, see
+    /// [`Idempotency::on_postgres`] and [`Idempotency::on_sqlite`].
+    // on SQLite alone, `connections` has nothing to bound: one connection
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
+    pub async fn connect(
+        db: &str,
+        keys: Keys,
+        connections: usize,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, BoxError> {
+        match crate::store::Db::parse(db) {
+            #[cfg(feature = "postgres")]
+            crate::store::Db::Postgres(spec) => {
+                use crate::store::reach;
+                let config = reach::configure(&spec, crate::policy::Policy::embedded())?;
+                let config = Arc::new((config, spec));
+                let make = move || {
+                    let config = config.clone();
+                    // a database that cannot be reached now is away: 503, not a 500
+                    async move {
+                        reach::connect(&config.0, &config.1)
+                            .await
+                            .map_err(|e| StoreError::Unavailable(e.to_string()))
+                    }
+                };
+                Idempotency::on_postgres(make, keys, connections, who).await
+            }
+            #[cfg(feature = "sqlite")]
+            crate::store::Db::Sqlite(path) => {
+                let conn = rusqlite::Connection::open(path)?;
+                conn.busy_timeout(std::time::Duration::from_secs(5))?;
+                conn.pragma_update(None, "journal_mode", "WAL")?;
+                Idempotency::on_sqlite(Arc::new(Mutex::new(conn)), keys, who).await
+            }
+            #[allow(unreachable_patterns)] // with both stores built, none is left
+            _ => {
+                Err("this build of idem has no store for that database (features `postgres`, `sqlite`)"
+                    .into())
+            }
+        }
+    }
+
+    /// The middleware's state on the application's own PostgreSQL
+    /// connections: `make` connects one as the application does (its TLS,
+    /// its session settings) and spawns its connection task; the layer
+    /// keeps at most `connections` of them in a pool of its own, and builds
+    /// the key table if it is not there.
+    ///
+    /// ```no_run
+    /// # use idem::embed::{Keys, layer::Idempotency};
+    /// # async fn setup() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let make = || async {
+    ///     let (client, connection) =
+    ///         tokio_postgres::connect("host=/run/postgresql dbname=app", tokio_postgres::NoTls).await?;
+    ///     tokio::spawn(connection);
+    ///     Ok::<_, tokio_postgres::Error>(client)
+    /// };
+    /// let idem = Idempotency::on_postgres(make, Keys::new("app_")?, 16, |headers| {
+    ///     headers.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+    /// })
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub async fn on_postgres<F, Fut, E>(
+        make: F,
+        keys: Keys,
+        connections: usize,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, BoxError>
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Client, E>> + Send + 'static,
+        E: std::fmt::Display + 'static,
+    {
+        let make = move || -> Pin<Box<dyn Future<Output = Result<Client, StoreError>> + Send>> {
+            let made = make();
+            Box::pin(async move { made.await.map_err(|e| StoreError::Unavailable(e.to_string())) })
+        };
+        let wait = std::time::Duration::from_secs(5);
+        let pool: managed::Pool<Lend> = managed::Pool::builder(Lend(Box::new(make)))
+            .max_size(connections.max(1))
+            .wait_timeout(Some(wait))
+            .create_timeout(Some(wait * 2))
+            .runtime(deadpool::Runtime::Tokio1)
+            .build()?;
+        let mut first = pool.get().await.map_err(|e| e.to_string())?;
+        keys.migrate_pg(&mut first).await?;
+        drop(first);
+        Ok(Idempotency::with(Store::Pg(pool), keys, who))
+    }
+
+    /// The middleware's state on the application's own SQLite connection,
+    /// which its other routes lock too: a request holds it from its claim
+    /// to its commit, so the application never sees a request's writes
+    /// half done. Builds the key table if it is not there. The connection
+    /// is the application's to configure (WAL, `busy_timeout`).
+    ///
+    /// ```
+    /// # use idem::embed::{Keys, layer::Idempotency};
+    /// # use std::sync::Arc;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let db = Arc::new(tokio::sync::Mutex::new(rusqlite::Connection::open_in_memory()?));
+    /// let idem = Idempotency::on_sqlite(db.clone(), Keys::new("app_")?, |_| Some("c1".into())).await?;
+    /// // the application's own routes lock `db` as they always did
+    /// let tables: i64 = db.lock().await.query_row("SELECT count(*) FROM app_idem_keys", [], |r| r.get(0))?;
+    /// assert_eq!(tables, 0);
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "sqlite")]
+    pub async fn on_sqlite(
+        conn: Arc<Mutex<rusqlite::Connection>>,
+        keys: Keys,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, BoxError> {
+        keys.migrate_sqlite(&*conn.lock().await)?;
+        Ok(Idempotency::with(Store::Sqlite(conn), keys, who))
+    }
+
+    fn with(
+        store: Store,
+        keys: Keys,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        Idempotency {
+            keys: Arc::new(keys),
+            store,
+            who: Arc::new(move |parts: &Parts| who(&parts.headers)),
+            max_body: 64 * 1024,
+            max_wait: std::time::Duration::from_secs(2),
+            replayed_headers: vec![header::LOCATION],
+        }
+    }
+}
