@@ -425,7 +425,8 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         // its hang-up retries replay after other money moved on some seeds
         ("recompute", &["replay", "reorder"], &["hang up"]),
         ("lookup-insert", &["race"], &[]),
-        ("invalid-consumes", &["400"], &[]),
+        // a request cut before its last byte is malformed: its 400 is stored too
+        ("invalid-consumes", &["400"], &["hang up"]),
         ("get-across-clients", &["GET"], &[]),
         ("no-retry-after", &["Retry-After"], &[]),
         ("no-scope", &["scope"], &[]),
@@ -461,7 +462,7 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         (
             "other-statuses",
             &["new", "400", "auth"],
-            &["race", "drain", "scope", "replay", "reorder", "lost", "\"K\"=K"],
+            &["race", "drain", "scope", "replay", "reorder", "lost", "\"K\"=K", "hang up", "refusal"],
         ),
     ];
     let mut jobs: Vec<Job<'_, (Run, Option<Run>)>> = Vec::new();
@@ -576,4 +577,72 @@ fn served_services_survive_kill_and_stop_and_each_lifecycle_mistake_fails() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+/// An API of another shape (`http_service.py --shape orders`: nested
+/// members, its own route and id) judged through a profile alone, with no
+/// adapter: it passes with `tests/peers/orders.json`, fails everything it
+/// cannot be asked without it (no verdict stands on a request never made),
+/// skips what needs accounts when its body names none, and a mistake in
+/// that shape still fails its own property.
+#[test]
+fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
+    let serve = format!("python3 {PEERS}/http_service.py --shape orders");
+    let orders = format!("{PEERS}/orders.json");
+    let mut fixed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&orders).unwrap()).unwrap();
+    fixed["body"] = serde_json::json!({"payer": {"account": "A"}, "payee": "B", "total": {"minor": "{amount}", "currency": "KRW"}});
+    let dir = tempfile::tempdir().unwrap();
+    let fixed_path = dir.path().join("fixed.json");
+    std::fs::write(&fixed_path, fixed.to_string()).unwrap();
+    let fixed_path = fixed_path.display().to_string();
+    let mistaken = format!("{serve} --mistake raw-fingerprint");
+    let runs: Vec<(&str, Vec<&str>)> = vec![
+        ("orders.json", vec!["--serve", &serve, "--profile", &orders]),
+        ("no profile", vec!["--serve", &serve]),
+        ("no accounts", vec!["--serve", &serve, "--profile", &fixed_path]),
+        (
+            "raw-fingerprint",
+            vec!["--serve", &mistaken, "--profile", &orders, "--only", "reorder", "--only", "mismatch"],
+        ),
+    ];
+    let jobs: Vec<Job<'_, Run>> = runs
+        .iter()
+        .map(|(_, args)| -> Job<'_, Run> {
+            Box::new(move || {
+                check(&args.iter().chain(&["--seed", "5"]).map(|s| s.to_string()).collect::<Vec<_>>())
+            })
+        })
+        .collect();
+    let done = run_all(jobs);
+    let verdicts = |run: &Run, v: &str| -> BTreeSet<String> {
+        run.verdicts
+            .iter()
+            .filter(|(w, _)| w == v)
+            .map(|(_, n)| n.split(" (").next().unwrap().to_owned())
+            .collect()
+    };
+    let [with, without, accountless, mistake] = &done[..] else { unreachable!() };
+    assert!(
+        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 19,
+        "{}",
+        with.stdout
+    );
+    let passed = verdicts(without, "PASS");
+    assert!(
+        without.code == Some(1) && passed.iter().all(|p| p.starts_with("errors show no internals")),
+        "without the profile, only the leak check may pass: {passed:?}\n{}",
+        without.stdout
+    );
+    let skipped = verdicts(accountless, "SKIP");
+    for needs in ["a business refusal", "concurrent transfers", "a service killed", "a service stopped"] {
+        assert!(skipped.iter().any(|s| s.starts_with(needs)), "{needs}: {skipped:?}\n{}", accountless.stdout);
+    }
+    assert!(accountless.code == Some(0), "{}", accountless.stdout);
+    let failed = verdicts(mistake, "FAIL");
+    assert!(
+        failed.len() == 1 && failed.iter().all(|f| f.starts_with("a retry with members reordered")),
+        "{failed:?}\n{}",
+        mistake.stdout
+    );
 }

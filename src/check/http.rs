@@ -20,6 +20,21 @@ use std::time::Duration;
 pub struct Profile {
     /// The route that creates a transfer.
     pub path: String,
+    /// The body of the API's own shape, as a JSON template: a string that
+    /// is exactly `"{src}"`, `"{dst}"` or `"{amount}"` becomes that value
+    /// (the amount a number), and one that holds them has them written in;
+    /// `null`: the lab's transfer, `{"src", "dst", "amount", "currency"}`.
+    /// Without both `{src}` and `{dst}` the body moves no money between
+    /// accounts the check can name, and the properties that need that
+    /// (refusals, the drain) are skipped.
+    pub body: Option<Value>,
+    /// A JSON pointer (RFC 6901) to the created resource's id in a 2xx
+    /// answer, which `get_path`'s `{id}` stands for.
+    pub id_pointer: String,
+    /// A body the service refuses as malformed (`null`: with the lab's
+    /// transfer, an amount of 0; with a `body` template, the property is
+    /// skipped).
+    pub invalid_body: Option<Value>,
     /// Whether the key is sent as an sf-string (`"…"`) or bare.
     pub quote_key: bool,
     /// Whether the sf-string and the bare spelling of a key are one key
@@ -77,6 +92,9 @@ impl Default for Profile {
     fn default() -> Self {
         Profile {
             path: "/v1/transfers".into(),
+            body: None,
+            id_pointer: "/transfer_id".into(),
+            invalid_body: None,
             quote_key: true,
             both_key_forms: None,
             replay_header: None,
@@ -147,7 +165,34 @@ impl Target {
     }
 
     pub(super) fn transfer(&self, amount: i64) -> String {
-        transfer_body(&self.src, &self.dst, amount)
+        self.body(&self.src, &self.dst, amount)
+    }
+
+    /// A request's body moving `amount` from `src` to `dst`: the profile's
+    /// template filled in, or the lab's transfer.
+    pub(super) fn body(&self, src: &Value, dst: &Value, amount: i64) -> String {
+        match &self.profile.body {
+            Some(template) => fill(template, src, dst, amount).to_string(),
+            None => transfer_body(src, dst, amount),
+        }
+    }
+
+    /// Whether a body names the accounts it moves money between (the lab's
+    /// transfer, or a template with `{src}` and `{dst}`).
+    pub(super) fn money(&self) -> bool {
+        self.profile.body.as_ref().is_none_or(|b| {
+            let text = b.to_string();
+            text.contains("{src}") && text.contains("{dst}")
+        })
+    }
+
+    /// The created resource's id in a 2xx answer, at the profile's pointer.
+    pub(super) fn created_id(&self, h: &Http) -> Option<String> {
+        match h.json().pointer(&self.profile.id_pointer)? {
+            Value::String(s) => Some(s.clone()),
+            Value::Null => None,
+            v => Some(v.to_string()),
+        }
     }
 
     pub(super) fn key_header(&self, key: &str) -> String {
@@ -254,6 +299,30 @@ impl Target {
             }
         }
         (distinct, same)
+    }
+}
+
+/// `template` with `{src}`, `{dst}` and `{amount}` filled in: a string
+/// that is exactly one becomes its value, one that holds one has it
+/// written in (an id that is a string, as it is; any other as JSON).
+fn fill(template: &Value, src: &Value, dst: &Value, amount: i64) -> Value {
+    let text = |v: &Value| v.as_str().map_or(v.to_string(), String::from);
+    match template {
+        Value::String(s) => match s.as_str() {
+            "{src}" => src.clone(),
+            "{dst}" => dst.clone(),
+            "{amount}" => json!(amount),
+            _ => Value::String(
+                s.replace("{src}", &text(src))
+                    .replace("{dst}", &text(dst))
+                    .replace("{amount}", &amount.to_string()),
+            ),
+        },
+        Value::Array(items) => Value::Array(items.iter().map(|v| fill(v, src, dst, amount)).collect()),
+        Value::Object(members) => {
+            Value::Object(members.iter().map(|(k, v)| (k.clone(), fill(v, src, dst, amount))).collect())
+        }
+        other => other.clone(),
     }
 }
 

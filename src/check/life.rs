@@ -12,7 +12,7 @@
 //! CMD is run in a process group of its own (a wrapper script's children
 //! get the signals too), its output kept in the check's directory.
 
-use super::http::{Drain, Http, Profile, Target, exchange, read_answer, transfer_body};
+use super::http::{Drain, Http, Profile, Target, exchange, read_answer};
 use super::walk::{holds_all, paid_once, retried};
 use super::{CheckError, Property, Trace};
 use crate::rng::Rng;
@@ -196,10 +196,14 @@ impl Drop for Process {
     }
 }
 
-/// The process the check started, or a SKIP saying it has none.
+/// The process the check started, or a SKIP saying it has none (or that
+/// the profile's body names no accounts to count the money by).
 fn process<'a>(target: &'a Target, t: &mut Trace) -> Option<&'a Process> {
     if target.process.is_none() {
         t.skip("needs --serve: the check starts the service to stop it");
+    } else if !target.money() {
+        t.skip("the profile's body names no {src} and {dst}: the money through a kill cannot be counted");
+        return None;
     }
     target.process.as_ref()
 }
@@ -232,7 +236,7 @@ fn under_load(
                 let answered = &answered;
                 s.spawn(move || {
                     let sent = chunk.iter().map(|(k, amount)| {
-                        let body = transfer_body(&json!(src), &json!("B"), *amount);
+                        let body = target.body(&json!(src), &json!("B"), *amount);
                         let got =
                             exchange(target.address, &target.post_bytes(&headers(target, k), &body)).ok();
                         answered.fetch_add(1, Ordering::SeqCst);
@@ -271,7 +275,7 @@ fn settle(
     let deadline = Instant::now() + lease;
     let mut settled = true;
     for ((k, amount), first) in keys.iter().zip(before) {
-        let body = transfer_body(&drain.src, &drain.dst, *amount);
+        let body = target.body(&drain.src, &drain.dst, *amount);
         let Some(last) = retried(target, &headers(target, k), &body, deadline) else {
             settled = t.expect(false, || {
                 format!(
@@ -335,7 +339,7 @@ fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 fn half_sent(target: &Target, keys: &[(String, i64)]) -> Result<Vec<(TcpStream, u8)>, CheckError> {
     keys.iter()
         .map(|(k, amount)| {
-            let body = transfer_body(&json!("T"), &json!("B"), *amount);
+            let body = target.body(&json!("T"), &json!("B"), *amount);
             let request = target.post_bytes(&headers(target, k), &body);
             let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
                 .map_err(CheckError::io("connect"))?;

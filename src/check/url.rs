@@ -50,10 +50,7 @@ fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), CheckErro
     target.post(t, token, Some(&format!("{k}-other")), &target.transfer(1))?;
     let body = match reorder {
         false => target.transfer(amount),
-        true => format!(
-            "{{ \"currency\" : \"KRW\",\n  \"amount\": {amount}, \"dst\": {}, \"src\": {} }}",
-            target.dst, target.src
-        ),
+        true => respaced(&target.transfer(amount)),
     };
     let again = target.post(t, token, Some(&k), &body)?;
     t.expect(again.status == first.status && again.body == first.body, || {
@@ -63,6 +60,13 @@ fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), CheckErro
         "the replay is not marked".into()
     });
     Ok(())
+}
+
+/// The same JSON object, its members in reverse order and re-spaced.
+fn respaced(body: &str) -> String {
+    let Ok(Value::Object(members)) = serde_json::from_str::<Value>(body) else { return body.to_owned() };
+    let each: Vec<String> = members.iter().rev().map(|(k, v)| format!("{} : {v}", json!(k))).collect();
+    format!("{{ {}\n}}", each.join(",\n  "))
 }
 
 fn mismatch(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
@@ -236,6 +240,10 @@ fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         lost.as_ref().map_or_else(|e| format!("no answer ({e})"), Http::short),
         sent.short()
     ));
+    // a request never made has nothing to replay: no verdict on a 404 twice
+    t.expect(target.made(&sent), || {
+        format!("the request was not made ({}): nothing to replay", sent.short())
+    });
     let retry = target.post(t, Some(&target.tokens[0]), Some(&k), &target.transfer(13))?;
     t.expect(retry.status == sent.status && retry.body == sent.body, || {
         "the retry was made again, not replayed: the transfer went out twice".into()
@@ -249,26 +257,38 @@ fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let k = key(target, 10);
     let token = Some(target.tokens[0].as_str());
-    let bad = transfer_body(&target.src, &target.dst, 0);
+    let bad = match (&target.profile.invalid_body, &target.profile.body) {
+        (Some(bad), _) => bad.to_string(),
+        (None, None) => transfer_body(&target.src, &target.dst, 0),
+        (None, Some(_)) => {
+            t.skip("the profile's body is its own: give its invalid_body, a body the service refuses");
+            return Ok(());
+        }
+    };
     let refused = target.post(t, token, Some(&k), &bad)?;
     let want = target.profile.invalid_status;
     let ok = want.map_or((400..500).contains(&refused.status), |w| refused.status == w);
-    t.expect(ok, || format!("an amount of 0: wanted {}", want.map_or("a 4xx".into(), |w| w.to_string())));
+    t.expect(ok, || format!("a malformed body: wanted {}", want.map_or("a 4xx".into(), |w| w.to_string())));
     let good = target.post(t, token, Some(&k), &target.transfer(14))?;
     t.expect(target.made(&good) && !target.replayed(&good), || "the refused request consumed its key".into());
     Ok(())
 }
 
 fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
+    if !target.money() {
+        t.skip("the profile's body names no {src} and {dst}: no unknown account to be refused");
+        return Ok(());
+    }
     let k = key(target, 11);
     let token = Some(target.tokens[0].as_str());
-    let ghost = transfer_body(&format!("ghost-{k}").into(), &target.dst, 1);
+    let ghost = target.body(&format!("ghost-{k}").into(), &target.dst, 1);
     let first = target.post(t, token, Some(&k), &ghost)?;
     let p = &target.profile;
     // a fresh key: no 4xx there can mean "in flight" or "another body"
     let ok = p.unknown_account_status.map_or((400..500).contains(&first.status), |w| first.status == w);
     t.expect(ok, || "an unknown account: wanted a 4xx refusal".into());
-    target.post(t, token, Some(&format!("{k}-other")), &target.transfer(1))?;
+    let between = target.post(t, token, Some(&format!("{k}-other")), &target.transfer(1))?;
+    t.expect(target.made(&between), || "a transfer from the funded account was not made".into());
     let again = target.post(t, token, Some(&k), &ghost)?;
     // stored: replayed; not stored: the same refusal, evaluated again
     let stored = target.replays(&again, &first);
@@ -313,20 +333,18 @@ fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), CheckError> 
     };
     let k = key(target, 14);
     let made = target.post(t, Some(a), Some(&k), &target.transfer(18))?;
-    let id = match made.json().get("transfer_id") {
-        Some(Value::String(s)) => s.clone(),
-        Some(v) if !v.is_null() => v.to_string(),
-        _ => {
-            t.skip("the created answer names no transfer_id");
-            return Ok(());
-        }
+    let Some(id) = target.created_id(&made) else {
+        t.skip(format!(
+            "the created answer has no id at the profile's id_pointer {}",
+            target.profile.id_pointer
+        ));
+        return Ok(());
     };
     let path = path.replace("{id}", &id);
     let own = target.get(t, &path, a)?;
     t.expect(own.status == 200, || "the owner cannot read its transfer".into());
     let other = target.get(t, &path, b)?;
-    let shown =
-        other.json().get("transfer_id").is_some_and(|v| v.as_str().map_or(v.to_string(), String::from) == id);
+    let shown = target.created_id(&other).is_some_and(|shown| shown == id);
     t.expect((400..500).contains(&other.status) && !shown, || "another client read the transfer".into());
     Ok(())
 }
@@ -375,8 +393,8 @@ fn error_bodies(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 /// Twice as many transfers as the drain account can pay, all at once, each
 /// with its own key: exactly half may succeed.
 fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
-    let Some(drain) = &target.profile.drain else {
-        t.skip("needs the profile's drain: an account of known balance that nothing else uses");
+    let Some(drain) = target.profile.drain.as_ref().filter(|_| target.money()) else {
+        t.skip("needs the profile's drain (an account of known balance that nothing else uses), and a body that names {src} and {dst}");
         return Ok(());
     };
     const PAY: i64 = 8;
@@ -384,7 +402,7 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     if amount < 1 {
         return Err(format!("the drain account's balance must be at least {PAY}").into());
     }
-    let body = transfer_body(&drain.src, &drain.dst, amount);
+    let body = target.body(&drain.src, &drain.dst, amount);
     let k = key(target, 16);
     let requests: Vec<Vec<u8>> = (0..2 * PAY)
         .map(|i| {
@@ -418,6 +436,15 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         2 * PAY,
         drain.balance
     ));
+    t.expect(paid >= 1, || {
+        format!("none of {} transfers the drain could pay was made (is it spent? give a fresh one)", 2 * PAY)
+    });
+    if paid >= 1 {
+        // what was paid goes back, so that the drain serves the next run too
+        let back = target.body(&drain.dst, &drain.src, paid * amount);
+        let returned = target.post(t, Some(&target.tokens[0]), Some(&format!("{k}-back")), &back)?;
+        t.expect(target.made(&returned), || "what the drain paid could not be sent back".into());
+    }
     t.expect(paid <= PAY, || {
         format!("{paid} transfers of {amount} were paid from {}: updates were lost", drain.balance)
     });

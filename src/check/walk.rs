@@ -4,7 +4,7 @@
 //! of idem's own library before the key's one home: writes committed, the
 //! key held for 72 h, then a second payment).
 
-use super::http::{Http, Target, exchange, transfer_body};
+use super::http::{Http, Target, exchange};
 use super::{CheckError, Trace};
 use crate::rng::Rng;
 use std::io::Write;
@@ -22,7 +22,7 @@ const KEYS: i64 = 12;
 pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let p = &target.profile;
     let mut rng = Rng::new(target.seed ^ 0x4a6e_6775);
-    let drain = match p.drain.as_ref().filter(|d| d.balance >= KEYS * (KEYS + 1) / 2) {
+    let drain = match p.drain.as_ref().filter(|d| d.balance >= KEYS * (KEYS + 1) / 2 && target.money()) {
         Some(d) if holds_all(target, t, d, 300)? => Some(d),
         Some(_) => {
             t.step("(the drain no longer holds its balance, spent by an earlier run: the money moved is not counted)");
@@ -31,7 +31,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
         None => None,
     };
     let body = |amount: i64| match drain {
-        Some(d) => transfer_body(&d.src, &d.dst, amount),
+        Some(d) => target.body(&d.src, &d.dst, amount),
         None => target.transfer(amount),
     };
     let keys: Vec<(String, i64)> = (1..=KEYS).map(|i| (super::url::key(target, 200 + i as u64), i)).collect();
@@ -65,6 +65,9 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
             });
             continue;
         };
+        t.expect(target.made(&last), || {
+            format!("key {k}: its final answer is no transfer made: {}", last.short())
+        });
         let again = exchange(target.address, &target.post_bytes(&headers(target, k), &body(*amount)))?;
         t.expect(target.replays(&again, &last), || {
             format!("key {k}: the retry after a final answer {} got {}", last.short(), again.short())
@@ -73,7 +76,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
     match drain {
         Some(d) => paid_once(target, t, d, KEYS * (KEYS + 1) / 2, 300),
         None => {
-            t.step("(no drain in the profile, or too small: the money moved is not counted)");
+            t.step("(no drain in the profile, too small, or a body that names no {src} and {dst}: the money moved is not counted)");
             Ok(())
         }
     }
@@ -115,7 +118,7 @@ fn send(
     (src, dst): (&serde_json::Value, &serde_json::Value),
     amount: i64,
 ) -> Result<Http, CheckError> {
-    let body = transfer_body(src, dst, amount);
+    let body = target.body(src, dst, amount);
     target.post(t, Some(&target.tokens[0]), Some(&super::url::key(target, n)), &body)
 }
 

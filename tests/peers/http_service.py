@@ -13,6 +13,12 @@ a restart reads it back. A claim in flight is not written: the process's
 death forgets it with the transfer it never made. SIGTERM stops taking
 connections, lets the requests being read or run finish, and exits.
 
+--shape orders serves the same ledger as an API of another shape, for
+`idem check`'s profile-driven bodies: POST /v1/orders takes
+{"payer": {"account": SRC}, "payee": DST, "total": {"minor": AMOUNT,
+"currency": "KRW"}} and answers {"order": {"id": "ord_N", ...}}, which
+GET /v1/orders/ord_N shows.
+
 Correct with no --mistake. Some --mistake values are no mistake under the
 draft but a choice it leaves open, made the other way; the service stays
 correct and `idem check --url` must pass it, unless the profile declares the
@@ -83,8 +89,10 @@ p.add_argument("--db", required=True)
 p.add_argument("--listen", default="127.0.0.1:0")
 p.add_argument("--clients", required=True)
 p.add_argument("--mistake", choices=MISTAKES)
+p.add_argument("--shape", choices=["transfers", "orders"], default="transfers")
 a = p.parse_args()
 mistake = a.mistake
+ROUTE = "/v1/orders" if a.shape == "orders" else "/v1/transfers"
 clients = json.load(open(a.clients))
 STATE = a.db + ".state.json"
 keys = {}        # scope -> {"fp", "done", "status", "body"; "held": written while in flight}
@@ -112,6 +120,11 @@ def save():
 
 def canonical(body):
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def made_id(body):
+    made = json.loads(body)
+    return made["order"]["id"] if a.shape == "orders" else made["transfer_id"]
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -174,7 +187,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         who = self.client()
         if who is None:
             return self.problem(401, "unauthorized")
-        if not self.path.startswith("/v1/transfers/"):
+        if not self.path.startswith(ROUTE + "/"):
             return self.problem(404, "not_found")
         found = transfers.get(self.path.rsplit("/", 1)[1])
         if found and (found[0] == who or mistake == "get-across-clients"):
@@ -200,13 +213,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         who = self.client()
         if who is None:
             return self.problem(401, "unauthorized")
-        if self.path != "/v1/transfers":
+        if self.path != ROUTE:
             return self.problem(404, "not_found")
         key = self.key()
         if key is None and mistake != "no-key-processed":
             return self.problem(400, "missing_idempotency_key")
         try:
             t = json.loads(raw)
+            if a.shape == "orders":
+                assert isinstance(t, dict) and set(t) == {"payer", "payee", "total"}
+                payer, total = t["payer"], t["total"]
+                assert isinstance(payer, dict) and set(payer) == {"account"}
+                assert isinstance(total, dict) and set(total) == {"minor", "currency"}
+                t = {"src": payer["account"], "dst": t["payee"], "amount": total["minor"], "currency": total["currency"]}
             assert isinstance(t, dict) and set(t) == {"src", "dst", "amount", "currency"}
             assert type(t["amount"]) is int and t["amount"] > 0 and t["currency"] == "KRW" and t["src"] != t["dst"]
             assert all(isinstance(t[x], (str, int)) and not isinstance(t[x], bool) for x in ("src", "dst"))
@@ -301,9 +320,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             balances[src] -= amount
             balances[dst] += amount
         tid = str(len(transfers) + 1)
-        body = json.dumps({"transfer_id": int(tid), "src": t["src"], "dst": t["dst"], "amount": amount,
-                           "currency": "KRW", "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                           "balance_after": balances[src]})
+        at = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        if a.shape == "orders":
+            tid = f"ord_{tid}"
+            body = json.dumps({"order": {"id": tid, "payer": {"account": t["src"]}, "payee": t["dst"],
+                                         "total": {"minor": amount, "currency": "KRW"}, "created_at": at}})
+        else:
+            body = json.dumps({"transfer_id": int(tid), "src": t["src"], "dst": t["dst"], "amount": amount,
+                               "currency": "KRW", "created_at": at, "balance_after": balances[src]})
         transfers[tid] = [who, body]
         return 201, body
 
@@ -312,7 +336,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         extra = [("Idempotent-Replayed", "true")] if marked else []
         if status == 201:
             return self.reply(200 if mistake == "other-statuses" else 201, body, [("Content-Type", "application/json"),
-                                          ("Location", f"/v1/transfers/{json.loads(body)['transfer_id']}")] + extra)
+                                          ("Location", f"{ROUTE}/{made_id(body)}")] + extra)
         reason = json.loads(body)["reason"]
         self.problem(status, reason, extra)
 
