@@ -36,6 +36,10 @@ teeth:
 bench-serve:
     cargo bench --bench serve
 
+# Latency at a fixed arrival rate (25-110 % of the saturation), on SQLite; the plot in target/arrival.svg.
+bench-arrival:
+    cargo bench --bench arrival
+
 # The same on PostgreSQL too (a local cluster, an empty database), beside pgbench.
 bench-serve-pg:
     #!/usr/bin/env bash
