@@ -406,3 +406,59 @@ fn the_layer_runs_on_the_applications_own_connections() {
     assert!(replayed(&again) && again.body == first.body, "{again:?}");
     assert!(made.load(Ordering::SeqCst) >= 1);
 }
+
+/// What the handler's transaction isolates on PostgreSQL: READ COMMITTED,
+/// the server's default. Eight requests under eight keys refund one order,
+/// each reading whether it was refunded and then writing: read then write
+/// pays several refunds; the same handler locking the row first
+/// (`SELECT … FOR UPDATE`) pays one. The key protects a request from its
+/// own retries, not two requests from each other: docs/library.md says so.
+#[test]
+fn on_postgres_the_handler_runs_at_read_committed_and_must_lock_what_it_reads() {
+    use idem::embed::layer::Tx;
+    let Some(server) = crate::common::pg::server() else { return };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let mut refunds = Vec::new();
+    for lock in ["", " FOR UPDATE"] {
+        let spec = server.fresh_schema(false);
+        crate::common::pg::execute(
+            &spec,
+            "CREATE TABLE orders (id int PRIMARY KEY, refunded bool NOT NULL);
+             CREATE TABLE refunds (order_id int NOT NULL); INSERT INTO orders VALUES (1, false)",
+        );
+        let address = runtime.block_on(async {
+            let idem = Idempotency::connect(&spec, Keys::new("iso_").unwrap(), 8, |_| Some("c1".into())).await.unwrap();
+            let refund = move |tx: Tx| async move {
+                let c = tx.client().await.unwrap();
+                let read = format!("SELECT refunded FROM orders WHERE id = 1{lock}");
+                let refunded: bool = c.query_one(read.as_str(), &[]).await.unwrap().get(0);
+                if refunded {
+                    return idem::embed::layer::business((StatusCode::CONFLICT, "{}").into_response());
+                }
+                c.batch_execute("SELECT pg_sleep(0.05); INSERT INTO refunds VALUES (1); UPDATE orders SET refunded = true")
+                    .await
+                    .unwrap();
+                (StatusCode::CREATED, "{}").into_response()
+            };
+            listen(Router::new().route("/orders", post(refund)).route_layer(from_fn_with_state(idem, idempotent)))
+                .await
+        });
+        std::thread::scope(|s| {
+            for k in 0..8 {
+                s.spawn(move || send(address, "/orders", &format!("refund-{k}")));
+            }
+        });
+        let mut c = crate::common::pg::client(&spec);
+        refunds.push(c.query_one("SELECT count(*) FROM refunds", &[]).unwrap().get::<_, i64>(0));
+    }
+    eprintln!(
+        "refunds paid for one order by 8 requests: read then write {}, locked {}",
+        refunds[0], refunds[1]
+    );
+    assert!(
+        refunds[0] > 1,
+        "read then write at READ COMMITTED paid {} refunds: the race did not show",
+        refunds[0]
+    );
+    assert_eq!(refunds[1], 1, "with the row locked, one refund");
+}
