@@ -205,10 +205,29 @@ pub fn classify_send(status: u16, body: &str, p: &PayoutRow) -> Call {
     }
 }
 
+/// Provider states that are not final: the money is neither paid nor back
+/// yet (PayPal's `UNCLAIMED` for up to 30 days and `ONHOLD`, Stripe's
+/// `in_transit`, Wise's `processing`): looked at again, never a person's.
+const NOT_FINAL: [&str; 8] =
+    ["pending", "in_transit", "processing", "scheduled", "unclaimed", "on_hold", "onhold", "held"];
+
+/// Provider states that mean the money came back or never left.
+const CAME_BACK: [&str; 8] = [
+    "canceled",
+    "cancelled",
+    "returned",
+    "reversed",
+    "refunded",
+    "bounced_back",
+    "funds_refunded",
+    "charged_back",
+];
+
 /// What a lookup's answer means for `p`. 200 `paid` whose amount, currency
 /// and beneficiary are `p`'s → paid (any of them different → terminal);
-/// `pending` → pending; `failed`, `canceled`, `returned`, `reversed` →
-/// failed (the money is back); another state → terminal; 404 with the
+/// a state not final ([`NOT_FINAL`]: `pending`, `unclaimed`, `on_hold`, …)
+/// → pending; `failed` and the states of money back ([`CAME_BACK`]) →
+/// failed; another state → terminal (states in any case); 404 with the
 /// gateway's typed `{"error": "not_found"}` → not found (a bare 404 may be
 /// a wrong URL: an error); 408, 429, 5xx → error; other 4xx → terminal.
 pub fn classify_lookup(status: u16, body: &str, p: &PayoutRow) -> Lookup {
@@ -231,15 +250,15 @@ pub fn classify_lookup(status: u16, body: &str, p: &PayoutRow) -> Lookup {
         return Lookup::Terminal(format!("the gateway's payout under this key has another {member}"));
     }
     let reason = || quoted(word(&v, "reason").unwrap_or("payout_refused"));
-    match word(&v, "status") {
-        Some("paid") => Lookup::Paid(word(&v, "id").map(quoted)),
-        Some("pending") => Lookup::Pending,
-        Some("failed") => Lookup::Failed { reason: reason() },
-        Some(state @ ("canceled" | "cancelled" | "returned" | "reversed")) => {
-            Lookup::Failed { reason: quoted(&format!("{state}: {}", reason())) }
-        }
-        Some(other) => Lookup::Terminal(quoted(&format!("a state idem does not know: {other}"))),
-        None => Lookup::Error("HTTP 200 without a status".into()),
+    let Some(state) = word(&v, "status").map(str::to_ascii_lowercase) else {
+        return Lookup::Error("HTTP 200 without a status".into());
+    };
+    match state.as_str() {
+        "paid" => Lookup::Paid(word(&v, "id").map(quoted)),
+        "failed" => Lookup::Failed { reason: reason() },
+        s if NOT_FINAL.contains(&s) => Lookup::Pending,
+        s if CAME_BACK.contains(&s) => Lookup::Failed { reason: quoted(&format!("{s}: {}", reason())) },
+        other => Lookup::Terminal(quoted(&format!("a state idem does not know: {other}"))),
     }
 }
 
@@ -367,7 +386,14 @@ mod tests {
         let paid = r#"{"status":"paid","id":"po_1","amount":250,"currency":"KRW","beneficiary":"bob"}"#;
         assert_eq!(classify_lookup(200, paid, &p), Lookup::Paid(Some("po_1".into())));
         assert_eq!(classify_lookup(200, r#"{"status":"pending"}"#, &p), Lookup::Pending);
-        for state in ["failed", "canceled", "returned", "reversed"] {
+        // not final: looked at again, never sent to a person (PayPal writes them in capitals)
+        for state in ["UNCLAIMED", "ONHOLD", "on_hold", "in_transit", "processing"] {
+            let body = format!(r#"{{"status":"{state}"}}"#);
+            assert_eq!(classify_lookup(200, &body, &p), Lookup::Pending, "{state}");
+        }
+        for state in
+            ["failed", "canceled", "returned", "reversed", "RETURNED", "bounced_back", "funds_refunded"]
+        {
             let body = format!(r#"{{"status":"{state}","reason":"bank_return"}}"#);
             assert!(matches!(classify_lookup(200, &body, &p), Lookup::Failed { .. }), "{state}");
         }
@@ -382,7 +408,7 @@ mod tests {
             (200, r#"{"status":"paid","amount":251}"#),
             (200, r#"{"status":"paid","currency":"USD"}"#),
             (200, r#"{"status":"paid","beneficiary":"eve"}"#),
-            (200, r#"{"status":"on_hold"}"#),
+            (200, r#"{"status":"requires_review"}"#),
             (401, r#"{"error":"unauthorized"}"#),
             (403, ""),
         ] {
