@@ -1,9 +1,13 @@
 //! Provider events (`POST /v1/gateway-events`): what a payout provider
 //! pushes when a payout is paid, fails, or comes back after it was paid.
-//! Each is signed (HMAC-SHA256 over `"{t}.{body}"`, header
-//! `Idem-Signature: t=<unix seconds>,v1=<hex>`, as Stripe signs webhooks),
-//! refused when stale, compared in constant time, and applied once by its
-//! id, in one transaction with the payout's change and its audit row.
+//! Each is signed one of two ways: HMAC-SHA256 over `"{t}.{body}"`, header
+//! `Idem-Signature: t=<unix seconds>,v1=<hex>`, as Stripe signs webhooks;
+//! or as the Standard Webhooks specification says, HMAC-SHA256 over
+//! `"{id}.{t}.{body}"` under the secret's bytes (base64 after `whsec_`),
+//! headers `webhook-id`, `webhook-timestamp` and `webhook-signature:
+//! v1,<base64> [v1,<base64>…]`. Each is refused when stale, compared in
+//! constant time, and applied once by its id, in one transaction with the
+//! payout's change and its audit row.
 
 use super::{Call, credit_back, gateway_text, settle};
 use crate::clock::Timestamp;
@@ -28,11 +32,17 @@ pub enum Refused {
     Malformed(String),
 }
 
+/// The Standard Webhooks headers: the event's id, its time, its signatures.
+pub const STANDARD_HEADERS: [&str; 3] = ["webhook-id", "webhook-timestamp", "webhook-signature"];
+
 /// A signature header read, its time checked, before the body is read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Signature {
     t: i64,
     tags: Vec<Vec<u8>>,
+    /// Standard Webhooks' `webhook-id`, which the signature covers and
+    /// which is the event's id; `None`: signed as Stripe signs.
+    id: Option<String>,
 }
 
 impl Signature {
@@ -53,15 +63,48 @@ impl Signature {
         let Some(t) = t.filter(|_| !tags.is_empty()) else {
             return Err(Refused::Unsigned("Idem-Signature needs t= and v1="));
         };
-        if (now - t).abs() > TOLERANCE_SECONDS {
-            return Err(Refused::Unsigned("the signature's time is more than 5 minutes from ours"));
+        fresh(t, now)?;
+        Ok(Signature { t, tags, id: None })
+    }
+
+    /// Reads the Standard Webhooks headers (`[webhook-id,
+    /// webhook-timestamp, webhook-signature]`) and checks the time, as
+    /// [`Signature::read`]; several space-separated `v1,` signatures may
+    /// come (a secret being rolled), any other version is passed over.
+    pub fn read_standard(headers: [Option<&str>; 3], now: i64) -> Result<Signature, Refused> {
+        use base64::Engine;
+        let [Some(id), Some(t), Some(signatures)] = headers else {
+            return Err(Refused::Unsigned(
+                "webhook-id, webhook-timestamp and webhook-signature come together",
+            ));
+        };
+        let t =
+            t.trim().parse::<i64>().map_err(|_| Refused::Unsigned("webhook-timestamp is no Unix time"))?;
+        let tags: Vec<Vec<u8>> = signatures
+            .split(' ')
+            .filter_map(|s| s.strip_prefix("v1,"))
+            .filter_map(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
+            .collect();
+        let fits = !id.is_empty() && id.len() <= 255 && !id.chars().any(char::is_control);
+        if tags.is_empty() || !fits {
+            return Err(Refused::Unsigned("webhook-signature needs a v1, signature, webhook-id an id"));
         }
-        Ok(Signature { t, tags })
+        fresh(t, now)?;
+        Ok(Signature { t, tags, id: Some(id.to_owned()) })
+    }
+
+    /// The event's id the signature covers (Standard Webhooks' `webhook-id`).
+    pub fn id(&self) -> Option<&str> {
+        self.id.as_deref()
     }
 
     /// Whether any of the tags signs `body` with `secret`.
     pub fn check(&self, secret: &[u8], body: &[u8]) -> Result<(), Refused> {
-        let mac = mac(secret, body, self.t).ok_or(Refused::Unsigned("no secret"))?;
+        let mac = match &self.id {
+            None => mac(secret, &format!("{}.", self.t), body),
+            Some(id) => mac(&standard_key(secret), &format!("{id}.{}.", self.t), body),
+        };
+        let mac = mac.ok_or(Refused::Unsigned("no secret"))?;
         // each comparison in constant time; which one matched is not secret
         if self.tags.iter().any(|tag| mac.clone().verify_slice(tag).is_ok()) {
             Ok(())
@@ -77,18 +120,45 @@ pub fn verify(secret: &[u8], header: Option<&str>, body: &[u8], now: i64) -> Res
     Signature::read(header, now)?.check(secret, body)
 }
 
+/// Whether `t` is within [`TOLERANCE_SECONDS`] of `now`.
+fn fresh(t: i64, now: i64) -> Result<(), Refused> {
+    match (now - t).abs() > TOLERANCE_SECONDS {
+        true => Err(Refused::Unsigned("the signature's time is more than 5 minutes from ours")),
+        false => Ok(()),
+    }
+}
+
 /// The signature header for `body` at `t` (the provider's side, and tests').
 pub fn sign(secret: &[u8], body: &[u8], t: i64) -> String {
-    let tag = mac(secret, body, t).map(|m| m.finalize().into_bytes().to_vec()).unwrap_or_default();
+    let tag =
+        mac(secret, &format!("{t}."), body).map(|m| m.finalize().into_bytes().to_vec()).unwrap_or_default();
     let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
     format!("t={t},v1={tag}")
 }
 
-/// HMAC-SHA256 under `secret` over `"{t}.{body}"` (HMAC takes a key of any
-/// length, so `None` does not happen).
-fn mac(secret: &[u8], body: &[u8], t: i64) -> Option<Hmac<Sha256>> {
+/// Standard Webhooks' `webhook-signature` for event `id`'s `body` at `t`
+/// (the provider's side, and tests').
+pub fn sign_standard(secret: &[u8], id: &str, body: &[u8], t: i64) -> String {
+    use base64::Engine;
+    let mac = mac(&standard_key(secret), &format!("{id}.{t}."), body);
+    let tag = mac.map(|m| m.finalize().into_bytes().to_vec()).unwrap_or_default();
+    format!("v1,{}", base64::engine::general_purpose::STANDARD.encode(tag))
+}
+
+/// A Standard Webhooks key: the base64 after `whsec_`, else the bytes as
+/// they are (a secret given raw).
+fn standard_key(secret: &[u8]) -> Vec<u8> {
+    use base64::Engine;
+    let b64 = secret.strip_prefix(b"whsec_");
+    b64.and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+        .unwrap_or_else(|| secret.to_vec())
+}
+
+/// HMAC-SHA256 under `secret` over `prefix` then `body` (HMAC takes a key
+/// of any length, so `None` does not happen).
+fn mac(secret: &[u8], prefix: &str, body: &[u8]) -> Option<Hmac<Sha256>> {
     let mut mac = Hmac::<Sha256>::new_from_slice(secret).ok()?;
-    mac.update(format!("{t}.").as_bytes());
+    mac.update(prefix.as_bytes());
     mac.update(body);
     Some(mac)
 }
@@ -114,13 +184,16 @@ pub struct Event {
 }
 
 impl Event {
-    pub fn parse(body: &[u8]) -> Result<Event, Refused> {
+    /// The event in `body`; its id is the one the signature covers
+    /// (`signed_id`: Standard Webhooks' `webhook-id`, each message's own),
+    /// or else the body's `id`.
+    pub fn parse(body: &[u8], signed_id: Option<&str>) -> Result<Event, Refused> {
         let bad = |why: &str| Refused::Malformed(why.to_owned());
         let v: Value = serde_json::from_slice(body).map_err(|_| bad("the body is not JSON"))?;
         let text = |v: &Value, member: &str| v.get(member).and_then(Value::as_str).map(str::to_owned);
         let data = v.get("data").ok_or_else(|| bad("no data"))?;
         let event = Event {
-            id: text(&v, "id").ok_or_else(|| bad("no id"))?,
+            id: signed_id.map(str::to_owned).or_else(|| text(&v, "id")).ok_or_else(|| bad("no id"))?,
             kind: text(&v, "type").ok_or_else(|| bad("no type"))?,
             downstream_key: text(data, "key").ok_or_else(|| bad("no data.key"))?,
             provider_id: text(data, "id"),
@@ -234,6 +307,32 @@ fn came_back(p: &crate::store::PayoutRow) -> bool {
 mod tests {
     use super::*;
 
+    /// The Standard Webhooks specification's own example (its secret,
+    /// message id, time and payload; the signature it gives, which Python's
+    /// hmac and base64 give too), then what must be refused.
+    #[test]
+    fn a_standard_webhooks_signature_is_the_specifications_and_holds_only_for_its_message() {
+        let (secret, id, t) =
+            (&b"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"[..], "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330);
+        let body = br#"{"test": 2432232314}"#;
+        let signed = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
+        assert_eq!(sign_standard(secret, id, body, t), signed);
+        let read = |id: &str, sigs: &str, now: i64| {
+            Signature::read_standard([Some(id), Some(&t.to_string()), Some(sigs)], now)
+        };
+        let ok = read(id, signed, t + 10).unwrap();
+        assert_eq!((ok.check(secret, body), ok.id()), (Ok(()), Some(id)));
+        // a rolled secret: the old signature and the new, space-separated, any version else passed over
+        let both = format!("v2,abc v1,AAAA {signed}");
+        assert_eq!(read(id, &both, t).unwrap().check(secret, body), Ok(()));
+        assert!(read(id, signed, t).unwrap().check(secret, br#"{"test": 2432232315}"#).is_err());
+        assert!(read("msg_other", signed, t).unwrap().check(secret, body).is_err(), "the id is signed too");
+        assert!(read(id, signed, t).unwrap().check(b"whsec_AAAAAAAAAAAAAAAAAAAAAAAA", body).is_err());
+        assert!(read(id, signed, t + TOLERANCE_SECONDS + 1).is_err(), "stale");
+        assert!(read(id, "v2,abc", t).is_err(), "no v1 signature");
+        assert!(Signature::read_standard([Some(id), None, Some(signed)], t).is_err(), "no timestamp");
+    }
+
     #[test]
     fn a_signature_holds_only_for_its_body_its_secret_and_its_time() {
         let (secret, body, t) = (b"whsec", br#"{"id":"evt_1"}"#, 1_700_000_000);
@@ -258,14 +357,14 @@ mod tests {
     #[test]
     fn an_event_needs_its_id_type_and_key() {
         let ok = br#"{"id":"evt_1","type":"payout.returned","data":{"key":"k","amount":5,"currency":"KRW"}}"#;
-        assert_eq!(Event::parse(ok).unwrap().amount, Some(5));
+        assert_eq!(Event::parse(ok, None).unwrap().amount, Some(5));
         for bad in [
             &b"nope"[..],
             br#"{"type":"payout.paid","data":{"key":"k"}}"#,
             br#"{"id":"e","type":"t"}"#,
             br#"{"id":"e\u0000","type":"t","data":{"key":"k"}}"#,
         ] {
-            assert!(Event::parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+            assert!(Event::parse(bad, None).is_err(), "{}", String::from_utf8_lossy(bad));
         }
     }
 }

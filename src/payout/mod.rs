@@ -30,7 +30,8 @@ mod person;
 mod reconcile;
 
 pub use events::{
-    Event, FOR_A_PERSON, Refused, SIGNATURE_HEADER, Signature, apply as apply_event, sign, verify,
+    Event, FOR_A_PERSON, Refused, SIGNATURE_HEADER, STANDARD_HEADERS, Signature, apply as apply_event, sign,
+    sign_standard, verify,
 };
 pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, classify_send, gateway_url};
 pub use person::{Finding, events, listed, settle_by_hand, stats, stray_events};

@@ -131,8 +131,13 @@ pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>,
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
     // the header first: an unsigned or stale event is refused before its
     // unauthenticated body is waited for
-    let header = req.headers().get(payout::SIGNATURE_HEADER).and_then(|v| v.to_str().ok());
-    let signature = match payout::Signature::read(header, unix) {
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let standard = payout::STANDARD_HEADERS.map(header);
+    let read = match standard.iter().any(Option::is_some) {
+        true => payout::Signature::read_standard(standard, unix),
+        false => payout::Signature::read(header(payout::SIGNATURE_HEADER), unix),
+    };
+    let signature = match read {
         Ok(signature) => signature,
         Err(refused) => return refused_event(refused, note),
     };
@@ -159,10 +164,11 @@ pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>,
                 );
             }
         };
-    let event = match signature.check(secret, &body).and_then(|()| payout::Event::parse(&body)) {
-        Ok(event) => event,
-        Err(refused) => return refused_event(refused, note),
-    };
+    let event =
+        match signature.check(secret, &body).and_then(|()| payout::Event::parse(&body, signature.id())) {
+            Ok(event) => event,
+            Err(refused) => return refused_event(refused, note),
+        };
     let clock = desk.clock.clone();
     let policy = app.policy;
     let applied = {

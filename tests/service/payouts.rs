@@ -902,3 +902,48 @@ fn the_metrics_count_payouts_per_state_their_oldest_age_and_their_sends() {
     }
     assert!(metrics.contains("idem_payout_oldest_age_seconds{state=\"unknown\"} "), "{metrics}");
 }
+
+/// A provider that signs as the Standard Webhooks specification says
+/// (`webhook-id`, `webhook-timestamp`, `webhook-signature: v1,<base64>`,
+/// a `whsec_` secret whose base64 is the key): its return is credited back
+/// once, the message's id being the event's (its body has none), a
+/// redelivery of the same message changes nothing, and a forged, stale or
+/// half-signed one is refused 401 with nothing changed.
+#[test]
+fn a_standard_webhooks_event_is_verified_and_applied_once() {
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&[]);
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let s = serve(&db, &gw.url, &["--gateway-events-secret", secret]);
+    assert_eq!(pay(&s, "p-std", &payout("bob", 300)).status, 201);
+    let key = payouts(&db)[0].2.clone();
+    let body = serde_json::json!({"type": "payout.returned", "data": {"key": key, "id": "po_9", "amount": 300, "currency": "KRW", "reason": "bounced_back"}}).to_string();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let send = |id: &str, t: i64, signature: Option<String>| {
+        let mut req = Serve::agent()
+            .post(format!("{}/v1/gateway-events", s.url))
+            .header("webhook-id", id)
+            .header("webhook-timestamp", t.to_string().as_str());
+        if let Some(signature) = signature {
+            req = req.header("webhook-signature", signature.as_str());
+        }
+        read(req.header("Content-Type", "application/json").send(body.as_str()))
+    };
+    let sign = |id: &str, t: i64, secret: &str| {
+        Some(idem::payout::sign_standard(secret.as_bytes(), id, body.as_bytes(), t))
+    };
+    assert_eq!(
+        send("msg_1", now, sign("msg_1", now, "whsec_AAAAAAAAAAAAAAAAAAAAAAAA")).status,
+        401,
+        "another secret"
+    );
+    assert_eq!(send("msg_1", now - 3600, sign("msg_1", now - 3600, secret)).status, 401, "stale");
+    assert_eq!(send("msg_1", now, sign("msg_2", now, secret)).status, 401, "signed for another message");
+    assert_eq!(send("msg_1", now, None).status, 401, "no signature");
+    assert_eq!(balance(&db, "A"), START - 300, "a refused event changed money");
+    let first = send("msg_1", now, sign("msg_1", now, secret));
+    assert_eq!((first.status, first.json()["duplicate"].as_bool()), (200, Some(false)), "{}", first.body);
+    let again = send("msg_1", now, sign("msg_1", now, secret));
+    assert_eq!(again.json()["duplicate"], true, "{}", again.body);
+    assert_eq!(balance(&db, "A"), START, "the return was credited back once");
+}
