@@ -225,8 +225,8 @@ const CAME_BACK: [&str; 8] = [
 
 /// What a lookup's answer means for `p`. 200 `paid` whose amount, currency
 /// and beneficiary are `p`'s → paid (any of them different → terminal);
-/// a state not final ([`NOT_FINAL`]: `pending`, `unclaimed`, `on_hold`, …)
-/// → pending; `failed` and the states of money back ([`CAME_BACK`]) →
+/// a state not final (`NOT_FINAL`: `pending`, `unclaimed`, `on_hold`, …)
+/// → pending; `failed` and the states of money back (`CAME_BACK`) →
 /// failed; another state → terminal (states in any case); 404 with the
 /// gateway's typed `{"error": "not_found"}` → not found (a bare 404 may be
 /// a wrong URL: an error); 408, 429, 5xx → error; other 4xx → terminal.
