@@ -25,8 +25,9 @@ pub struct Profile {
     /// (the amount a number), and one that holds them has them written in;
     /// `null`: the lab's transfer, `{"src", "dst", "amount", "currency"}`.
     /// Without both `{src}` and `{dst}` the body moves no money between
-    /// accounts the check can name, and the properties that need that
-    /// (refusals, the drain) are skipped.
+    /// accounts the check can name: the properties that need that
+    /// (refusals, the drain) are skipped, and the lifecycle ones judge keys
+    /// and replays without counting the money.
     pub body: Option<Value>,
     /// A JSON pointer (RFC 6901) to the created resource's id in a 2xx
     /// answer, which `get_path`'s `{id}` stands for.
