@@ -28,18 +28,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::*;
 
-const ACCOUNTS: usize = 1000;
 /// Connections that send the open loop's requests as they fall due: more
 /// than the server ever holds in flight at these rates, so a request waits
 /// for the server, not for a sender.
 const SENDERS: usize = 128;
 const OFFERED: [f64; 4] = [0.25, 0.5, 0.8, 0.95];
-
-fn body(i: u64) -> String {
-    let src = i as usize % ACCOUNTS;
-    let dst = (src + 1 + (i as usize / ACCOUNTS) % (ACCOUNTS - 1)) % ACCOUNTS;
-    format!(r#"{{"src":"a{src}","dst":"a{dst}","amount":1,"currency":"KRW"}}"#)
-}
 
 /// What the requests of one phase got: latencies (µs) and fresh 201s.
 #[derive(Default)]
@@ -78,7 +71,8 @@ fn saturation(address: &str, connections: usize, run: &str) -> (f64, Tally) {
                 while !stop.load(Ordering::Relaxed) {
                     i += 1;
                     let sent = Instant::now();
-                    let (status, replayed, _) = conn.post(&format!("{run}-{c}-{i}"), &body(i * 7 + c as u64));
+                    let (status, replayed, _) =
+                        conn.post(&format!("{run}-{c}-{i}"), &body(i * 7 + c as u64, 1));
                     tally.record(status, replayed, sent.elapsed().as_micros());
                 }
                 tally
@@ -114,7 +108,7 @@ fn open_loop(address: &str, rate: f64, run: &str) -> (f64, Tally) {
                     if let Some(wait) = due.checked_duration_since(Instant::now()) {
                         std::thread::sleep(wait);
                     }
-                    let (status, replayed, _) = conn.post(&format!("{run}-{i}"), &body(i));
+                    let (status, replayed, _) = conn.post(&format!("{run}-{i}"), &body(i, 1));
                     mine.record(status, replayed, due.elapsed().as_micros());
                 }
                 tally.lock().unwrap().add(mine);

@@ -27,14 +27,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use support::*;
 
-const ACCOUNTS: usize = 1000;
 const CONNECTIONS: [usize; 4] = [1, 8, 64, 256];
-
-fn body(i: u64, amount: i64) -> String {
-    let src = i as usize % ACCOUNTS;
-    let dst = (src + 1 + (i as usize / ACCOUNTS) % (ACCOUNTS - 1)) % ACCOUNTS;
-    format!(r#"{{"src":"a{src}","dst":"a{dst}","amount":{amount},"currency":"KRW"}}"#)
-}
 
 #[derive(Clone, Copy, PartialEq)]
 enum Phase {

@@ -12,6 +12,16 @@ use std::time::Duration;
 pub const IDEM: &str = env!("CARGO_BIN_EXE_idem");
 pub const TOKEN: &str = "tok-bench";
 
+/// The accounts the benches' banks hold, `a0` to `a999`.
+pub const ACCOUNTS: usize = 1000;
+
+/// The `i`-th transfer of `amount`: its accounts spread over all of them.
+pub fn body(i: u64, amount: i64) -> String {
+    let src = i as usize % ACCOUNTS;
+    let dst = (src + 1 + (i as usize / ACCOUNTS) % (ACCOUNTS - 1)) % ACCOUNTS;
+    format!(r#"{{"src":"a{src}","dst":"a{dst}","amount":{amount},"currency":"KRW"}}"#)
+}
+
 /// Each phase's length: `IDEM_BENCH_SECONDS`, default 3.
 pub fn seconds() -> Duration {
     Duration::from_secs_f64(

@@ -13,7 +13,7 @@
 //! get the signals too), its output kept in the check's directory.
 
 use super::http::{Drain, Http, Profile, Target, exchange, read_answer};
-use super::walk::{holds_all, paid_once, retried};
+use super::walk::{headers, holds_all, is_final, paid_once, retried};
 use super::{CheckError, Property, Trace};
 use crate::rng::Rng;
 use serde_json::json;
@@ -233,17 +233,13 @@ fn keys(target: &Target, salt: u64) -> Vec<(String, i64)> {
     (1..=KEYS).map(|i| (super::url::key(target, salt + i as u64), i)).collect()
 }
 
-fn headers(target: &Target, k: &str) -> [(&'static str, String); 2] {
-    [("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(k))]
-}
-
-/// Sends `keys` on [`LANES`] connections at once, one request each, and
-/// runs `stop` after `delay` (or once every answer is back); each key's
-/// answer, if one came.
+/// Sends `keys` from `drain` on [`LANES`] connections at once, one request
+/// each, and runs `stop` after `delay` (or once every answer is back);
+/// each key's answer, if one came.
 fn under_load(
     target: &Target,
     keys: &[(String, i64)],
-    src: &str,
+    drain: &Drain,
     delay: Duration,
     stop: impl FnOnce(),
 ) -> Vec<Option<Http>> {
@@ -256,7 +252,7 @@ fn under_load(
                 let answered = &answered;
                 s.spawn(move || {
                     let sent = chunk.iter().map(|(k, amount)| {
-                        let body = target.body(&json!(src), &json!("B"), *amount);
+                        let body = target.body(&drain.src, &drain.dst, *amount);
                         let got =
                             exchange(target.address, &target.post_bytes(&headers(target, k), &body)).ok();
                         answered.fetch_add(1, Ordering::SeqCst);
@@ -273,11 +269,6 @@ fn under_load(
         stop();
         runs.into_iter().flat_map(|r| r.join().unwrap_or_default()).collect()
     })
-}
-
-/// Whether `h` ends its key's story (not in flight, not busy, not a 5xx).
-fn is_final(target: &Target, h: &Http) -> bool {
-    h.status != target.profile.in_flight_status && h.status != 429 && h.status < 500
 }
 
 /// After the restart: each key retried until final within the lease, made
@@ -339,7 +330,7 @@ fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let (mut before, mut answered, mut restarts) = (Vec::new(), Vec::new(), Duration::ZERO);
     for round in keys.chunks(LANES) {
         let delay = unit.mul_f64(rng.below(2_000) as f64 / 1_000.0);
-        let mut got = under_load(target, round, "K", delay, || process.kill());
+        let mut got = under_load(target, round, &drain, delay, || process.kill());
         answered.push(got.iter().filter(|a| a.is_some()).count());
         before.append(&mut got);
         restarts = restarts.max(process.spawn()?);
@@ -352,12 +343,16 @@ fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     settle(target, t, &keys, &before, &drain, 400)
 }
 
-/// Requests whose head and all but the last byte of the body are sent:
-/// the service has accepted each, and is reading it.
-fn half_sent(target: &Target, keys: &[(String, i64)]) -> Result<Vec<(TcpStream, u8)>, CheckError> {
+/// Requests from `drain` whose head and all but the last byte of the body
+/// are sent: the service has accepted each, and is reading it.
+fn half_sent(
+    target: &Target,
+    keys: &[(String, i64)],
+    drain: &Drain,
+) -> Result<Vec<(TcpStream, u8)>, CheckError> {
     keys.iter()
         .map(|(k, amount)| {
-            let body = target.body(&json!("T"), &json!("B"), *amount);
+            let body = target.body(&drain.src, &drain.dst, *amount);
             let request = target.post_bytes(&headers(target, k), &body);
             let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
                 .map_err(CheckError::io("connect"))?;
@@ -377,13 +372,13 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let unit = timed(target, t, &drain, 410)?;
     let keys = keys(target, 600);
     let (reading, loaded) = keys.split_at(4);
-    let mut open = half_sent(target, reading)?;
+    let mut open = half_sent(target, reading, &drain)?;
     std::thread::sleep(Duration::from_millis(300));
     // within the time the load takes, sent one request a lane at a time
     let lanes = loaded.len().div_ceil(LANES) as u32;
     let delay = (unit * lanes).mul_f64(rng.below(1_000) as f64 / 1_000.0);
     let mut late = Vec::new();
-    let mut loads = under_load(target, loaded, "T", delay, || {
+    let mut loads = under_load(target, loaded, &drain, delay, || {
         process.signal(libc::SIGTERM);
         std::thread::sleep(Duration::from_millis(50));
         // the last bytes of the requests the service was reading
@@ -421,22 +416,16 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     settle(target, t, &keys, &before, &drain, 410)
 }
 
-macro_rules! property {
-    ($name:expr, $contract:expr, $judge:expr) => {
-        Property { name: $name, contract: $contract, judge: $judge }
-    };
-}
-
 /// The properties that need the service's process (`--serve`).
 pub static PROPERTIES: [Property<Target>; 2] = [
-    property!(
-        "a service killed under load and restarted pays every key once and replays what it answered",
-        "draft §1 and §2.6: the retry of a request must not repeat its effect, and a completed request's response is stored, so a crash (SIGKILL at a random moment) loses no answer given and holds no key past the lease (profile lease_seconds)",
-        killed
-    ),
-    property!(
-        "a service stopped (SIGTERM) under load answers what it accepted, exits, and loses nothing",
-        "RFC 9110 §9.2.2 and draft §2.6: a request accepted is answered or left undone, never half-done; a shutdown ends within the profile's shutdown_seconds, and after a restart every key replays or runs once",
-        terminated
-    ),
+    Property {
+        name: "a service killed under load and restarted pays every key once and replays what it answered",
+        contract: "draft §1 and §2.6: the retry of a request must not repeat its effect, and a completed request's response is stored, so a crash (SIGKILL at a random moment) loses no answer given and holds no key past the lease (profile lease_seconds)",
+        judge: killed,
+    },
+    Property {
+        name: "a service stopped (SIGTERM) under load answers what it accepted, exits, and loses nothing",
+        contract: "RFC 9110 §9.2.2 and draft §2.6: a request accepted is answered or left undone, never half-done; a shutdown ends within the profile's shutdown_seconds, and after a restart every key replays or runs once",
+        judge: terminated,
+    },
 ];

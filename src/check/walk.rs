@@ -82,7 +82,8 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
     }
 }
 
-fn headers(target: &Target, k: &str) -> [(&'static str, String); 2] {
+/// The first token's `Authorization` and key `k`'s `Idempotency-Key`.
+pub(super) fn headers(target: &Target, k: &str) -> [(&'static str, String); 2] {
     [("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(k))]
 }
 
@@ -97,17 +98,22 @@ pub(super) fn retried(
 ) -> Option<Http> {
     let request = target.post_bytes(headers, body);
     loop {
-        if let Ok(h) = exchange(target.address, &request) {
-            let retry = h.status == target.profile.in_flight_status || h.status == 429 || h.status >= 500;
-            if !retry {
-                return Some(h);
-            }
+        if let Ok(h) = exchange(target.address, &request)
+            && is_final(target, &h)
+        {
+            return Some(h);
         }
         if Instant::now() > deadline {
             return None;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Whether `h` ends its key's story: not in flight, not busy (429), not a
+/// 5xx (a lost connection is no answer at all).
+pub(super) fn is_final(target: &Target, h: &Http) -> bool {
+    h.status != target.profile.in_flight_status && h.status != 429 && h.status < 500
 }
 
 /// One transfer from `src` to `dst` of `amount` under a fresh key `n`.

@@ -2,7 +2,7 @@
 //! store, the service's pool, the library's layer): the connection string
 //! read once, every host tried with the whole start-up bounded, the
 //! network's timeouts and keepalives, errors that never quote the
-//! connection string, and the one pool manager.
+//! connection string, and the one way a pool is built.
 
 use super::StoreError;
 use crate::policy::Policy;
@@ -63,6 +63,39 @@ pub(crate) fn silent(deadline: Duration) -> StoreError {
 /// How long one host's whole start-up may take: the connect timeout.
 pub(crate) fn startup_deadline(config: &tokio_postgres::Config) -> Duration {
     config.get_connect_timeout().copied().unwrap_or(Duration::from_secs(5))
+}
+
+/// How long making one connection may take: every host tried, each for
+/// its start-up deadline.
+pub(crate) fn create_deadline(config: &tokio_postgres::Config) -> Duration {
+    let hosts = u32::try_from(each_host(config).len()).unwrap_or(u32::MAX);
+    startup_deadline(config).saturating_mul(hosts) + Duration::from_secs(1)
+}
+
+/// A database that cannot be reached now is away: 503, not a 500.
+pub(crate) fn away(e: StoreError) -> StoreError {
+    match e {
+        StoreError::Backend(why) => StoreError::Unavailable(why.to_string()),
+        other => other,
+    }
+}
+
+/// A pool (deadpool's) of `manager`'s connections: at most `size`, one
+/// waited for at most `wait`, one made within `create`.
+#[cfg(any(feature = "cli", feature = "axum"))]
+pub(crate) fn pool<M: deadpool::managed::Manager>(
+    manager: M,
+    size: usize,
+    wait: Duration,
+    create: Duration,
+) -> Result<deadpool::managed::Pool<M>, StoreError> {
+    deadpool::managed::Pool::builder(manager)
+        .max_size(size.max(1))
+        .wait_timeout(Some(wait))
+        .create_timeout(Some(create))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+        .map_err(|e| StoreError::Backend(format!("cannot build the connection pool: {e}").into()))
 }
 
 /// `config` once per host it names, in its order, each with that host only
@@ -190,10 +223,10 @@ pub trait Ready: Send + Sync {
     fn usable(&self, conn: &Self::Conn) -> bool;
 }
 
-/// The one manager of idem's connection pools (deadpool's): it connects
+/// The manager of the service's connection pool (deadpool's): it connects
 /// by `reach::connect` and makes each connection ready by `R`; a connection
-/// gone, or of unknown state, is never handed out again. The service's
-/// pool and the library's layer are each one.
+/// gone, or of unknown state, is never handed out again. (The library's
+/// layer pools the application's own way of connecting: `layer::lend`.)
 #[cfg(any(feature = "cli", feature = "axum"))]
 pub struct Connector<R> {
     config: tokio_postgres::Config,
@@ -215,16 +248,8 @@ impl<R: Ready> Connector<R> {
         size: usize,
         wait: Duration,
     ) -> Result<deadpool::managed::Pool<Self>, StoreError> {
-        // a new connection may try every host, each for its start-up deadline
-        let hosts = u32::try_from(each_host(&self.config).len()).unwrap_or(u32::MAX);
-        let create = wait.max(startup_deadline(&self.config).saturating_mul(hosts) + Duration::from_secs(1));
-        deadpool::managed::Pool::builder(self)
-            .max_size(size.max(1))
-            .wait_timeout(Some(wait))
-            .create_timeout(Some(create))
-            .runtime(deadpool::Runtime::Tokio1)
-            .build()
-            .map_err(|e| StoreError::Backend(format!("cannot build the connection pool: {e}").into()))
+        let create = wait.max(create_deadline(&self.config));
+        pool(self, size, wait, create)
     }
 }
 
@@ -234,11 +259,6 @@ impl<R: Ready> deadpool::managed::Manager for Connector<R> {
     type Error = StoreError;
 
     async fn create(&self) -> Result<R::Conn, StoreError> {
-        // a database that cannot be reached now is away: 503, not a 500
-        let away = |e| match e {
-            StoreError::Backend(why) => StoreError::Unavailable(why.to_string()),
-            other => other,
-        };
         let client = connect(&self.config, &self.spec).await.map_err(away)?;
         let ready = self.ready.ready(client).await;
         ready.map_err(|e| away(redacted("cannot configure the connection", &e, &self.spec)))

@@ -7,6 +7,7 @@ use super::{Idempotency, Store};
 use crate::embed::Keys;
 use axum::http::{HeaderMap, header, request::Parts};
 use std::sync::Arc;
+use std::time::Duration;
 #[cfg(feature = "sqlite")]
 use tokio::sync::Mutex;
 #[cfg(feature = "postgres")]
@@ -63,17 +64,14 @@ impl Idempotency {
             crate::store::Db::Postgres(spec) => {
                 use crate::store::reach;
                 let config = reach::configure(&spec, crate::policy::Policy::embedded())?;
+                // a new connection may try every host, each for its start-up deadline
+                let create = reach::create_deadline(&config);
                 let config = Arc::new((config, spec));
-                let make = move || {
+                let make: Box<Make> = Box::new(move || {
                     let config = config.clone();
-                    // a database that cannot be reached now is away: 503, not a 500
-                    async move {
-                        reach::connect(&config.0, &config.1)
-                            .await
-                            .map_err(|e| StoreError::Unavailable(e.to_string()))
-                    }
-                };
-                Idempotency::on_postgres(make, keys, connections, who).await
+                    Box::pin(async move { reach::connect(&config.0, &config.1).await.map_err(reach::away) })
+                });
+                Idempotency::on_pool(make, create, keys, connections, who).await
             }
             #[cfg(feature = "sqlite")]
             crate::store::Db::Sqlite(path) => {
@@ -123,17 +121,26 @@ impl Idempotency {
         Fut: Future<Output = Result<Client, E>> + Send + 'static,
         E: std::fmt::Display + 'static,
     {
-        let make = move || -> Pin<Box<dyn Future<Output = Result<Client, StoreError>> + Send>> {
+        // the application's own errors: the database is away, 503
+        let make: Box<Make> = Box::new(move || {
             let made = make();
             Box::pin(async move { made.await.map_err(|e| StoreError::Unavailable(e.to_string())) })
-        };
-        let wait = std::time::Duration::from_secs(5);
-        let pool: managed::Pool<Lend> = managed::Pool::builder(Lend(Box::new(make)))
-            .max_size(connections.max(1))
-            .wait_timeout(Some(wait))
-            .create_timeout(Some(wait * 2))
-            .runtime(deadpool::Runtime::Tokio1)
-            .build()?;
+        });
+        Idempotency::on_pool(make, Duration::from_secs(10), keys, connections, who).await
+    }
+
+    /// A pool of at most `connections` that `make` makes, each within
+    /// `create`, and the key table built on its first.
+    #[cfg(feature = "postgres")]
+    async fn on_pool(
+        make: Box<Make>,
+        create: Duration,
+        keys: Keys,
+        connections: usize,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, BoxError> {
+        let wait = Duration::from_secs(5);
+        let pool = crate::store::reach::pool(Lend(make), connections, wait, create.max(wait))?;
         let mut first = pool.get().await.map_err(|e| e.to_string())?;
         keys.migrate_pg(&mut first).await?;
         drop(first);
@@ -178,7 +185,7 @@ impl Idempotency {
             store,
             who: Arc::new(move |parts: &Parts| who(&parts.headers)),
             max_body: 64 * 1024,
-            max_wait: std::time::Duration::from_secs(2),
+            max_wait: Duration::from_secs(2),
             replayed_headers: vec![header::LOCATION],
         }
     }
