@@ -21,7 +21,11 @@ struct Run {
 }
 
 fn check(args: &[String]) -> Run {
-    let out = Command::new(IDEM).arg("check").args(args).output().unwrap();
+    read(Command::new(IDEM).arg("check").args(args).output().unwrap())
+}
+
+/// The verdicts a run printed.
+fn read(out: std::process::Output) -> Run {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let verdicts = stdout
         .lines()
@@ -650,4 +654,62 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
         "{failed:?}\n{}",
         mistake.stdout
     );
+}
+
+/// Three idempotency libraries nobody here wrote, each around a minimal
+/// transfer endpoint under `peers/` (installed from npm, PyPI and crates.io
+/// by `tools/peer-check`), keep the verdicts docs/check.md gives them on
+/// every seed: each fails what its own design gets wrong (read from its
+/// source and its README) and passes the rest. A verdict that moves is a
+/// finding about the checker or about the library's new version.
+#[test]
+#[ignore = "long: installs three libraries (npm, PyPI, crates.io) and builds one"]
+fn third_party_libraries_fail_what_their_design_gets_wrong_and_nothing_else() {
+    let bare = "the key's sf-string and bare spellings are one key, or the bare one is refused";
+    let no_key = "a request without a key is refused";
+    let auth =
+        "authentication comes first: a bad, missing or doubled token is refused before the key is read";
+    let expected: [(&str, &[&str]); 3] = [
+        // keys not scoped by client; a key is optional; Express's HTML error page
+        (
+            "express-idempotency",
+            &[
+                no_key,
+                bare,
+                auth,
+                "keys are scoped by client: distinct clients own distinct keys, one client's tokens share them",
+                "errors show no internals (and are problem+json, if the profile says so)",
+            ],
+        ),
+        // the fingerprint is of the raw bytes; a 400 is stored under its key
+        (
+            "fastapi-idempotency",
+            &[
+                no_key,
+                bare,
+                auth,
+                "a retry with members reordered and re-spaced replays",
+                "a malformed request is refused and does not consume its key",
+            ],
+        ),
+        // check, then execute: no claim, and the body is not fingerprinted
+        (
+            "axum-idempotent",
+            &[
+                bare,
+                "the same key with another body is refused (mismatch status)",
+                "requests on one key released at one instant: one transfer, the others in flight or its replay",
+            ],
+        ),
+    ];
+    let tool = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/peer-check");
+    for (peer, fails) in expected {
+        for seed in ["1", "2", "3"] {
+            let run =
+                read(Command::new(tool).arg(peer).env("SEED", seed).env("IDEM", IDEM).output().unwrap());
+            let wanted: BTreeSet<String> = fails.iter().map(|f| f.to_string()).collect();
+            assert!(run.verdicts.len() == 17, "{peer}, seed {seed}:\n{}", run.stdout);
+            assert_eq!(failed(&run), wanted, "{peer}, seed {seed}:\n{}", run.stdout);
+        }
+    }
 }
