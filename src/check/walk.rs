@@ -11,18 +11,23 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-/// How many keys the clients walk away from.
+/// How many keys the clients walk away from one at a time.
 const KEYS: i64 = 12;
+/// How many more are sent at one instant on the same accounts, so that all
+/// but the first wait for another's locks, and walked away from there.
+const WAITING: i64 = 6;
 
 /// Each of [`KEYS`] requests is cut at a random moment (before its last
-/// byte, just after it, or a few milliseconds later); then each key is
-/// retried as its client would, until an answer that is final, within the
-/// profile's lease; a final answer must replay. With the profile's drain,
-/// the money moved is counted: each key paid once.
+/// byte, just after it, or a few milliseconds later), and [`WAITING`] more
+/// in a lock wait; then each key is retried as its client would, until an
+/// answer that is final, within the profile's lease; a final answer must
+/// replay. With the profile's drain, the money moved is counted: each key
+/// paid once.
 pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let p = &target.profile;
     let mut rng = Rng::new(target.seed ^ 0x4a6e_6775);
-    let drain = match p.drain.as_ref().filter(|d| d.balance >= KEYS * (KEYS + 1) / 2 && target.money()) {
+    let all = KEYS + WAITING;
+    let drain = match p.drain.as_ref().filter(|d| d.balance >= all * (all + 1) / 2 && target.money()) {
         Some(d) if holds_all(target, t, d, 300)? => Some(d),
         Some(_) => {
             t.step("(the drain no longer holds its balance, spent by an earlier run: the money moved is not counted)");
@@ -34,24 +39,18 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
         Some(d) => target.body(&d.src, &d.dst, amount),
         None => target.transfer(amount),
     };
-    let keys: Vec<(String, i64)> = (1..=KEYS).map(|i| (super::url::key(target, 200 + i as u64), i)).collect();
-    let mut cuts = [0; 3];
-    for (k, amount) in &keys {
-        let request = target.post_bytes(&headers(target, k), &body(*amount));
-        let cut = rng.below(3) as usize;
-        cuts[cut] += 1;
-        let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
-            .map_err(CheckError::io("connect"))?;
-        let sent = if cut == 0 { &request[..request.len() - 1] } else { &request[..] };
-        s.write_all(sent).map_err(CheckError::io("send"))?;
-        if cut == 2 {
-            std::thread::sleep(Duration::from_millis(rng.below(20)));
-        }
-        drop(s);
-    }
+    let keys: Vec<(String, i64)> = (1..=all).map(|i| (super::url::key(target, 200 + i as u64), i)).collect();
+    let requests: Vec<Vec<u8>> =
+        keys.iter().map(|(k, a)| target.post_bytes(&headers(target, k), &body(*a))).collect();
+    let cuts = one_at_a_time(target, &requests[..KEYS as usize], &mut rng)?;
     t.step(format!(
         "{KEYS} requests, each client gone: {} before the last byte, {} just after it, {} within 20 ms",
         cuts[0], cuts[1], cuts[2]
+    ));
+    let gone = together(target, &requests[KEYS as usize..], &mut rng)?;
+    t.step(format!(
+        "{WAITING} more sent at one instant on the same accounts, waiting for each other's locks, \
+         each client gone {gone} ms later"
     ));
     let lease = Duration::from_secs(p.lease_seconds);
     let deadline = Instant::now() + lease;
@@ -74,12 +73,50 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
         });
     }
     match drain {
-        Some(d) => paid_once(target, t, d, KEYS * (KEYS + 1) / 2, 300),
+        Some(d) => paid_once(target, t, d, all * (all + 1) / 2, 300),
         None => {
             t.step("(no drain in the profile, too small, or a body that names no {src} and {dst}: the money moved is not counted)");
             Ok(())
         }
     }
+}
+
+/// Sends each request on a connection of its own and walks away at a
+/// random moment; how many were cut before their last byte, just after it,
+/// and a few milliseconds later.
+fn one_at_a_time(target: &Target, requests: &[Vec<u8>], rng: &mut Rng) -> Result<[usize; 3], CheckError> {
+    let mut cuts = [0; 3];
+    for request in requests {
+        let cut = rng.below(3) as usize;
+        cuts[cut] += 1;
+        let mut s = connect(target)?;
+        let sent = if cut == 0 { &request[..request.len() - 1] } else { &request[..] };
+        s.write_all(sent).map_err(CheckError::io("send"))?;
+        if cut == 2 {
+            std::thread::sleep(Duration::from_millis(rng.below(20)));
+        }
+    }
+    Ok(cuts)
+}
+
+/// Sends the requests whole, together, on connections opened beforehand,
+/// and walks away from all of them a random few milliseconds later (how
+/// many): on the same accounts, all but one are then waiting for locks.
+fn together(target: &Target, requests: &[Vec<u8>], rng: &mut Rng) -> Result<u64, CheckError> {
+    let mut open = Vec::new();
+    for _ in requests {
+        open.push(connect(target)?);
+    }
+    for (s, r) in open.iter_mut().zip(requests) {
+        s.write_all(r).map_err(CheckError::io("send"))?;
+    }
+    let gone = rng.below(5);
+    std::thread::sleep(Duration::from_millis(gone));
+    Ok(gone)
+}
+
+fn connect(target: &Target) -> Result<TcpStream, CheckError> {
+    TcpStream::connect_timeout(&target.address, Duration::from_secs(5)).map_err(CheckError::io("connect"))
 }
 
 /// The first token's `Authorization` and key `k`'s `Idempotency-Key`.
@@ -159,7 +196,9 @@ pub(super) fn paid_once(
     let back = send(target, t, salt + 3, (&d.dst, &d.src), moved)?;
     t.expect(target.made(&back), || format!("the {moved} the drain paid could not be sent back"));
     let whole = target.made(&send(target, t, salt + 4, (&d.src, &d.dst), d.balance)?);
-    t.expect(whole, || format!("the drain no longer holds its {}: a key was paid twice", d.balance));
+    t.expect(whole, || {
+        format!("the drain no longer holds its {}: a key was paid twice, or an update was lost", d.balance)
+    });
     if whole {
         let again = send(target, t, salt + 5, (&d.dst, &d.src), d.balance)?;
         t.expect(target.made(&again), || "the drain's balance could not be put back".into());

@@ -403,8 +403,13 @@ where
     let Ok(bytes) = to_bytes(body, idem.max_body).await else {
         return problem(StatusCode::PAYLOAD_TOO_LARGE, "too_large", "The body is past the limit.");
     };
-    let text = String::from_utf8_lossy(&bytes).into_owned();
-    let fingerprint = match idem.keys.admit::<String>(&key, &text) {
+    // not mended into text: two bodies that differ only in bytes that are
+    // not UTF-8 would share a fingerprint, and the second replay the first
+    let Ok(text) = std::str::from_utf8(&bytes) else {
+        let why = "The body is not UTF-8 text (JSON is, RFC 8259).";
+        return problem(StatusCode::BAD_REQUEST, "invalid_request", why);
+    };
+    let fingerprint = match idem.keys.admit::<String>(&key, text) {
         Ok(f) => f,
         Err(e) => return problem(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string()),
     };

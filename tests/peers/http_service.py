@@ -65,6 +65,10 @@ it breaks:
                        before the key's one home, whose lease was 72 h)
   drop-on-hangup       a request whose client hung up keeps its writes and
                        frees its key: the retry pays again
+  stuck-in-lock-wait   a request whose client hung up while it waited for
+                       another's lock gives up there, its claim left held for
+                       ever (a handler cancelled at its lock wait after a
+                       claim committed apart); one not kept waiting is fine
   claim-committed-apart the claim is written before the transfer runs (as
                        idem's library once committed it apart, with a 72 h
                        lease): a process killed mid-request leaves its key
@@ -82,7 +86,7 @@ CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
           "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
           "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500", "stuck-on-hangup",
-          "drop-on-hangup", "claim-committed-apart", "sigterm-ignored", "shutdown-abandons"]
+          "drop-on-hangup", "stuck-in-lock-wait", "claim-committed-apart", "sigterm-ignored", "shutdown-abandons"]
 MISTAKES = CHOICES + ERRORS
 p = argparse.ArgumentParser()
 p.add_argument("--db", required=True)
@@ -273,6 +277,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 read = balances.get(str(t["src"])), balances.get(str(t["dst"]))
             time.sleep(0.02)
         hung = mistake in ("stuck-on-hangup", "drop-on-hangup") and self.hung_up()
+        if mistake == "stuck-in-lock-wait" and not lock.acquire(blocking=False):
+            with lock:  # kept waiting for another request's commit
+                cancelled = self.hung_up()
+                if cancelled:
+                    keys[scope]["held"] = True
+                    save()
+            if cancelled:
+                return
+        elif mistake == "stuck-in-lock-wait":
+            lock.release()
         with lock:  # the transfer and its key's completion: one commit
             try:
                 status, body = self.transfer(who, t, read)

@@ -51,13 +51,18 @@ async fn listen(app: Router) -> SocketAddr {
 }
 
 fn send(address: SocketAddr, target: &str, key: &str) -> Http {
-    let body = r#"{"item":"tea"}"#;
-    let request = format!(
+    send_body(address, target, key, br#"{"item":"tea"}"#)
+}
+
+fn send_body(address: SocketAddr, target: &str, key: &str, body: &[u8]) -> Http {
+    let mut request = format!(
         "POST {target} HTTP/1.1\r\nHost: x\r\nX-Client: c1\r\nIdempotency-Key: \"{key}\"\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
-    );
-    exchange(address, request.as_bytes()).unwrap()
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    exchange(address, &request).unwrap()
 }
 
 fn replayed(h: &Http) -> bool {
@@ -91,6 +96,26 @@ fn a_key_is_scoped_by_the_path_sent_and_bound_to_the_query() {
         (201, 201, true, true)
     );
     assert_eq!(runs.load(Ordering::SeqCst), 3, "v1 once, v2 once, k2 once");
+}
+
+/// A request body that is not UTF-8 is refused (JSON is UTF-8), not mended
+/// into text: mended, `{"item":"\xff"}` and `{"item":"\xfe"}` both read
+/// `{"item":"\u{fffd}"}`, one fingerprint, and the second would be
+/// answered with the first's replay instead of running or being refused.
+#[test]
+fn a_request_body_that_is_not_text_is_refused_and_leaves_its_key_free() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("body.db").display().to_string();
+    let runs = Arc::new(AtomicU64::new(0));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let address = runtime.block_on(serve(&db, runs.clone()));
+    for body in [&b"{\"item\":\"\xff\"}"[..], b"{\"item\":\"\xfe\"}"] {
+        let h = send_body(address, "/v1/orders", "k1", body);
+        assert!(h.status == 400 && h.body.contains("UTF-8") && !replayed(&h), "{h:?}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+    let first = send(address, "/v1/orders", "k1");
+    assert_eq!((first.status, replayed(&first)), (201, false), "the key was left free: {first:?}");
 }
 
 /// The key table keeps text: a handler's answer that is not UTF-8 would
