@@ -28,6 +28,7 @@ mod events;
 mod gateway;
 mod person;
 mod reconcile;
+mod tell;
 
 pub use events::{
     Event, FOR_A_PERSON, Refused, SIGNATURE_HEADER, STANDARD_HEADERS, Signature, apply as apply_event, sign,
@@ -36,6 +37,10 @@ pub use events::{
 pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, classify_send, gateway_url};
 pub use person::{Finding, events, listed, settle_by_hand, stats, stray_events};
 pub use reconcile::{Decision, reconcile};
+pub use tell::{
+    Hook, Post, Schedule, Told, body as event_body, client_events, deliver, delivery_log, event_id,
+    headers as event_headers, post_http, redeliver,
+};
 
 use crate::clock::Timestamp;
 use crate::ledger::Refusal;
@@ -449,14 +454,14 @@ fn settle(
             Some(note) => format!("{what}: {note}"),
             None => what,
         };
-        tx.insert_payout_event(&PayoutEvent {
-            payout_id: p.id,
-            at: now,
-            actor: seen,
-            was,
-            now: p.state,
-            why,
-        })?;
+        // the request that made the payout answers with what it came to;
+        // a change by anyone else (a reconciler, a provider's event, a
+        // person) reaches the client only as an event
+        let tell = p.downstream_key != downstream_key(&seen);
+        tx.insert_payout_event(
+            &PayoutEvent { payout_id: p.id, at: now, actor: seen, was, now: p.state, why },
+            tell,
+        )?;
     }
     // The key is this payout's while it is open (whoever holds its claim
     // now: a retry that took it over, or claimed it again after a release
@@ -491,14 +496,16 @@ fn credit_back(
         return Err(StoreError::Conflict);
     }
     let why = format!("returned after it was paid: {}", gateway_text(why));
-    tx.insert_payout_event(&PayoutEvent {
+    // the client was answered 201: the money back reaches it only as an event
+    let back = PayoutEvent {
         payout_id: p.id,
         at: now,
         actor: seen,
         was: PayoutState::Completed,
         now: PayoutState::Returned,
         why,
-    })?;
+    };
+    tx.insert_payout_event(&back, true)?;
     Ok(p)
 }
 

@@ -61,14 +61,17 @@ pub fn settle_by_hand<S: Store + ?Sized>(
         };
         let settled = settle(tx, p, call, now, now)?;
         // the person's own words, beside the transition settle recorded
-        tx.insert_payout_event(&PayoutEvent {
-            payout_id: id,
-            at: now,
-            actor: person.clone(),
-            was: settled.state,
-            now: settled.state,
-            why: format!("settled by hand: {why}"),
-        })?;
+        tx.insert_payout_event(
+            &PayoutEvent {
+                payout_id: id,
+                at: now,
+                actor: person.clone(),
+                was: settled.state,
+                now: settled.state,
+                why: format!("settled by hand: {why}"),
+            },
+            false,
+        )?;
         Ok(End::Commit(Ok(settled)))
     })
 }

@@ -2,7 +2,7 @@
 //! route and status, replays, requests in flight, and a latency histogram.
 
 use crate::clock::Timestamp;
-use crate::store::{PayoutStat, PayoutState};
+use crate::store::{ClientEventStats, PayoutStat, PayoutState};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -26,6 +26,10 @@ pub struct Metrics {
     latency_sum_micros: AtomicU64,
     /// The payouts as the reconciler last counted them, and when.
     payouts: Mutex<Option<(Timestamp, Vec<PayoutStat>)>>,
+    /// The client events as the sender last counted them, and when.
+    client_events: Mutex<Option<(Timestamp, ClientEventStats)>>,
+    /// Deliveries of client events that got no 2xx.
+    deliveries_failed: AtomicU64,
 }
 
 impl Metrics {
@@ -69,6 +73,36 @@ impl Metrics {
         if let Ok(mut payouts) = self.payouts.lock() {
             *payouts = Some((at, stats));
         }
+    }
+
+    /// The client events, counted at `at` (by the sender, after each round),
+    /// and the round's deliveries that got no 2xx.
+    pub fn client_events_counted(&self, at: Timestamp, stats: ClientEventStats, failed: u64) {
+        self.deliveries_failed.fetch_add(failed, Ordering::Relaxed);
+        if let Ok(mut counted) = self.client_events.lock() {
+            *counted = Some((at, stats));
+        }
+    }
+
+    fn render_client_events(&self, out: &mut String) {
+        let Ok(counted) = self.client_events.lock() else { return };
+        let Some((at, stats)) = counted.as_ref() else { return };
+        let age = stats.oldest_pending.map_or(0, |t| at.seconds_since(t).max(0));
+        let _ = write!(
+            out,
+            "# HELP idem_client_events Payout events for clients not delivered: pending, or failed (for a person).\n\
+             # TYPE idem_client_events gauge\n\
+             idem_client_events{{delivery=\"pending\"}} {}\nidem_client_events{{delivery=\"failed\"}} {}\n\
+             # HELP idem_client_event_oldest_pending_seconds Age of the oldest pending client event (0: none).\n\
+             # TYPE idem_client_event_oldest_pending_seconds gauge\n\
+             idem_client_event_oldest_pending_seconds {age}\n\
+             # HELP idem_client_event_deliveries_failed_total Deliveries of client events that got no 2xx.\n\
+             # TYPE idem_client_event_deliveries_failed_total counter\n\
+             idem_client_event_deliveries_failed_total {}\n",
+            stats.pending,
+            stats.failed,
+            self.deliveries_failed.load(Ordering::Relaxed)
+        );
     }
 
     fn render_payouts(&self, out: &mut String) {
@@ -155,6 +189,7 @@ impl Metrics {
             "idem_request_duration_seconds_sum {sum}\nidem_request_duration_seconds_count {cumulative}\n"
         );
         self.render_payouts(&mut out);
+        self.render_client_events(&mut out);
         out
     }
 }

@@ -18,6 +18,9 @@ pub mod log;
 pub mod metrics;
 mod payouts;
 pub mod problems;
+mod tell;
+
+pub use tell::load_hooks;
 
 use crate::policy::Policy;
 use crate::store::StoreError;
@@ -38,6 +41,8 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// hyper's default grows to 400 KiB under a fast sender, which two thousand
 /// uploading connections turn into most of a gigabyte.
 const READ_BUFFER_BYTES: usize = 16 * 1024;
+/// How often the client events sender looks for events due.
+const TELL_EVERY: Duration = Duration::from_secs(1);
 /// How long a shutdown waits for the requests in flight.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// The longest pause after a failed accept (descriptors exhausted): the
@@ -72,6 +77,11 @@ pub struct Options {
     pub max_payouts_in_flight: usize,
     /// The secret provider events are signed with (`None`: no events route).
     pub events_secret: Option<Vec<u8>>,
+    /// Where each client is told what became of its payouts (`None`: no
+    /// sender runs, and the events wait, pending, for one).
+    pub client_hooks: Option<HashMap<String, crate::payout::Hook>>,
+    /// When a client event that was not delivered is tried again.
+    pub client_events_schedule: crate::payout::Schedule,
 }
 
 /// Why the service could not start (or stop cleanly).
@@ -112,7 +122,7 @@ impl From<StoreError> for ServeError {
 pub fn load_clients(path: &Path, policy: &Policy) -> Result<HashMap<String, String>, ServeError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| ServeError::Other(format!("cannot read the clients file {}: {e}", path.display())))?;
-    let pairs = parse_pairs(&text).map_err(|e| {
+    let pairs = parse_pairs::<String>(&text).map_err(|e| {
         ServeError::Other(format!("{}: not a JSON object of token → client id ({e})", path.display()))
     })?;
     if pairs.is_empty() {
@@ -148,12 +158,12 @@ pub fn load_clients(path: &Path, policy: &Policy) -> Result<HashMap<String, Stri
 }
 
 /// The members of a JSON object of strings, in file order, duplicates kept.
-fn parse_pairs(text: &str) -> Result<Vec<(String, String)>, serde_json::Error> {
-    struct Pairs;
-    impl<'de> serde::de::Visitor<'de> for Pairs {
-        type Value = Vec<(String, String)>;
+fn parse_pairs<V: serde::de::DeserializeOwned>(text: &str) -> Result<Vec<(String, V)>, serde_json::Error> {
+    struct Pairs<V>(std::marker::PhantomData<V>);
+    impl<'de, V: serde::Deserialize<'de>> serde::de::Visitor<'de> for Pairs<V> {
+        type Value = Vec<(String, V)>;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("an object of strings")
+            f.write_str("an object")
         }
         fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
             let mut pairs = Vec::new();
@@ -164,7 +174,7 @@ fn parse_pairs(text: &str) -> Result<Vec<(String, String)>, serde_json::Error> {
         }
     }
     let mut de = serde_json::Deserializer::from_str(text);
-    let pairs = serde::Deserializer::deserialize_map(&mut de, Pairs)?;
+    let pairs = serde::Deserializer::deserialize_map(&mut de, Pairs(std::marker::PhantomData))?;
     de.end()?;
     Ok(pairs)
 }
@@ -322,13 +332,15 @@ impl Service {
                 .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
         let log = log::Log::start(log_sink, options.log_secret)
             .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;
-        let reconciler = match &options.gateway {
-            Some(_) => {
-                let mut store = crate::store::open(&options.db, policy, crate::store::Usage::LongLived)?;
-                crate::payout::prepare(&mut *store, policy)?;
-                Some(store)
-            }
-            None => None,
+        let payout_store = || -> Result<_, ServeError> {
+            let mut store = crate::store::open(&options.db, policy, crate::store::Usage::LongLived)?;
+            crate::payout::prepare(&mut *store, policy)?;
+            Ok(store)
+        };
+        let reconciler = options.gateway.as_ref().map(|_| payout_store()).transpose()?;
+        let sender = match (&options.gateway, options.client_hooks) {
+            (Some(_), Some(hooks)) => Some((payout_store()?, hooks)),
+            _ => None,
         };
         let app = Arc::new(http::App::new(
             options.clients,
@@ -347,8 +359,20 @@ impl Service {
             }),
         ));
         if let (Some(store), Some(gateway)) = (reconciler, options.gateway) {
-            reconcile_in_background(store, gateway, options.reconcile_every, policy, clock, app.clone())
-                .map_err(|e| ServeError::Other(format!("cannot start the reconciler: {e}")))?;
+            reconcile_in_background(
+                store,
+                gateway,
+                options.reconcile_every,
+                policy,
+                clock.clone(),
+                app.clone(),
+            )
+            .map_err(|e| ServeError::Other(format!("cannot start the reconciler: {e}")))?;
+        }
+        if let Some((store, hooks)) = sender {
+            let schedule = options.client_events_schedule;
+            tell::tell_in_background(store, hooks, schedule, TELL_EVERY, policy, clock, app.clone())
+                .map_err(|e| ServeError::Other(format!("cannot start the client events sender: {e}")))?;
         }
         Ok(Service { app, max_connections: options.max_connections.max(1) })
     }
@@ -469,9 +493,12 @@ mod tests {
     fn member_names_are_found_on_their_lines() {
         let text = "{\n  \"a\": \"x\",\n  \"b\\\"\": \"y\\n{\",\n\n  \"c\": \"z\"}";
         assert_eq!(key_lines(text), vec![2, 3, 5]);
-        assert_eq!(parse_pairs(text).unwrap().len(), 3);
+        assert_eq!(parse_pairs::<String>(text).unwrap().len(), 3);
         let twice = "{\"t\": \"a\",\n \"t\": \"b\"}";
-        assert_eq!(parse_pairs(twice).unwrap(), vec![("t".into(), "a".into()), ("t".into(), "b".into())]);
-        assert!(parse_pairs("{\"t\": 1}").is_err() && parse_pairs("{} x").is_err());
+        assert_eq!(
+            parse_pairs::<String>(twice).unwrap(),
+            vec![("t".into(), "a".into()), ("t".into(), "b".into())]
+        );
+        assert!(parse_pairs::<String>("{\"t\": 1}").is_err() && parse_pairs::<String>("{} x").is_err());
     }
 }

@@ -265,8 +265,16 @@ CREATE TABLE IF NOT EXISTS payout_event (
     actor     text NOT NULL,
     was       text NOT NULL,
     now       text NOT NULL,
-    why       text NOT NULL);
+    why       text NOT NULL,
+    {delivery});
 CREATE INDEX IF NOT EXISTS payout_event_of ON payout_event (payout_id, event_id);
+CREATE INDEX IF NOT EXISTS payout_event_due ON payout_event (delivery, next_at);
+CREATE TABLE IF NOT EXISTS delivery_attempt (
+    attempt_id {id} PRIMARY KEY,
+    event_id   bigint NOT NULL,
+    at         {time} NOT NULL,
+    outcome    text NOT NULL);
+CREATE INDEX IF NOT EXISTS delivery_attempt_of ON delivery_attempt (event_id);
 CREATE TABLE IF NOT EXISTS gateway_event (
     event_id       text PRIMARY KEY,
     received_at    {time} NOT NULL,
@@ -274,6 +282,143 @@ CREATE TABLE IF NOT EXISTS gateway_event (
     downstream_key text NOT NULL,
     outcome        text NOT NULL);
 ";
+
+/// The columns of `payout_event` that tell its payout's client of the
+/// change (the outbox: written in the transaction of the change; `none`:
+/// the change's own answer told it). `{time}` as in [`PAYOUT_SCHEMA`]; a
+/// table without them gets them, one `ADD COLUMN` each.
+pub(crate) const DELIVERY_COLUMNS: [&str; 4] = [
+    "delivery text NOT NULL DEFAULT 'none' CHECK (delivery IN ('none', 'pending', 'delivered', 'failed'))",
+    "attempts integer NOT NULL DEFAULT 0",
+    "next_at {time}",
+    "delivered_at {time}",
+];
+
+/// [`PAYOUT_SCHEMA`] with its delivery columns, before each store fills in
+/// its types.
+pub(crate) fn payout_schema() -> String {
+    PAYOUT_SCHEMA.replace("{delivery}", &DELIVERY_COLUMNS.join(",\n    "))
+}
+
+/// Where telling a client of a change stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Not delivered yet: tried again at its `next_at`.
+    Pending,
+    /// The client's endpoint answered 2xx.
+    Delivered,
+    /// Given up (past the schedule, or no endpoint): for a person, who may
+    /// deliver it again (`idem payouts redeliver`).
+    Failed,
+}
+
+impl Delivery {
+    /// The state as the table spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Delivery::Pending => "pending",
+            Delivery::Delivered => "delivered",
+            Delivery::Failed => "failed",
+        }
+    }
+
+    /// Reads a state as the table spells it.
+    pub fn parse(text: &str) -> Result<Delivery, StoreError> {
+        [Delivery::Pending, Delivery::Delivered, Delivery::Failed]
+            .into_iter()
+            .find(|d| d.name() == text)
+            .ok_or_else(|| StoreError::Backend(format!("corrupt payout event: delivery {text:?}").into()))
+    }
+}
+
+/// A change of a payout's state its client is told of, and how far telling
+/// it went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientEvent {
+    /// The event's id: one per change, the same on every delivery of it.
+    pub event_id: i64,
+    /// Whose payout it is.
+    pub client_id: String,
+    /// The change.
+    pub event: PayoutEvent,
+    /// The payout's amount, in the currency's smallest unit.
+    pub amount: i64,
+    /// The payout's currency (ISO 4217).
+    pub currency: String,
+    /// How far telling it went.
+    pub delivery: Delivery,
+    /// Deliveries tried.
+    pub attempts: i64,
+    /// When it is tried next (pending), or was last taken.
+    pub next_at: Option<Timestamp>,
+    /// When the client's endpoint took it.
+    pub delivered_at: Option<Timestamp>,
+}
+
+/// Telling clients, counted: how many wait, since when the oldest, and how
+/// many were given up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ClientEventStats {
+    /// Events not delivered yet.
+    pub pending: i64,
+    /// When the oldest of them happened.
+    pub oldest_pending: Option<Timestamp>,
+    /// Events given up, for a person.
+    pub failed: i64,
+}
+
+/// What both stores select for a [`ClientEvent`], in [`ClientEventText`]'s order.
+pub(crate) const CLIENT_EVENT_COLUMNS: &str =
+    "e.event_id, p.client_id, e.payout_id, e.at, e.actor, e.was, e.now,
+    e.why, p.amount, p.currency, e.delivery, CAST(e.attempts AS BIGINT), e.next_at, e.delivered_at
+    FROM payout_event e JOIN payout p ON p.payout_id = e.payout_id";
+
+/// A client event as a store reads it, before it is checked.
+pub(crate) struct ClientEventText {
+    pub event_id: i64,
+    pub client_id: String,
+    pub payout_id: i64,
+    pub at: String,
+    pub actor: String,
+    pub was: String,
+    pub now: String,
+    pub why: String,
+    pub amount: i64,
+    pub currency: String,
+    pub delivery: String,
+    pub attempts: i64,
+    pub next_at: Option<String>,
+    pub delivered_at: Option<String>,
+}
+
+impl ClientEventText {
+    pub(crate) fn decode(self) -> Result<ClientEvent, StoreError> {
+        let time = |t: Option<String>| t.map(|t| event_time(&t)).transpose();
+        Ok(ClientEvent {
+            event_id: self.event_id,
+            client_id: self.client_id,
+            event: PayoutEvent {
+                payout_id: self.payout_id,
+                at: event_time(&self.at)?,
+                actor: self.actor,
+                was: PayoutState::parse(&self.was)?,
+                now: PayoutState::parse(&self.now)?,
+                why: self.why,
+            },
+            amount: self.amount,
+            currency: self.currency,
+            delivery: Delivery::parse(&self.delivery)?,
+            attempts: self.attempts,
+            next_at: time(self.next_at)?,
+            delivered_at: time(self.delivered_at)?,
+        })
+    }
+}
+
+/// Reads a stored time of a client event.
+pub(crate) fn event_time(text: &str) -> Result<Timestamp, StoreError> {
+    Timestamp::parse(text).map_err(|e| StoreError::Backend(format!("corrupt payout event: {e}").into()))
+}
 
 /// The columns of `payout` before its second version (no `needs_attention`
 /// nor `returned`, no sends, attempts or provider id): what a migration copies.
@@ -355,8 +500,53 @@ pub trait PayoutTx {
     fn payouts_in(&mut self, _state: PayoutState, _limit: i64) -> Result<Vec<PayoutRow>, StoreError> {
         Err(no_payouts())
     }
-    /// Appends to a payout's audit trail.
-    fn insert_payout_event(&mut self, _event: &PayoutEvent) -> Result<(), StoreError> {
+    /// Appends to a payout's audit trail; with `tell`, its client is to be
+    /// told of it (pending from its time).
+    fn insert_payout_event(&mut self, _event: &PayoutEvent, _tell: bool) -> Result<(), StoreError> {
+        Err(no_payouts())
+    }
+    /// Up to `limit` pending client events due at `now`, oldest first, each
+    /// taken until `until` (no other sender tries it meanwhile).
+    fn take_client_events(
+        &mut self,
+        _now: Timestamp,
+        _until: Timestamp,
+        _limit: i64,
+    ) -> Result<Vec<ClientEvent>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Records one delivery of event `id` at `at` and what came of it
+    /// (`outcome`, kept in its log); it is now `delivery`, tried next at
+    /// `next_at` if pending.
+    fn record_delivery(
+        &mut self,
+        _id: i64,
+        _at: Timestamp,
+        _outcome: &str,
+        _delivery: Delivery,
+        _next_at: Option<Timestamp>,
+    ) -> Result<(), StoreError> {
+        Err(no_payouts())
+    }
+    /// Up to `limit` client events (only those in `delivery`, if given), newest first.
+    fn client_events(
+        &mut self,
+        _delivery: Option<Delivery>,
+        _limit: i64,
+    ) -> Result<Vec<ClientEvent>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Event `id`'s deliveries, oldest first: when, and what came of it.
+    fn delivery_log(&mut self, _id: i64) -> Result<Vec<(Timestamp, String)>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Makes client event `id` pending again, due at `now`; `false` if no
+    /// client is told of it.
+    fn redeliver(&mut self, _id: i64, _now: Timestamp) -> Result<bool, StoreError> {
+        Err(no_payouts())
+    }
+    /// The client events, counted.
+    fn client_event_stats(&mut self) -> Result<ClientEventStats, StoreError> {
         Err(no_payouts())
     }
     /// A payout's audit trail, oldest first.

@@ -31,6 +31,8 @@ fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
         reconcile_every: std::time::Duration::from_secs(30),
         max_payouts_in_flight: 64,
         events_secret: None,
+        client_hooks: None,
+        client_events_schedule: Default::default(),
     };
     let clock: idem::service::executor::Clock = Arc::new(idem::clock::Timestamp::now);
     let service =

@@ -20,3 +20,4 @@ mod layer_trips;
 mod ledger;
 mod payouts;
 mod serve;
+mod told;

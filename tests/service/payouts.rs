@@ -160,6 +160,9 @@ fn paid_once(pg: bool) {
     let got = s.get(&format!("/v1/payouts/{id}"), Some("tok"));
     assert_eq!((got.status, got.json()["state"].as_str()), (200, Some("completed")));
     assert_eq!(s.get(&format!("/v1/payouts/{id}"), Some("nope")).status, 401);
+    // each was told in its own answer: no client event waits to tell it again
+    let (ok, events, _) = payouts_cmd(&db, &["client-events"]);
+    assert!(ok && events.is_empty(), "{events:#?}");
 }
 
 #[test]

@@ -170,6 +170,37 @@ enum Action {
         #[arg(long, env = "USER", default_value = "operator")]
         by: String,
     },
+    /// The events that tell clients what became of their payouts, newest
+    /// first, one JSON line each: what changed, and how far delivering it went.
+    ClientEvents {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        /// Only events pending, delivered or failed.
+        #[arg(long, value_parser = delivery)]
+        delivery: Option<idem::store::Delivery>,
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+    },
+    /// One client event's delivery log: each attempt, when, and what came of it.
+    Deliveries {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        /// The event's number (evt_N).
+        id: i64,
+    },
+    /// Deliver a client event again, now (one failed, once the client's
+    /// endpoint is back; or one delivered, that the client lost): the same
+    /// id, so the client's deduplication holds. Exit 1 if there is no such event.
+    Redeliver {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        /// The event's number (evt_N).
+        id: i64,
+    },
+}
+
+fn delivery(text: &str) -> Result<idem::store::Delivery, String> {
+    idem::store::Delivery::parse(text).map_err(|_| "one of pending, delivered, failed".to_owned())
 }
 
 fn payout_state(text: &str) -> Result<idem::store::PayoutState, String> {
@@ -235,6 +266,31 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
                 Ok(p) => say!("{}", payout_line(&p)),
                 Err(why) => return Err(Failure(why)),
             }
+        }
+        Action::ClientEvents { db, delivery, limit } => {
+            for e in payout::client_events(&mut *open(&db)?, delivery, limit, policy)? {
+                let mut v: serde_json::Value =
+                    serde_json::from_str(&payout::event_body(&e)).unwrap_or_default();
+                v["client_id"] = json!(e.client_id);
+                v["delivery"] = json!(e.delivery.name());
+                v["attempts"] = json!(e.attempts);
+                v["next_at"] = json!(
+                    e.next_at.filter(|_| e.delivery == idem::store::Delivery::Pending).map(|t| t.to_string())
+                );
+                v["delivered_at"] = json!(e.delivered_at.map(|t| t.to_string()));
+                say!("{v}");
+            }
+        }
+        Action::Deliveries { db, id } => {
+            for (at, outcome) in payout::delivery_log(&mut *open(&db)?, id, policy)? {
+                say!("{}", json!({"id": format!("evt_{id}"), "at": at.to_string(), "outcome": outcome}));
+            }
+        }
+        Action::Redeliver { db, id } => {
+            if !payout::redeliver(&mut *open(&db)?, id, now()?, policy)? {
+                return Err(Failure(format!("no client event evt_{id}")));
+            }
+            say!("{}", json!({"id": format!("evt_{id}"), "delivery": "pending"}));
         }
     }
     Ok(())

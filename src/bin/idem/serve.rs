@@ -56,12 +56,31 @@ pub struct Serve {
     /// signed with this secret (HMAC-SHA256; see docs/payouts.md).
     #[arg(long, env = "IDEM_GATEWAY_EVENTS_SECRET", hide_env_values = true)]
     gateway_events_secret: Option<String>,
+    /// With --gateway: tell each client what became of its payouts (settled
+    /// after a 202, returned after a 201, settled by a person) by signed
+    /// events to its endpoint. A JSON object of client id → {"url":
+    /// "https://…", "secret": "whsec_<base64 of 24-64 bytes>"} (see
+    /// docs/payouts.md). Without it the events wait, pending.
+    #[arg(long, value_name = "FILE")]
+    client_events: Option<PathBuf>,
+    /// The first wait before a client event that was not delivered is sent
+    /// again; it doubles per attempt up to an hour.
+    #[arg(long, default_value = "10s", value_parser = clock::parse_positive_duration)]
+    client_events_retry: std::time::Duration,
+    /// A client event is sent again for this long after the change, then
+    /// left failed for a person (`idem payouts redeliver`).
+    #[arg(long, default_value = "72h", value_parser = clock::parse_positive_duration)]
+    client_events_give_up: std::time::Duration,
 }
 
 pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> {
     let Serve { db, listen, clients, pool, max_in_flight, max_connections, group_max, .. } = args;
     let max_connections = max_connections
         .map_or_else(|| service::default_max_connections(service::descriptor_limit()), |n| n as usize);
+    let gateway = args.gateway.http();
+    if args.client_events.is_some() && gateway.is_none() {
+        return Err(Failure("--client-events tells clients of payouts: it needs --gateway".into()));
+    }
     let options = service::Options {
         db,
         clients: service::load_clients(&clients, policy).map_err(|e| Failure(e.to_string()))?,
@@ -70,10 +89,20 @@ pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> 
         max_connections,
         group_max: group_max as usize,
         log_secret: std::env::var_os("IDEM_LOG_SECRET").map(|s| s.into_encoded_bytes()),
-        gateway: args.gateway.http(),
+        gateway,
         reconcile_every: args.reconcile_every,
         max_payouts_in_flight: args.max_payouts_in_flight as usize,
         events_secret: args.gateway_events_secret.map(String::into_bytes),
+        client_hooks: args
+            .client_events
+            .map(|f| service::load_hooks(&f))
+            .transpose()
+            .map_err(|e| Failure(e.to_string()))?,
+        client_events_schedule: idem::payout::Schedule {
+            first: args.client_events_retry,
+            give_up: args.client_events_give_up,
+            ..Default::default()
+        },
     };
     let clock: service::executor::Clock = match fixed_now()? {
         Some(fixed) => std::sync::Arc::new(move || fixed),

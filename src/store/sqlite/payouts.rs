@@ -2,13 +2,13 @@
 //! transaction.
 
 use super::*;
-use crate::store::PayoutTx;
+use crate::store::{ClientEvent, ClientEventStats, ClientEventText, Delivery, PayoutTx};
 
 /// The payout tables in SQLite's words (created on first use, by payouts
 /// only, so a database that never pays out holds exactly the lab's tables): `src` keeps the account id's own
 /// type (an integer or a text, as `account` does), an amount must be an integer.
 fn payout_schema() -> String {
-    crate::store::PAYOUT_SCHEMA
+    crate::store::payout_schema()
         .replace("{id}", "INTEGER")
         .replace("{src}", "")
         .replace("{amount}", "typeof(amount) = 'integer'")
@@ -66,6 +66,37 @@ fn payout_row(r: &Row) -> rusqlite::Result<Result<PayoutRow, StoreError>> {
 }
 
 impl SqliteTx<'_> {
+    fn client_events_where(
+        &self,
+        condition: &str,
+        params: &[&dyn ToSql],
+    ) -> Result<Vec<ClientEvent>, StoreError> {
+        let sql = format!("SELECT {} WHERE {condition}", crate::store::CLIENT_EVENT_COLUMNS);
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
+        let rows: Vec<ClientEventText> = stmt
+            .query_map(params, |r| {
+                Ok(ClientEventText {
+                    event_id: r.get(0)?,
+                    client_id: r.get(1)?,
+                    payout_id: r.get(2)?,
+                    at: r.get(3)?,
+                    actor: r.get(4)?,
+                    was: r.get(5)?,
+                    now: r.get(6)?,
+                    why: r.get(7)?,
+                    amount: r.get(8)?,
+                    currency: r.get(9)?,
+                    delivery: r.get(10)?,
+                    attempts: r.get(11)?,
+                    next_at: r.get(12)?,
+                    delivered_at: r.get(13)?,
+                })
+            })
+            .and_then(|rows| rows.collect())
+            .map_err(backend)?;
+        rows.into_iter().map(ClientEventText::decode).collect()
+    }
+
     fn payouts_where(&self, condition: &str, params: &[&dyn ToSql]) -> Result<Vec<PayoutRow>, StoreError> {
         let sql = format!("SELECT {PAYOUT_COLUMNS} FROM payout WHERE {condition}");
         let mut stmt = self.conn.prepare_cached(&sql).map_err(backend)?;
@@ -87,6 +118,24 @@ impl PayoutTx for SqliteTx<'_> {
         // A first version's table cannot take the new states (its CHECK) or
         // the new columns: rebuilt, rows copied, in this transaction.
         let migrate = table.is_some_and(|sql| !sql.contains("needs_attention"));
+        // an audit trail from before clients were told gets the delivery columns
+        let events: Option<String> = self
+            .conn
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'payout_event'",
+                [],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(backend)?;
+        if events.is_some_and(|sql| !sql.contains("delivery")) {
+            for column in crate::store::DELIVERY_COLUMNS {
+                let column = column.replace("{time}", "text");
+                self.conn
+                    .execute_batch(&format!("ALTER TABLE payout_event ADD COLUMN {column}"))
+                    .map_err(backend)?;
+            }
+        }
         let sql = match migrate {
             true => format!(
                 "ALTER TABLE payout RENAME TO payout_v1; DROP INDEX IF EXISTS payout_key; DROP INDEX IF EXISTS payout_open;
@@ -248,23 +297,116 @@ impl PayoutTx for SqliteTx<'_> {
         self.payouts_where("state = ?1 ORDER BY created_at, payout_id LIMIT ?2", &[&state.name(), &limit])
     }
 
-    fn insert_payout_event(&mut self, e: &PayoutEvent) -> Result<(), StoreError> {
+    fn insert_payout_event(&mut self, e: &PayoutEvent, tell: bool) -> Result<(), StoreError> {
+        let at = e.at.to_string();
+        let (delivery, next_at) = if tell { ("pending", Some(&at)) } else { ("none", None) };
         self.conn
             .prepare_cached(&format!(
-                "INSERT INTO payout_event ({EVENT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
+                "INSERT INTO payout_event ({EVENT_COLUMNS}, delivery, next_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
             ))
             .and_then(|mut s| {
-                s.execute(rusqlite::params![
-                    e.payout_id,
-                    e.at.to_string(),
-                    e.actor,
-                    e.was.name(),
-                    e.now.name(),
-                    e.why
-                ])
+                s.execute(rusqlite::params![e.payout_id, at, e.actor, e.was.name(), e.now.name(), e.why, delivery, next_at])
             })
             .map(|_| ())
             .map_err(backend)
+    }
+
+    fn take_client_events(
+        &mut self,
+        now: Timestamp,
+        until: Timestamp,
+        limit: i64,
+    ) -> Result<Vec<ClientEvent>, StoreError> {
+        let due = self.client_events_where(
+            "e.delivery = 'pending' AND e.next_at <= ?1 ORDER BY e.next_at, e.event_id LIMIT ?2",
+            &[&now.to_string(), &limit],
+        )?;
+        let mut take = self
+            .conn
+            .prepare_cached("UPDATE payout_event SET next_at = ?2 WHERE event_id = ?1")
+            .map_err(backend)?;
+        for e in &due {
+            take.execute((e.event_id, until.to_string())).map_err(backend)?;
+        }
+        Ok(due)
+    }
+
+    fn record_delivery(
+        &mut self,
+        id: i64,
+        at: Timestamp,
+        outcome: &str,
+        delivery: Delivery,
+        next_at: Option<Timestamp>,
+    ) -> Result<(), StoreError> {
+        let at = at.to_string();
+        let delivered = (delivery == Delivery::Delivered).then_some(&at);
+        self.conn
+            .prepare_cached(
+                "UPDATE payout_event SET delivery = ?2, attempts = attempts + 1, next_at = ?3,
+                        delivered_at = COALESCE(?4, delivered_at)
+                 WHERE event_id = ?1",
+            )
+            .and_then(|mut s| s.execute((id, delivery.name(), next_at.map(|t| t.to_string()), delivered)))
+            .map_err(backend)?;
+        self.conn
+            .prepare_cached("INSERT INTO delivery_attempt (event_id, at, outcome) VALUES (?1, ?2, ?3)")
+            .and_then(|mut s| s.execute((id, &at, outcome)))
+            .map(|_| ())
+            .map_err(backend)
+    }
+
+    fn client_events(
+        &mut self,
+        delivery: Option<Delivery>,
+        limit: i64,
+    ) -> Result<Vec<ClientEvent>, StoreError> {
+        match delivery {
+            Some(d) => self.client_events_where(
+                "e.delivery = ?1 ORDER BY e.event_id DESC LIMIT ?2",
+                &[&d.name(), &limit],
+            ),
+            None => {
+                self.client_events_where("e.delivery <> 'none' ORDER BY e.event_id DESC LIMIT ?1", &[&limit])
+            }
+        }
+    }
+
+    fn delivery_log(&mut self, id: i64) -> Result<Vec<(Timestamp, String)>, StoreError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT at, outcome FROM delivery_attempt WHERE event_id = ?1 ORDER BY attempt_id",
+            )
+            .map_err(backend)?;
+        let rows: Vec<(String, String)> = stmt
+            .query_map([id], |r| Ok((r.get(0)?, r.get(1)?)))
+            .and_then(|rows| rows.collect())
+            .map_err(backend)?;
+        rows.into_iter().map(|(at, outcome)| Ok((crate::store::event_time(&at)?, outcome))).collect()
+    }
+
+    fn redeliver(&mut self, id: i64, now: Timestamp) -> Result<bool, StoreError> {
+        self.conn
+            .prepare_cached("UPDATE payout_event SET delivery = 'pending', next_at = ?2 WHERE event_id = ?1 AND delivery <> 'none'")
+            .and_then(|mut s| s.execute((id, now.to_string())))
+            .map(|n| n == 1)
+            .map_err(backend)
+    }
+
+    fn client_event_stats(&mut self) -> Result<ClientEventStats, StoreError> {
+        let (pending, oldest, failed): (i64, Option<String>, i64) = self
+            .conn
+            .query_row(
+                "SELECT COUNT(*) FILTER (WHERE delivery = 'pending'), MIN(at) FILTER (WHERE delivery = 'pending'),
+                        COUNT(*) FILTER (WHERE delivery = 'failed')
+                 FROM payout_event WHERE delivery IN ('pending', 'failed')",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .map_err(backend)?;
+        let oldest_pending = oldest.map(|t| crate::store::event_time(&t)).transpose()?;
+        Ok(ClientEventStats { pending, oldest_pending, failed })
     }
 
     fn payout_events(&mut self, payout_id: i64) -> Result<Vec<PayoutEvent>, StoreError> {

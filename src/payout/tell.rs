@@ -1,0 +1,258 @@
+//! Telling idem's own clients what became of their payouts, through the
+//! audit trail as a transactional outbox: a change no answer told its
+//! client (settled after a 202, returned after a 201, settled by a person)
+//! is marked `pending` in the transaction that makes it. A sender takes the
+//! due ones, posts each to its client's endpoint signed as Standard
+//! Webhooks say (`webhook-id`, `webhook-timestamp`, `webhook-signature`:
+//! HMAC-SHA256 over `id.timestamp.body` under the client's secret), and
+//! tries again on anything but a 2xx, after a capped doubling wait with
+//! jitter, until [`Schedule::give_up`] after the change; then it is
+//! `failed`, for a person (`idem payouts redeliver`). Each change has one
+//! id, the same on every delivery: receivers deduplicate by it.
+
+use super::sign_standard;
+use crate::clock::Timestamp;
+use crate::policy::Policy;
+use crate::store::{self, ClientEvent, Delivery, Durability, End, Store, StoreError};
+use serde_json::json;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// Where a client's events go, and the secret they are signed with.
+#[derive(Clone)]
+pub struct Hook {
+    /// The client's endpoint (http or https).
+    pub url: String,
+    /// `whsec_` and the base64 of the key, as the client was given it.
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // never the secret
+        write!(f, "Hook({})", self.url)
+    }
+}
+
+/// When a delivery that failed is tried again.
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule {
+    /// The first wait; it doubles per attempt (half of it jitter)…
+    pub first: Duration,
+    /// …up to this.
+    pub cap: Duration,
+    /// No attempt is made this long after the change: the event is failed.
+    pub give_up: Duration,
+}
+
+impl Default for Schedule {
+    /// 10 s, doubling to an hour, for 3 days: about 80 attempts.
+    fn default() -> Self {
+        Schedule {
+            first: Duration::from_secs(10),
+            cap: Duration::from_secs(3600),
+            give_up: Duration::from_secs(3 * 24 * 3600),
+        }
+    }
+}
+
+impl Schedule {
+    /// When event `id` is tried after its `attempts`-th failure at `now`;
+    /// `None` if that is past giving up on a change made at `at`.
+    pub fn next(&self, id: i64, attempts: i64, at: Timestamp, now: Timestamp) -> Option<Timestamp> {
+        let doublings = u32::try_from(attempts.saturating_sub(1).clamp(0, 30)).unwrap_or(30);
+        let ceiling = self.first.saturating_mul(1 << doublings).min(self.cap);
+        let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX).max(1);
+        // half the wait fixed, half drawn from the event and the attempt:
+        // the events of a receiver that comes back are not all tried at once
+        let draw = crate::rng::mix(id as u64 ^ (attempts as u64).rotate_left(32)) % millis;
+        let next = now.plus_millis(i64::try_from(millis / 2 + draw / 2).unwrap_or(i64::MAX));
+        let give_up = i64::try_from(self.give_up.as_millis()).unwrap_or(i64::MAX);
+        (next < at.plus_millis(give_up)).then_some(next)
+    }
+}
+
+/// The id a client sees: the same on every delivery of the change.
+pub fn event_id(e: &ClientEvent) -> String {
+    format!("evt_{}", e.event_id)
+}
+
+/// What a client is sent: what changed, and where to fetch the payout as it
+/// stands.
+pub fn body(e: &ClientEvent) -> String {
+    json!({
+        "id": event_id(e),
+        "type": format!("payout.{}", e.event.now.name()),
+        "created_at": e.event.at.to_string(),
+        "data": {
+            "payout_id": e.event.payout_id,
+            "previous_state": e.event.was.name(),
+            "state": e.event.now.name(),
+            "amount": e.amount,
+            "currency": e.currency,
+            "reason": e.event.why,
+        },
+        "links": {"payout": format!("/v1/payouts/{}", e.event.payout_id)},
+    })
+    .to_string()
+}
+
+/// The Standard Webhooks headers of delivering `e` at `unix` (seconds).
+pub fn headers(e: &ClientEvent, secret: &[u8], unix: i64) -> Vec<(&'static str, String)> {
+    let id = event_id(e);
+    let signature = sign_standard(secret, &id, body(e).as_bytes(), unix);
+    vec![("webhook-id", id), ("webhook-timestamp", unix.to_string()), ("webhook-signature", signature)]
+}
+
+/// Delivers one event: url, headers, body → the status, or why no answer came.
+pub type Post = dyn Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String>;
+
+/// One delivery, as the sender reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Told {
+    /// The event (`evt_N`).
+    pub event_id: i64,
+    /// Whose it is.
+    pub client_id: String,
+    /// Its attempts, this one included.
+    pub attempts: i64,
+    /// Where it stands now.
+    pub delivery: Delivery,
+    /// What came of this attempt (`HTTP 204`, why no answer came).
+    pub outcome: String,
+}
+
+/// How long a taken event is kept from other senders: past the longest
+/// delivery (whose own timeout is shorter), it is theirs to try.
+const TAKEN_FOR: Duration = Duration::from_secs(120);
+/// The most events one round takes.
+const ROUND: i64 = 64;
+
+/// One round of the sender: takes up to [`ROUND`] due events, delivers each
+/// through `post` (url, headers, body → the status, or why none came) and
+/// records what came of it in a transaction of its own. A client with no
+/// hook in `hooks` gets nothing: its events are failed at once, for a
+/// person to redeliver once it has one.
+pub fn deliver<S: Store + ?Sized>(
+    store: &mut S,
+    hooks: &HashMap<String, Hook>,
+    schedule: &Schedule,
+    now: Timestamp,
+    unix: i64,
+    post: &Post,
+    policy: &Policy,
+) -> Result<Vec<Told>, StoreError> {
+    let until = now.plus_millis(TAKEN_FOR.as_millis() as i64);
+    let due = store::atomically(store, Durability::Durable, policy, |tx| {
+        Ok(End::Commit(tx.take_client_events(now, until, ROUND)?))
+    })?;
+    let mut told = Vec::new();
+    for e in due {
+        let (delivery, next, outcome) = match hooks.get(&e.client_id) {
+            None => (Delivery::Failed, None, format!("no endpoint for client {:?}", e.client_id)),
+            Some(hook) => match post(&hook.url, &headers(&e, &hook.secret, unix), &body(&e)) {
+                Ok(status @ 200..=299) => (Delivery::Delivered, None, format!("HTTP {status}")),
+                sent => {
+                    let outcome = sent.map_or_else(|why| why, |status| format!("HTTP {status}"));
+                    match schedule.next(e.event_id, e.attempts + 1, e.event.at, now) {
+                        Some(next) => (Delivery::Pending, Some(next), outcome),
+                        None => (Delivery::Failed, None, format!("{outcome}; given up")),
+                    }
+                }
+            },
+        };
+        store::atomically(store, Durability::Durable, policy, |tx| {
+            tx.record_delivery(e.event_id, now, &outcome, delivery, next)?;
+            Ok(End::Commit(()))
+        })?;
+        told.push(Told {
+            event_id: e.event_id,
+            client_id: e.client_id,
+            attempts: e.attempts + 1,
+            delivery,
+            outcome,
+        });
+    }
+    Ok(told)
+}
+
+/// Posts over HTTP with a deadline for the whole exchange (the sender's
+/// `post`): the status, or why no answer came.
+pub fn post_http(timeout: Duration) -> impl Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(timeout))
+        .build()
+        .into();
+    move |url, headers, body| {
+        let mut req = agent.post(url).header("Content-Type", "application/json");
+        for (name, value) in headers {
+            req = req.header(*name, value);
+        }
+        req.send(body).map(|r| r.status().as_u16()).map_err(|e| format!("no answer: {e}"))
+    }
+}
+
+/// Up to `limit` client events (only those in `delivery`, if given), newest first.
+pub fn client_events<S: Store + ?Sized>(
+    store: &mut S,
+    delivery: Option<Delivery>,
+    limit: i64,
+    policy: &Policy,
+) -> Result<Vec<ClientEvent>, StoreError> {
+    store::atomically(store, Durability::Lazy, policy, |tx| {
+        Ok(End::Rollback(tx.client_events(delivery, limit)?))
+    })
+}
+
+/// Client event `id`'s deliveries, oldest first: when, and what came of it.
+pub fn delivery_log<S: Store + ?Sized>(
+    store: &mut S,
+    id: i64,
+    policy: &Policy,
+) -> Result<Vec<(Timestamp, String)>, StoreError> {
+    store::atomically(store, Durability::Lazy, policy, |tx| Ok(End::Rollback(tx.delivery_log(id)?)))
+}
+
+/// Makes client event `id` pending again, due at `now` (a person's
+/// redelivery, once the client's endpoint is back or configured); `false`
+/// if there is no such event for a client.
+pub fn redeliver<S: Store + ?Sized>(
+    store: &mut S,
+    id: i64,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<bool, StoreError> {
+    store::atomically(store, Durability::Durable, policy, |tx| {
+        Ok(match tx.redeliver(id, now)? {
+            true => End::Commit(true),
+            false => End::Rollback(false),
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_wait_doubles_to_its_cap_half_of_it_drawn_and_stops_at_giving_up() {
+        let s = Schedule {
+            first: Duration::from_secs(10),
+            cap: Duration::from_secs(3600),
+            give_up: Duration::from_secs(72 * 3600),
+        };
+        let at = Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
+        let wait = |attempts: i64, now: Timestamp| s.next(7, attempts, at, now).map(|t| t.seconds_since(now));
+        for (attempts, ceiling) in [(1, 10), (2, 20), (3, 40), (9, 2560), (10, 3600), (60, 3600)] {
+            let w = wait(attempts, at).unwrap();
+            assert!((ceiling / 2..=ceiling).contains(&w), "attempt {attempts}: {w}s, ceiling {ceiling}s");
+        }
+        // two events failing at one instant are not tried again at one instant
+        assert_ne!(s.next(7, 12, at, at), s.next(8, 12, at, at));
+        // nothing is tried 72 h after the change
+        let late = at.plus_seconds(72 * 3600 - 60);
+        assert_eq!(wait(40, late), None);
+        assert!(wait(1, late).is_some(), "a short wait still fits");
+    }
+}

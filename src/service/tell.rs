@@ -1,0 +1,110 @@
+//! Telling clients what became of their payouts, from the service: the
+//! file that says where each client's events go, and the sender that runs
+//! beside the reconciler (`crate::payout::deliver`, one round a second).
+
+use super::{ServeError, http::App, parse_pairs};
+use crate::payout::{Hook, Schedule};
+use crate::policy::Policy;
+use crate::store::Store;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A client's entry in the file.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    url: String,
+    secret: String,
+}
+
+/// The shortest and longest secret, in bytes after `whsec_` (the Standard
+/// Webhooks specification's bounds).
+const SECRET_BYTES: std::ops::RangeInclusive<usize> = 24..=64;
+
+/// Reads the client events file: a JSON object mapping each client id to
+/// `{"url": …, "secret": "whsec_…"}`. Refused whole, naming the client, for
+/// a URL that is not http(s) with a host, a secret that is not `whsec_` and
+/// base64 of 24 to 64 bytes (an empty or short one lets anyone forge what
+/// the client acts on), or a client listed twice.
+pub fn load_hooks(path: &Path) -> Result<HashMap<String, Hook>, ServeError> {
+    use base64::Engine;
+    let file = path.display();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ServeError::Other(format!("cannot read the client events file {file}: {e}")))?;
+    let entries = parse_pairs::<Entry>(&text).map_err(|e| {
+        ServeError::Other(format!("{file}: not a JSON object of client id → {{\"url\", \"secret\"}} ({e})"))
+    })?;
+    let mut hooks = HashMap::new();
+    for (client, entry) in entries {
+        let bad = |why: String| ServeError::Other(format!("{file}: client {client:?}: {why}"));
+        let url = crate::payout::gateway_url(&entry.url).map_err(bad)?;
+        let key = entry
+            .secret
+            .strip_prefix("whsec_")
+            .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok());
+        if !key.is_some_and(|key| SECRET_BYTES.contains(&key.len())) {
+            return Err(bad("the secret must be whsec_ and the base64 of 24 to 64 random bytes".into()));
+        }
+        // kept as given: signing reads the key after whsec_, as receivers do
+        if hooks.insert(client.clone(), Hook { url, secret: entry.secret.into_bytes() }).is_some() {
+            return Err(bad("listed twice".into()));
+        }
+    }
+    Ok(hooks)
+}
+
+/// How long one delivery may take, connection to answer.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The sender, on a connection of its own, a round every `every`: a log
+/// line per delivery, the counts in `/metrics` after each round.
+pub(super) fn tell_in_background(
+    mut store: Box<dyn Store + Send>,
+    hooks: HashMap<String, Hook>,
+    schedule: Schedule,
+    every: Duration,
+    policy: &'static Policy,
+    clock: super::executor::Clock,
+    app: Arc<App>,
+) -> std::io::Result<()> {
+    let post = crate::payout::post_http(DELIVERY_TIMEOUT);
+    std::thread::Builder::new().name("idem-tell".into()).spawn(move || {
+        loop {
+            let now = clock();
+            let unix = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64);
+            let line = |fields: serde_json::Value| {
+                let mut v = serde_json::json!({"ts": clock().to_string(), "event": "client_event"});
+                if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {
+                    v.extend(fields);
+                }
+                app.log.line(v.to_string());
+            };
+            let mut failed = 0;
+            match crate::payout::deliver(&mut *store, &hooks, &schedule, now, unix, &post, policy) {
+                Ok(told) => {
+                    for t in &told {
+                        failed += u64::from(t.delivery != crate::store::Delivery::Delivered);
+                        line(serde_json::json!({
+                            "id": format!("evt_{}", t.event_id), "client_id": t.client_id,
+                            "delivery": t.delivery.name(), "attempts": t.attempts, "outcome": t.outcome,
+                        }));
+                    }
+                }
+                Err(e) => line(serde_json::json!({"error": e.to_string()})),
+            }
+            if let Ok(stats) =
+                crate::store::atomically(&mut *store, crate::store::Durability::Lazy, policy, |tx| {
+                    Ok(crate::store::End::Rollback(tx.client_event_stats()?))
+                })
+            {
+                app.metrics.client_events_counted(now, stats, failed);
+            }
+            std::thread::sleep(every);
+        }
+    })?;
+    Ok(())
+}

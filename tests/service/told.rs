@@ -1,0 +1,309 @@
+//! Telling idem's clients what became of their payouts: a real `idem serve`
+//! with a real `idem gateway` that leaves every answer unsent (each payout
+//! answered 202) and returns every payment a second later, and a receiver
+//! of the client's own on loopback that is down at first, then answers 503
+//! to every third delivery and drops the answer of every fifth after
+//! reading it. Each test asserts what a sender that lost an event, told a
+//! change twice under two ids, signed it wrongly, or wrote it outside the
+//! change's transaction would get wrong.
+
+use crate::server::{Gateway, IDEM, Serve};
+use idem::store::Db;
+use idem::store::bank::{self, Account};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const PAYOUTS: usize = 6;
+
+/// One delivery the receiver read: its headers (lowercase) and body.
+type Delivery = (BTreeMap<String, String>, String);
+
+/// The client's receiver on `port`, listening from `after` on: every
+/// delivery it reads is kept; the third of each three is answered 503, the
+/// fifth of each five is read, kept and closed unanswered, the rest 204.
+fn receiver(port: u16, after: Duration, got: Arc<Mutex<Vec<Delivery>>>) {
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        for (n, stream) in listener.incoming().enumerate() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut headers = BTreeMap::new();
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 2 {
+                if let Some((name, value)) = line.trim_end().split_once(": ") {
+                    headers.insert(name.to_ascii_lowercase(), value.to_owned());
+                }
+                line.clear();
+            }
+            let length = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
+            let mut body = vec![0; length];
+            if reader.read_exact(&mut body).is_err() {
+                continue;
+            }
+            got.lock().unwrap().push((headers, String::from_utf8(body).unwrap()));
+            let answer: &[u8] = match n + 1 {
+                k if k % 5 == 0 => continue, // read, kept, the answer lost
+                k if k % 3 == 0 => {
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                }
+                _ => b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n",
+            };
+            let _ = stream.write_all(answer);
+        }
+    });
+}
+
+fn bank_on(pg: bool) -> Option<(tempfile::TempDir, PathBuf)> {
+    let dir = tempfile::tempdir().unwrap();
+    let db = match pg {
+        true => PathBuf::from(crate::common::pg::server()?.fresh_schema(false)),
+        false => dir.path().join("bank.db"),
+    };
+    let accounts = vec![Account { id: "A".into(), holder: "h".into(), balance: 1_000_000 }];
+    bank::create(&Db::parse(db.to_str().unwrap()), &accounts).unwrap();
+    Some((dir, db))
+}
+
+/// `idem payouts ARGS --db DB`: whether it succeeded, and its JSON lines.
+fn payouts_cmd(db: &Path, args: &[&str]) -> (bool, Vec<Value>) {
+    let out = Command::new(IDEM).arg("payouts").args(args).arg("--db").arg(db).output().unwrap();
+    let lines =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (out.status.success(), lines)
+}
+
+fn pay(s: &Serve, token: &str, key: &str) -> u16 {
+    let body = r#"{"src": "A", "beneficiary": "bob", "amount": 700, "currency": "KRW"}"#;
+    let req = Serve::agent()
+        .post(format!("{}/v1/payouts", s.url))
+        .header("Authorization", format!("Bearer {token}"))
+        .header("Idempotency-Key", format!("\"{key}\""))
+        .header("Content-Type", "application/json");
+    crate::server::read(req.send(body)).status
+}
+
+#[test]
+fn every_change_a_client_was_not_answered_reaches_it_signed_once_per_id_through_a_lossy_receiver() {
+    told(false);
+}
+
+#[test]
+fn on_postgres_every_change_a_client_was_not_answered_reaches_it_signed_once_per_id() {
+    told(true);
+}
+
+fn told(pg: bool) {
+    let Some((dir, db)) = bank_on(pg) else { return };
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let hooks = dir.path().join("hooks.json");
+    let hook =
+        serde_json::json!({"shop": {"url": format!("http://127.0.0.1:{port}/hooks"), "secret": SECRET}});
+    std::fs::write(&hooks, hook.to_string()).unwrap();
+    let gw = Gateway::start(&["--drop-answer", "100", "--returns", "100", "--return-after", "1s"]);
+    let s = Serve::start(
+        &db,
+        &[("tok", "shop"), ("tok2", "shop2")],
+        &[
+            "--gateway",
+            &gw.url,
+            "--gateway-timeout",
+            "2s",
+            "--reconcile-every",
+            "1s",
+            "--gateway-backoff",
+            "100ms",
+            "--gateway-return-check",
+            "1s",
+            "--client-events",
+            hooks.to_str().unwrap(),
+            "--client-events-retry",
+            "200ms",
+        ],
+        &[],
+    );
+    let got = Arc::new(Mutex::new(Vec::new()));
+    receiver(port, Duration::from_secs(2), got.clone());
+    for i in 0..PAYOUTS {
+        assert_eq!(pay(&s, "tok", &format!("p{i}")), 202, "the gateway's answer is lost: 202");
+    }
+    // shop2 has no endpoint: its events are failed at once, for a person
+    assert_eq!(pay(&s, "tok2", "q"), 202);
+
+    // what the client was not told in an answer, from each payout's audit
+    // trail: every change made by another than the request (its reconciler,
+    // here: paid then returned, or found returned at once), once each payout
+    // is settled for good
+    let untold = || -> Option<BTreeSet<(i64, String)>> {
+        let mut untold = BTreeSet::new();
+        for id in 1..=PAYOUTS as i64 {
+            let (ok, shown) = payouts_cmd(&db, &["show", &id.to_string()]);
+            assert!(ok && shown[0]["client_id"] == "shop", "{shown:?}");
+            if !["failed", "returned"].contains(&shown[0]["state"].as_str().unwrap()) {
+                return None;
+            }
+            for e in shown[0]["events"].as_array().unwrap() {
+                if e["actor"].as_str().unwrap().starts_with("reconciler:") && e["was"] != e["now"] {
+                    untold.insert((id, e["now"].as_str().unwrap().to_owned()));
+                }
+            }
+        }
+        Some(untold)
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (wanted, delivered) = loop {
+        let (ok, lines) = payouts_cmd(&db, &["client-events", "--delivery", "delivered"]);
+        assert!(ok);
+        let done: BTreeSet<(i64, String)> = lines
+            .iter()
+            .map(|e| {
+                (e["data"]["payout_id"].as_i64().unwrap(), e["data"]["state"].as_str().unwrap().to_owned())
+            })
+            .collect();
+        match untold() {
+            Some(wanted) if wanted == done => break (wanted, lines),
+            wanted if Instant::now() > deadline => {
+                panic!("untold {wanted:?}, delivered {done:?}\n{}", s.log())
+            }
+            _ => std::thread::sleep(Duration::from_millis(300)),
+        }
+    };
+    assert!(wanted.len() >= PAYOUTS, "each payout was settled by its reconciler: {wanted:?}");
+    let got = got.lock().unwrap().clone();
+    assert_eq!(delivered.len(), wanted.len(), "{delivered:#?}");
+
+    // what the receiver read: each change under one id, signed, whole
+    let mut ids: BTreeMap<String, (i64, String)> = BTreeMap::new();
+    for (headers, body) in &got {
+        let id = &headers["webhook-id"];
+        let t: i64 = headers["webhook-timestamp"].parse().unwrap();
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+        assert!((now - t).abs() < 300, "a stale timestamp: {t}");
+        let signature = idem::payout::sign_standard(SECRET.as_bytes(), id, body.as_bytes(), t);
+        assert_eq!(headers["webhook-signature"], signature, "{id}: the signature does not verify");
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["id"], id.as_str());
+        assert_eq!(v["type"], format!("payout.{}", v["data"]["state"].as_str().unwrap()));
+        assert_eq!((v["data"]["amount"].as_i64(), v["data"]["currency"].as_str()), (Some(700), Some("KRW")));
+        let change =
+            (v["data"]["payout_id"].as_i64().unwrap(), v["data"]["state"].as_str().unwrap().to_owned());
+        let first = ids.entry(id.clone()).or_insert_with(|| change.clone());
+        assert_eq!(*first, change, "one id named two changes");
+    }
+    let changes: BTreeSet<(i64, String)> = ids.values().cloned().collect();
+    assert_eq!(changes, wanted, "a change never reached the receiver");
+    assert_eq!(ids.len(), wanted.len(), "a change was told under two ids");
+    assert!(got.len() > ids.len(), "the receiver's 503s and lost answers made no redelivery: {}", got.len());
+
+    // shop2's events: failed, logged, redelivered on a person's word
+    let (_, failed) = payouts_cmd(&db, &["client-events", "--delivery", "failed"]);
+    assert!(!failed.is_empty() && failed.iter().all(|e| e["client_id"] == "shop2"), "{failed:#?}");
+    let n: i64 = failed[0]["id"].as_str().unwrap().trim_start_matches("evt_").parse().unwrap();
+    let (ok, log) = payouts_cmd(&db, &["deliveries", &n.to_string()]);
+    assert!(ok && log.len() == 1 && log[0]["outcome"].as_str().unwrap().contains("no endpoint"), "{log:#?}");
+    assert!(payouts_cmd(&db, &["redeliver", &n.to_string()]).0);
+    assert!(!payouts_cmd(&db, &["redeliver", "999999"]).0, "no such event: exit 1");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while payouts_cmd(&db, &["deliveries", &n.to_string()]).1.len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(payouts_cmd(&db, &["deliveries", &n.to_string()]).1.len(), 2, "redelivered once more");
+    // the counts the sender keeps after each round
+    let pending_none = "idem_client_events{delivery=\"pending\"} 0";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !s.get("/metrics", None).body.contains(pending_none) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let metrics = s.get("/metrics", None).body;
+    let failed_count = format!("idem_client_events{{delivery=\"failed\"}} {}", failed.len());
+    assert!(metrics.contains(pending_none) && metrics.contains(&failed_count), "{metrics}");
+}
+
+/// A payout database from before clients were told (its audit trail
+/// without the delivery columns) is brought up to date on first use, its
+/// old changes told to nobody (no flood of old events), then tells anew.
+#[test]
+fn an_audit_trail_from_before_clients_were_told_gets_its_columns_and_no_old_event_is_sent() {
+    for pg in [false, true] {
+        let Some((_dir, db)) = bank_on(pg) else { continue };
+        let old = "CREATE TABLE payout_event (event_id bigint PRIMARY KEY, payout_id bigint NOT NULL,
+                       at text NOT NULL, actor text NOT NULL, was text NOT NULL, now text NOT NULL, why text NOT NULL);
+                   INSERT INTO payout_event VALUES (1, 1, '2026-11-01T00:00:00.000000Z', 'reconciler:x',
+                       'unknown', 'completed', 'paid at the gateway: completed')";
+        match pg {
+            true => crate::common::pg::client(db.to_str().unwrap()).batch_execute(old).unwrap(),
+            false => rusqlite::Connection::open(&db).unwrap().execute_batch(old).unwrap(),
+        }
+        let (ok, events) = payouts_cmd(&db, &["client-events"]);
+        assert!(ok && events.is_empty(), "pg {pg}: {events:?}");
+        let delivery = "SELECT delivery FROM payout_event WHERE event_id = 1";
+        let kept: String = match pg {
+            true => crate::common::pg::client(db.to_str().unwrap()).query_one(delivery, &[]).unwrap().get(0),
+            false => rusqlite::Connection::open(&db).unwrap().query_row(delivery, [], |r| r.get(0)).unwrap(),
+        };
+        assert_eq!(kept, "none", "pg {pg}");
+    }
+}
+
+/// A client events file that would let anyone forge events, or send them
+/// nowhere, is refused at start, naming the client and why.
+#[test]
+fn a_client_events_file_with_a_short_secret_a_bad_url_or_a_client_twice_is_refused_at_start() {
+    let (dir, db) = bank_on(false).unwrap();
+    let gw = Gateway::start(&[]);
+    let hooks = dir.path().join("hooks.json");
+    let clients = dir.path().join("clients.json");
+    std::fs::write(&clients, r#"{"tok": "shop"}"#).unwrap();
+    for (file, why) in [
+        (r#"{"shop": {"url": "http://127.0.0.1:9/h", "secret": ""}}"#, "whsec_"),
+        (r#"{"shop": {"url": "http://127.0.0.1:9/h", "secret": "whsec_c2hvcnQ="}}"#, "24 to 64"),
+        (
+            r#"{"shop": {"url": "http://127.0.0.1:9/h", "secret": "not-base64-at-all-but-long-enough"}}"#,
+            "whsec_",
+        ),
+        (&format!(r#"{{"shop": {{"url": "ftp://x/h", "secret": "{SECRET}"}}}}"#), "http"),
+        (
+            &format!(r#"{{"shop": {{"url": "http://x/h", "secret": "{SECRET}", "retries": 3}}}}"#),
+            "unknown field",
+        ),
+        (
+            &format!(
+                r#"{{"shop": {{"url": "http://x/a", "secret": "{SECRET}"}}, "shop": {{"url": "http://x/b", "secret": "{SECRET}"}}}}"#
+            ),
+            "twice",
+        ),
+    ] {
+        std::fs::write(&hooks, file).unwrap();
+        let out = Command::new(IDEM)
+            .args(["serve", "--listen", "127.0.0.1:0", "--gateway", &gw.url, "--db"])
+            .arg(&db)
+            .arg("--clients")
+            .arg(&clients)
+            .arg("--client-events")
+            .arg(&hooks)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && out.stdout.is_empty() && err.contains(why), "{file}: {err}");
+    }
+    // and without --gateway there is nothing to tell
+    std::fs::write(&hooks, format!(r#"{{"shop": {{"url": "http://x/a", "secret": "{SECRET}"}}}}"#)).unwrap();
+    let out = Command::new(IDEM)
+        .args(["serve", "--listen", "127.0.0.1:0", "--db"])
+        .arg(&db)
+        .arg("--clients")
+        .arg(&clients)
+        .arg("--client-events")
+        .arg(&hooks)
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("needs --gateway"));
+}
