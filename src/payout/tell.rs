@@ -15,7 +15,7 @@ use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::store::{self, ClientEvent, Delivery, Durability, End, Store, StoreError};
 use serde_json::json;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 /// Where a client's events go, and the secret they are signed with.
@@ -105,7 +105,7 @@ pub fn headers(e: &ClientEvent, secret: &[u8], unix: i64) -> Vec<(&'static str, 
 }
 
 /// Delivers one event: url, headers, body → the status, or why no answer came.
-pub type Post = dyn Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String>;
+pub type Post = dyn Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String> + Sync;
 
 /// One delivery, as the sender reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,9 +128,19 @@ const TAKEN_FOR: Duration = Duration::from_secs(120);
 /// The most events one round takes.
 const ROUND: i64 = 64;
 
-/// One round of the sender: takes up to [`ROUND`] due events, delivers each
-/// through `post` (url, headers, body → the status, or why none came) and
-/// records what came of it in a transaction of its own. A client with no
+/// What one event's turn in a round came to: tried (where it stands now,
+/// when it is tried next, what came of it), or put off, untried, until
+/// then because its client's endpoint failed earlier in the round.
+enum Turn {
+    Tried(Delivery, Option<Timestamp>, String),
+    PutOff(Timestamp),
+}
+
+/// One round of the sender: takes up to [`ROUND`] due events and delivers
+/// them through `post`, each client's in order on a thread of its own (a
+/// slow endpoint holds up its own client's events only); once a client's
+/// endpoint fails, its other events wait, untried, for its next try. What
+/// came of each is recorded in a transaction of its own. A client with no
 /// hook in `hooks` gets nothing: its events are failed at once, for a
 /// person to redeliver once it has one.
 pub fn deliver<S: Store + ?Sized>(
@@ -146,39 +156,80 @@ pub fn deliver<S: Store + ?Sized>(
     let due = store::atomically(store, Durability::Durable, policy, |tx| {
         Ok(End::Commit(tx.take_client_events(now, until, ROUND)?))
     })?;
+    let mut by_client: BTreeMap<&str, Vec<&ClientEvent>> = BTreeMap::new();
+    for e in &due {
+        by_client.entry(&e.client_id).or_default().push(e);
+    }
+    let turns: Vec<(&ClientEvent, Turn)> = std::thread::scope(|scope| {
+        let rounds: Vec<_> = by_client
+            .into_values()
+            .map(|events| scope.spawn(|| one_client(events, hooks, schedule, now, unix, post)))
+            .collect();
+        rounds.into_iter().flat_map(|r| r.join().unwrap_or_default()).collect()
+    });
     let mut told = Vec::new();
-    for e in due {
-        let (delivery, next, outcome) = match hooks.get(&e.client_id) {
-            None => (Delivery::Failed, None, format!("no endpoint for client {:?}", e.client_id)),
-            Some(hook) => match post(&hook.url, &headers(&e, &hook.secret, unix), &body(&e)) {
-                Ok(status @ 200..=299) => (Delivery::Delivered, None, format!("HTTP {status}")),
-                sent => {
-                    let outcome = sent.map_or_else(|why| why, |status| format!("HTTP {status}"));
-                    match schedule.next(e.event_id, e.attempts + 1, e.event.at, now) {
-                        Some(next) => (Delivery::Pending, Some(next), outcome),
-                        None => (Delivery::Failed, None, format!("{outcome}; given up")),
-                    }
-                }
-            },
-        };
+    for (e, turn) in turns {
         store::atomically(store, Durability::Durable, policy, |tx| {
-            tx.record_delivery(e.event_id, now, &outcome, delivery, next)?;
+            match &turn {
+                Turn::Tried(delivery, next, outcome) => {
+                    tx.record_delivery(e.event_id, now, outcome, *delivery, *next)?
+                }
+                Turn::PutOff(next) => drop(tx.redeliver(e.event_id, *next)?),
+            }
             Ok(End::Commit(()))
         })?;
-        told.push(Told {
-            event_id: e.event_id,
-            client_id: e.client_id,
-            attempts: e.attempts + 1,
-            delivery,
-            outcome,
-        });
+        if let Turn::Tried(delivery, _, outcome) = turn {
+            let (event_id, client_id, attempts) = (e.event_id, e.client_id.clone(), e.attempts + 1);
+            told.push(Told { event_id, client_id, attempts, delivery, outcome });
+        }
     }
     Ok(told)
 }
 
+/// One client's events of a round, in order.
+fn one_client<'e>(
+    events: Vec<&'e ClientEvent>,
+    hooks: &HashMap<String, Hook>,
+    schedule: &Schedule,
+    now: Timestamp,
+    unix: i64,
+    post: &Post,
+) -> Vec<(&'e ClientEvent, Turn)> {
+    let mut failed_until = None;
+    let mut turns = Vec::new();
+    for e in events {
+        if let Some(next) = failed_until {
+            turns.push((e, Turn::PutOff(next)));
+            continue;
+        }
+        let Some(hook) = hooks.get(&e.client_id) else {
+            let why = format!("no endpoint for client {:?}", e.client_id);
+            turns.push((e, Turn::Tried(Delivery::Failed, None, why)));
+            continue;
+        };
+        let turn = match post(&hook.url, &headers(e, &hook.secret, unix), &body(e)) {
+            Ok(status @ 200..=299) => Turn::Tried(Delivery::Delivered, None, format!("HTTP {status}")),
+            sent => {
+                let outcome = sent.map_or_else(|why| why, |status| format!("HTTP {status}"));
+                match schedule.next(e.event_id, e.attempts + 1, e.event.at, now) {
+                    Some(next) => {
+                        failed_until = Some(next);
+                        Turn::Tried(Delivery::Pending, Some(next), outcome)
+                    }
+                    None => Turn::Tried(Delivery::Failed, None, format!("{outcome}; given up")),
+                }
+            }
+        };
+        turns.push((e, turn));
+    }
+    turns
+}
+
 /// Posts over HTTP with a deadline for the whole exchange (the sender's
 /// `post`): the status, or why no answer came.
-pub fn post_http(timeout: Duration) -> impl Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String> {
+pub fn post_http(
+    timeout: Duration,
+) -> impl Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String> + Sync {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(timeout))
