@@ -131,6 +131,14 @@ fn payouts_day(db: Option<String>) {
     // faults are drawn is not (the gateway draws them seeded, in arrival
     // order).
     assert!(p.sends_max > 1 || p.settled_by_reconciliation > 0, "no payout met a fault: {p:?}");
+    // every change a client was not answered reached its receiver, once per
+    // id, through a receiver down, failing and losing answers
+    let t = &p.told;
+    assert!(t.changes > 0 && t.received == t.changes && t.told_twice == 0 && t.unsigned == 0, "{t:?}");
+    assert!(
+        t.deliveries > t.received && t.attempts_max > 1,
+        "the receiver's faults made no redelivery: {t:?}"
+    );
 }
 
 #[test]

@@ -14,6 +14,7 @@
 
 mod clients;
 mod payouts;
+mod receiver;
 mod report;
 mod room;
 mod timeline;
@@ -134,9 +135,12 @@ pub fn run(mut config: Config, policy: &Policy) -> Result<Summary, HarnessError>
     room.stop_servers();
 
     let intents = std::mem::take(&mut *clients.intents.lock().unwrap_or_else(|e| e.into_inner()));
-    let payout_verdict = match room.gateway.take() {
-        Some(gw) => Some(payouts::settle_payouts(&db, gw, &intents, &room.log, policy)?),
-        None => None,
+    let payout_verdict = match (room.gateway.take(), room.receiver.take()) {
+        (Some(gw), Some(receiver)) => {
+            let told = (&receiver, config.clients);
+            Some(payouts::settle_payouts(&db, gw, told, &intents, &room.log, policy)?)
+        }
+        _ => None,
     };
     let day = (day_started, day_ended);
     let summary = verdict::verdict(&db, &intents, &accounts, &room.proxies, &tally, &config, day)?;

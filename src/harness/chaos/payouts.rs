@@ -3,14 +3,15 @@
 
 use super::HarnessError;
 use super::clients::{Ending, Intent, Kind};
+use super::receiver::Receiver;
 use super::room::GatewayProcess;
 use crate::clock::Timestamp;
 use crate::outside::gateway::Payout;
 use crate::payout::{self, HttpGateway};
 use crate::policy::Policy;
-use crate::store::{self, Db, Usage, bank};
+use crate::store::{self, Db, Delivery, Usage, bank};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -50,6 +51,37 @@ pub struct PayoutVerdict {
     /// Payouts settled by a reconciliation (the services' own, or the
     /// final one) rather than by the request that made them.
     pub settled_by_reconciliation: usize,
+    /// The events that tell clients what became of their payouts.
+    pub told: ToldVerdict,
+}
+
+/// What the clients' receiver got, against each payout's audit trail.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ToldVerdict {
+    /// Changes no answer told a client (made by a reconciler, a provider's
+    /// event or a person), from the audit trails.
+    pub changes: usize,
+    /// Of those, the ones the receiver got.
+    pub received: usize,
+    /// Deliveries the receiver read in all (a lost answer is sent again).
+    pub deliveries: usize,
+    /// Attempts per delivered event, as the sender counted them: the median
+    /// and the most.
+    pub attempts_median: i64,
+    pub attempts_max: i64,
+    /// Changes the receiver got under more than one id, and ids that named
+    /// more than one change.
+    pub told_twice: usize,
+    /// Deliveries whose signature did not verify.
+    pub unsigned: usize,
+    /// Events left failed, for a person.
+    pub left_failed: usize,
+}
+
+impl ToldVerdict {
+    fn whole(&self) -> bool {
+        self.received == self.changes && self.told_twice == 0 && self.unsigned == 0 && self.left_failed == 0
+    }
 }
 
 impl PayoutVerdict {
@@ -61,6 +93,7 @@ impl PayoutVerdict {
             && self.disagreements == 0
             && self.left_without_reason == 0
             && self.sends_max <= crate::payout::Limits::default().max_sends
+            && self.told.whole()
     }
 }
 
@@ -70,6 +103,7 @@ impl PayoutVerdict {
 pub(super) fn settle_payouts(
     db: &Db,
     gateway: GatewayProcess,
+    (receiver, clients): (&Receiver, usize),
     intents: &[Intent],
     log: &Path,
     policy: &Policy,
@@ -86,7 +120,99 @@ pub(super) fn settle_payouts(
     drop(gateway);
     let mut v = judge(intents, &rows, &paid);
     v.settled_by_reconciliation = settled_before + settled_at_the_end;
+    v.told = tell_to_the_end(db, receiver, clients, &rows, policy)?;
     Ok(v)
+}
+
+/// The changes no answer told a client, as each payout's audit trail says:
+/// those made by a reconciler, a provider's event or a person.
+fn untold(
+    store: &mut dyn store::Store,
+    rows: &[bank::PayoutLine],
+    policy: &Policy,
+) -> Result<BTreeSet<(i64, &'static str, &'static str)>, HarnessError> {
+    let mut changes = BTreeSet::new();
+    for r in rows {
+        let Some((_, events)) = payout::events(store, r.id, policy)? else { continue };
+        for e in events.iter().filter(|e| e.was != e.now) {
+            if ["reconciler:", "event:", "person:"].iter().any(|by| e.actor.starts_with(by)) {
+                changes.insert((e.payout_id, e.was.name(), e.now.name()));
+            }
+        }
+    }
+    Ok(changes)
+}
+
+/// After the last reconciliation: delivers the events still pending (the
+/// servers, and their senders, are stopped) until none is, or 30 s have
+/// passed, then judges what the receiver got against the audit trails.
+fn tell_to_the_end(
+    db: &Db,
+    receiver: &Receiver,
+    clients: usize,
+    rows: &[bank::PayoutLine],
+    policy: &Policy,
+) -> Result<ToldVerdict, HarnessError> {
+    let mut store = store::open(db, policy, Usage::LongLived)?;
+    let hooks = receiver.hooks(clients);
+    let schedule = payout::Schedule {
+        first: Duration::from_millis(100),
+        cap: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let post = payout::post_http(Duration::from_secs(5));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pending =
+        |store: &mut dyn store::Store| payout::client_events(store, Some(Delivery::Pending), 1, policy);
+    while !pending(&mut *store)?.is_empty() && Instant::now() < deadline {
+        let unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        // on the final reconciliation's clock, which ran ahead: its changes are due
+        let ahead = Timestamp::now().plus_seconds(60);
+        payout::deliver(&mut *store, &hooks, &schedule, ahead, unix, &post, policy)?;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let changes = untold(&mut *store, rows, policy)?;
+    let got = receiver.got();
+    let mut ids: BTreeMap<&str, BTreeSet<(i64, String, String)>> = BTreeMap::new();
+    for g in &got {
+        let v: serde_json::Value = serde_json::from_str(&g.body).unwrap_or_default();
+        let d = &v["data"];
+        let change = (
+            d["payout_id"].as_i64().unwrap_or(0),
+            d["previous_state"].as_str().unwrap_or("").to_owned(),
+            d["state"].as_str().unwrap_or("").to_owned(),
+        );
+        ids.entry(g.id.as_str()).or_default().insert(change);
+    }
+    let mut per_change: BTreeMap<&(i64, String, String), usize> = BTreeMap::new();
+    for named in ids.values() {
+        for change in named {
+            *per_change.entry(change).or_default() += 1;
+        }
+    }
+    let received = changes
+        .iter()
+        .filter(|(p, was, now)| per_change.contains_key(&(*p, was.to_string(), now.to_string())))
+        .count();
+    let mut attempts: Vec<i64> =
+        payout::client_events(&mut *store, Some(Delivery::Delivered), i64::MAX, policy)?
+            .iter()
+            .map(|e| e.attempts)
+            .collect();
+    attempts.sort_unstable();
+    Ok(ToldVerdict {
+        changes: changes.len(),
+        received,
+        deliveries: got.len(),
+        attempts_median: attempts.get(attempts.len() / 2).copied().unwrap_or(0),
+        attempts_max: attempts.last().copied().unwrap_or(0),
+        told_twice: per_change.values().filter(|n| **n > 1).count()
+            + ids.values().filter(|c| c.len() > 1).count(),
+        unsigned: got.iter().filter(|g| !g.signed).count(),
+        left_failed: payout::client_events(&mut *store, Some(Delivery::Failed), i64::MAX, policy)?.len(),
+    })
 }
 
 /// Reconciles until every payout is settled or waits for a person, or 30 s

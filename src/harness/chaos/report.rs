@@ -84,6 +84,27 @@ fn payouts(s: &Summary) -> String {
             p.gateway_ledger_rows,
             p.settled_by_reconciliation
         ));
+        let t = &p.told;
+        md.push_str(&format!(
+            "\n**Clients told** ({}): {} changes no answer told (by a reconciler or a provider's event), \
+             {} received by the clients' receiver (down for the first 3 s, then 20 % of answers lost, \
+             10 % 503, 10 % slow), in {} deliveries; attempts per event: median {}, most {}. \
+             Told under two ids, or two changes under one: {}. Signatures that did not verify: {}. \
+             Left failed for a person: {}.\n",
+            if t.received == t.changes && t.told_twice == 0 && t.unsigned == 0 && t.left_failed == 0 {
+                "every change, once per id"
+            } else {
+                "NOT every change once"
+            },
+            t.changes,
+            t.received,
+            t.deliveries,
+            t.attempts_median,
+            t.attempts_max,
+            t.told_twice,
+            t.unsigned,
+            t.left_failed
+        ));
         for why in &p.left_for_a_person {
             md.push_str(&format!("- left for a person: {why}\n"));
         }

@@ -1,6 +1,7 @@
 //! The machine room of a chaos day: the servers, each behind a fault
 //! proxy of its own, the payout gateway, and what a kill leaves behind.
 
+use super::receiver::Receiver;
 use super::{Config, HarnessError};
 use crate::harness::files::io_at;
 use crate::outside::proxy::Proxy;
@@ -18,6 +19,8 @@ pub(super) struct Room {
     pub servers: Vec<Server>,
     pub proxies: Vec<Proxy>,
     pub gateway: Option<GatewayProcess>,
+    /// The clients' event receiver, on a day with payouts.
+    pub receiver: Option<Receiver>,
     pub log: PathBuf,
     db: Db,
     clients: PathBuf,
@@ -34,10 +37,20 @@ impl Room {
         let _ = std::fs::remove_file(&log);
         let gateway =
             config.gateway.as_ref().map(|command| start_gateway(command, &config.out)).transpose()?;
+        // with payouts, the clients' own receiver of the events that tell them
+        let receiver = match &gateway {
+            Some(_) => Some(Receiver::start(config.seed).map_err(HarnessError::io("starting the receiver"))?),
+            None => None,
+        };
+        let hooks = config.out.join("client_events.json");
+        if let Some(r) = &receiver {
+            r.hooks_file(config.clients, &hooks).map_err(io_at(&hooks))?;
+        }
         let extra = match &gateway {
             Some(gw) => ["--gateway", &gw.url, "--gateway-timeout", "1s", "--reconcile-every", "1s"]
                 .into_iter()
                 .chain(["--gateway-events-secret", EVENTS_SECRET])
+                .chain(["--client-events", &hooks.to_string_lossy(), "--client-events-retry", "200ms"])
                 .map(String::from)
                 .collect(),
             None => Vec::new(),
@@ -47,6 +60,7 @@ impl Room {
             servers: Vec::new(),
             proxies: Vec::new(),
             gateway,
+            receiver,
             log,
             db: db.clone(),
             clients,
