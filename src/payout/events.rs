@@ -98,6 +98,19 @@ impl Signature {
         self.id.as_deref()
     }
 
+    /// Whether any of the tags signs `body` with any of `secrets` (the
+    /// current one, and the previous one while idem's side rotates it).
+    pub fn check_any(&self, secrets: &[Vec<u8>], body: &[u8]) -> Result<(), Refused> {
+        let mut refused = Refused::Unsigned("no secret");
+        for secret in secrets {
+            match self.check(secret, body) {
+                Ok(()) => return Ok(()),
+                Err(why) => refused = why,
+            }
+        }
+        Err(refused)
+    }
+
     /// Whether any of the tags signs `body` with `secret`.
     pub fn check(&self, secret: &[u8], body: &[u8]) -> Result<(), Refused> {
         let mac = match &self.id {
@@ -331,6 +344,82 @@ mod tests {
         assert!(read(id, signed, t + TOLERANCE_SECONDS + 1).is_err(), "stale");
         assert!(read(id, "v2,abc", t).is_err(), "no v1 signature");
         assert!(Signature::read_standard([Some(id), None, Some(signed)], t).is_err(), "no timestamp");
+    }
+
+    /// The vector suite, both formats: each case and its verdict, checked
+    /// against idem's two secrets mid-rotation (the current and the
+    /// previous). A body, a time and an id, signed as a provider signs.
+    #[test]
+    fn the_vector_suite_both_formats() {
+        let (new, old) = (
+            &b"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"[..],
+            &b"whsec_cHJldmlvdXMtc2VjcmV0LW9mLXRoZS1zaG9w"[..],
+        );
+        let secrets = [new.to_vec(), old.to_vec()];
+        let (id, body, now) =
+            ("msg_2Lq", &br#"{"type":"payout.paid","data":{"key":"k"}}"#[..], 1_800_000_000_i64);
+        let tampered = br#"{"type":"payout.paid","data":{"key":"K"}}"#;
+        let ours = sign_standard(new, id, body, now);
+        let theirs = sign_standard(b"whsec_d3Jvbmctc2VjcmV0LW9mLWFub3RoZXI=", id, body, now);
+        let truncated = &ours[..ours.len() - 6];
+        let standard = |t: i64, sigs: Option<&str>, body: &[u8]| {
+            let t = t.to_string();
+            Signature::read_standard([Some(id), Some(t.as_str()), sigs], now)
+                .and_then(|s| s.check_any(&secrets, body))
+        };
+        let stripe = |header: Option<&str>, body: &[u8]| {
+            Signature::read(header, now).and_then(|s| s.check_any(&secrets, body))
+        };
+        let stripe_ours = sign(new, body, now);
+        let stripe_tag =
+            |secret: &[u8], t: i64| sign(secret, body, t).split_once(",v1=").unwrap().1.to_owned();
+        let cases: Vec<(&str, Result<(), Refused>, bool)> = vec![
+            ("valid", standard(now, Some(&ours), body), true),
+            (
+                "valid, the previous secret",
+                standard(now, Some(&sign_standard(old, id, body, now)), body),
+                true,
+            ),
+            ("several, one valid", standard(now, Some(&format!("{theirs} v1,AAAA {ours}")), body), true),
+            ("tampered body", standard(now, Some(&ours), tampered), false),
+            ("wrong secret", standard(now, Some(&theirs), body), false),
+            (
+                "stale by 301 s",
+                standard(now - 301, Some(&sign_standard(new, id, body, now - 301)), body),
+                false,
+            ),
+            (
+                "future by 301 s",
+                standard(now + 301, Some(&sign_standard(new, id, body, now + 301)), body),
+                false,
+            ),
+            ("missing headers", standard(now, None, body), false),
+            ("an empty v1, signature", standard(now, Some("v1,"), body), false),
+            ("a truncated signature", standard(now, Some(truncated), body), false),
+            ("Idem-Signature valid", stripe(Some(&stripe_ours), body), true),
+            (
+                "Idem-Signature, several, one valid",
+                stripe(Some(&format!("t={now},v1=00ff,v1={}", stripe_tag(new, now))), body),
+                true,
+            ),
+            ("Idem-Signature tampered body", stripe(Some(&stripe_ours), tampered), false),
+            (
+                "Idem-Signature stale by 301 s",
+                stripe(Some(&format!("t={},v1={}", now - 301, stripe_tag(new, now - 301))), body),
+                false,
+            ),
+            (
+                "Idem-Signature future by 301 s",
+                stripe(Some(&format!("t={},v1={}", now + 301, stripe_tag(new, now + 301))), body),
+                false,
+            ),
+            ("Idem-Signature missing", stripe(None, body), false),
+            ("Idem-Signature empty v1=", stripe(Some(&format!("t={now},v1=")), body), false),
+            ("Idem-Signature truncated", stripe(Some(&stripe_ours[..stripe_ours.len() - 4]), body), false),
+        ];
+        for (case, verdict, valid) in cases {
+            assert_eq!(verdict.is_ok(), valid, "{case}: {verdict:?}");
+        }
     }
 
     #[test]

@@ -11,8 +11,9 @@ pub struct Desk {
     pub gateway: Arc<HttpGateway>,
     pub clock: Clock,
     pub(super) budget: Budget,
-    /// What provider events are signed with; `None`: the route is not served.
-    pub(super) events_secret: Option<Vec<u8>>,
+    /// What provider events may be signed with (the current secret, and
+    /// the previous one while a rotation lasts); none: the route is not served.
+    pub(super) events_secrets: Vec<Vec<u8>>,
     /// Events being read and applied at once: a body is unauthenticated
     /// until read whole, so stalled uploads may hold this few connections
     /// and bytes (the permit is kept until the event is applied).
@@ -26,11 +27,11 @@ impl Desk {
     /// At most `in_flight` payouts at once (waiting on a slow gateway never
     /// takes a transfer's slot), and at most a quarter of them (one at
     /// least) of any one client.
-    pub fn new(gateway: HttpGateway, clock: Clock, in_flight: usize, events_secret: Option<Vec<u8>>) -> Desk {
+    pub fn new(gateway: HttpGateway, clock: Clock, in_flight: usize, events_secrets: Vec<Vec<u8>>) -> Desk {
         let budget =
             Budget { total: in_flight, per_client: in_flight.div_ceil(4).max(1), held: Mutex::default() };
         let event_reads = tokio::sync::Semaphore::new(EVENT_READS);
-        Desk { gateway: Arc::new(gateway), clock, budget, events_secret, event_reads }
+        Desk { gateway: Arc::new(gateway), clock, budget, events_secrets, event_reads }
     }
 }
 

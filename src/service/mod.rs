@@ -77,6 +77,8 @@ pub struct Options {
     pub max_payouts_in_flight: usize,
     /// The secret provider events are signed with (`None`: no events route).
     pub events_secret: Option<Vec<u8>>,
+    /// The secret before it, taken too while a rotation lasts.
+    pub events_secret_previous: Option<Vec<u8>>,
     /// Where each client is told what became of its payouts (`None`: no
     /// sender runs, and the events wait, pending, for one).
     pub client_hooks: Option<HashMap<String, crate::payout::Hook>>,
@@ -319,7 +321,12 @@ impl Service {
         clock: Clock,
         hook: Option<executor::GroupHook>,
     ) -> Result<Service, ServeError> {
-        if let Some(secret) = &options.events_secret {
+        if options.events_secret_previous.is_some() && options.events_secret.is_none() {
+            return Err(ServeError::Other("a previous events secret needs the current one beside it".into()));
+        }
+        let events_secrets: Vec<Vec<u8>> =
+            options.events_secret.iter().chain(&options.events_secret_previous).cloned().collect();
+        for secret in &events_secrets {
             events_secret_usable(secret)?;
         }
         keep_freed_memory();
@@ -354,7 +361,7 @@ impl Service {
                     g,
                     clock.clone(),
                     options.max_payouts_in_flight.max(1),
-                    options.events_secret.clone(),
+                    events_secrets.clone(),
                 )
             }),
         ));

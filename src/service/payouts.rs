@@ -123,7 +123,8 @@ const MAX_EVENT_BODY: usize = 64 * 1024;
 /// provider stops resending); 401 unsigned or stale; 400 not an event.
 pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>, note: &mut Note) -> Reply {
     use http_body_util::{BodyExt, Limited};
-    let Some((desk, secret)) = app.payouts.as_ref().and_then(|d| Some((d, d.events_secret.as_deref()?)))
+    let Some((desk, secrets)) =
+        app.payouts.as_ref().map(|d| (d, &d.events_secrets)).filter(|(_, s)| !s.is_empty())
     else {
         return problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note);
     };
@@ -164,11 +165,13 @@ pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>,
                 );
             }
         };
-    let event =
-        match signature.check(secret, &body).and_then(|()| payout::Event::parse(&body, signature.id())) {
-            Ok(event) => event,
-            Err(refused) => return refused_event(refused, note),
-        };
+    let event = match signature
+        .check_any(secrets, &body)
+        .and_then(|()| payout::Event::parse(&body, signature.id()))
+    {
+        Ok(event) => event,
+        Err(refused) => return refused_event(refused, note),
+    };
     let clock = desk.clock.clone();
     let policy = app.policy;
     let applied = {

@@ -31,6 +31,7 @@ fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
         reconcile_every: std::time::Duration::from_secs(30),
         max_payouts_in_flight: 64,
         events_secret: None,
+        events_secret_previous: None,
         client_hooks: None,
         client_events_schedule: Default::default(),
     };

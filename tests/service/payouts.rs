@@ -758,6 +758,24 @@ fn an_empty_or_short_events_secret_refuses_to_start() {
             "{flag:?} {env:?}: started or failed otherwise ({status:?}): {err}"
         );
     }
+    // a rotation's previous secret: short, or without a current one beside it
+    for args in [
+        &["--gateway-events-secret", "whsec_test_0123456789", "--gateway-events-secret-previous", "short"][..],
+        &["--gateway-events-secret-previous", "whsec_test_0123456789"],
+    ] {
+        let out = Command::new(IDEM)
+            .arg("serve")
+            .arg("--db")
+            .arg(&db)
+            .arg("--clients")
+            .arg(&clients)
+            .args(["--listen", "127.0.0.1:0", "--gateway", "http://127.0.0.1:9"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(1) && err.contains("events secret"), "{args:?}: {err}");
+    }
 }
 
 /// An event's body is unauthenticated until read whole (review N4: 40
@@ -916,8 +934,14 @@ fn the_metrics_count_payouts_per_state_their_oldest_age_and_their_sends() {
 fn a_standard_webhooks_event_is_verified_and_applied_once() {
     let (_dir, db) = bank();
     let gw = Gateway::start(&[]);
-    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
-    let s = serve(&db, &gw.url, &["--gateway-events-secret", secret]);
+    // idem's side mid-rotation: the new secret, and the previous one beside it
+    let (secret, previous) =
+        ("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "whsec_cHJldmlvdXMtc2VjcmV0LW9mLXRoZS1zaG9w");
+    let s = serve(
+        &db,
+        &gw.url,
+        &["--gateway-events-secret", secret, "--gateway-events-secret-previous", previous],
+    );
     assert_eq!(pay(&s, "p-std", &payout("bob", 300)).status, 201);
     let key = payouts(&db)[0].2.clone();
     let body = serde_json::json!({"type": "payout.returned", "data": {"key": key, "id": "po_9", "amount": 300, "currency": "KRW", "reason": "bounced_back"}}).to_string();
@@ -944,7 +968,8 @@ fn a_standard_webhooks_event_is_verified_and_applied_once() {
     assert_eq!(send("msg_1", now, sign("msg_2", now, secret)).status, 401, "signed for another message");
     assert_eq!(send("msg_1", now, None).status, 401, "no signature");
     assert_eq!(balance(&db, "A"), START - 300, "a refused event changed money");
-    let first = send("msg_1", now, sign("msg_1", now, secret));
+    // signed with the previous secret, still taken while the rotation lasts
+    let first = send("msg_1", now, sign("msg_1", now, previous));
     assert_eq!((first.status, first.json()["duplicate"].as_bool()), (200, Some(false)), "{}", first.body);
     let again = send("msg_1", now, sign("msg_1", now, secret));
     assert_eq!(again.json()["duplicate"], true, "{}", again.body);

@@ -56,6 +56,11 @@ pub struct Serve {
     /// signed with this secret (HMAC-SHA256; see docs/payouts.md).
     #[arg(long, env = "IDEM_GATEWAY_EVENTS_SECRET", hide_env_values = true)]
     gateway_events_secret: Option<String>,
+    /// The events secret before the current one, taken too while a
+    /// rotation lasts: set the new one, keep the old one here until the
+    /// provider signs with the new one only, then drop it.
+    #[arg(long, env = "IDEM_GATEWAY_EVENTS_SECRET_PREVIOUS", hide_env_values = true)]
+    gateway_events_secret_previous: Option<String>,
     /// With --gateway: tell each client what became of its payouts (settled
     /// after a 202, returned after a 201, settled by a person) by signed
     /// events to its endpoint. A JSON object of client id → {"url":
@@ -93,6 +98,7 @@ pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> 
         reconcile_every: args.reconcile_every,
         max_payouts_in_flight: args.max_payouts_in_flight as usize,
         events_secret: args.gateway_events_secret.map(String::into_bytes),
+        events_secret_previous: args.gateway_events_secret_previous.map(String::into_bytes),
         client_hooks: args
             .client_events
             .map(|f| service::load_hooks(&f))
