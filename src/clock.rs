@@ -136,6 +136,12 @@ impl fmt::Display for Timestamp {
     }
 }
 
+/// Whole seconds since the Unix epoch, by the machine's clock (what
+/// signatures carry; 0 on a clock set before 1970).
+pub fn unix_now() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+}
+
 /// `30s`, `500ms`, `2m`, `1h`, `15d`, or a number of seconds.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let text = text.trim();

@@ -346,16 +346,17 @@ mod tests {
         assert!(Signature::read_standard([Some(id), None, Some(signed)], t).is_err(), "no timestamp");
     }
 
+    /// idem's two secrets mid-rotation: the current one, the previous one.
+    const ROTATED: [&[u8]; 2] =
+        [b"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", b"whsec_cHJldmlvdXMtc2VjcmV0LW9mLXRoZS1zaG9w"];
+
     /// The vector suite, both formats: each case and its verdict, checked
     /// against idem's two secrets mid-rotation (the current and the
     /// previous). A body, a time and an id, signed as a provider signs.
     #[test]
     fn the_vector_suite_both_formats() {
-        let (new, old) = (
-            &b"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"[..],
-            &b"whsec_cHJldmlvdXMtc2VjcmV0LW9mLXRoZS1zaG9w"[..],
-        );
-        let secrets = [new.to_vec(), old.to_vec()];
+        let (new, old) = (ROTATED[0], ROTATED[1]);
+        let secrets = ROTATED.map(<[u8]>::to_vec);
         let (id, body, now) =
             ("msg_2Lq", &br#"{"type":"payout.paid","data":{"key":"k"}}"#[..], 1_800_000_000_i64);
         let tampered = br#"{"type":"payout.paid","data":{"key":"K"}}"#;

@@ -123,13 +123,10 @@ const MAX_EVENT_BODY: usize = 64 * 1024;
 /// provider stops resending); 401 unsigned or stale; 400 not an event.
 pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>, note: &mut Note) -> Reply {
     use http_body_util::{BodyExt, Limited};
-    let Some((desk, secrets)) =
-        app.payouts.as_ref().map(|d| (d, &d.events_secrets)).filter(|(_, s)| !s.is_empty())
-    else {
+    let Some(desk) = app.payouts.as_ref().filter(|d| !d.events_secrets.is_empty()) else {
         return problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note);
     };
-    let unix =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    let (secrets, unix) = (&desk.events_secrets, crate::clock::unix_now());
     // the header first: an unsigned or stale event is refused before its
     // unauthenticated body is waited for
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());

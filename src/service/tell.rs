@@ -73,9 +73,7 @@ pub(super) fn tell_in_background(
     std::thread::Builder::new().name("idem-tell".into()).spawn(move || {
         loop {
             let now = clock();
-            let unix = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs() as i64);
+            let unix = crate::clock::unix_now();
             let line = |fields: serde_json::Value| {
                 let mut v = serde_json::json!({"ts": clock().to_string(), "event": "client_event"});
                 if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {

@@ -165,9 +165,7 @@ fn tell_to_the_end(
     let pending =
         |store: &mut dyn store::Store| payout::client_events(store, Some(Delivery::Pending), 1, policy);
     while !pending(&mut *store)?.is_empty() && Instant::now() < deadline {
-        let unix = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64);
+        let unix = crate::clock::unix_now();
         // on the final reconciliation's clock, which ran ahead: its changes are due
         let ahead = Timestamp::now().plus_seconds(60);
         payout::deliver(&mut *store, &hooks, &schedule, ahead, unix, &post, policy)?;

@@ -65,7 +65,7 @@ pub(super) fn deliver(url: &str, secret: &[u8], body: &str) {
         .build()
         .into();
     for attempt in 0..3 {
-        let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+        let t = crate::clock::unix_now();
         let sent = agent
             .post(format!("{}/v1/gateway-events", url.trim_end_matches('/')))
             .header("Idem-Signature", crate::payout::sign(secret, body.as_bytes(), t))
