@@ -136,7 +136,7 @@ enum Turn {
     PutOff(Timestamp),
 }
 
-/// One round of the sender: takes up to [`ROUND`] due events and delivers
+/// One round of the sender: takes up to `ROUND` (64) due events and delivers
 /// them through `post`, each client's in order on a thread of its own (a
 /// slow endpoint holds up its own client's events only); once a client's
 /// endpoint fails, its other events wait, untried, for its next try. What
