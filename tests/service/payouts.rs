@@ -18,7 +18,7 @@ const START: i64 = 100_000;
 /// A bank of two accounts, A and B, each holding [`START`], in a new SQLite
 /// file or (`pg`) a new PostgreSQL schema, whose connection string stands
 /// where the file's path would; `None` when PostgreSQL is not here.
-fn bank_on(pg: bool) -> Option<(tempfile::TempDir, PathBuf)> {
+pub(crate) fn bank_on(pg: bool) -> Option<(tempfile::TempDir, PathBuf)> {
     let dir = tempfile::tempdir().unwrap();
     let db = match pg {
         true => PathBuf::from(crate::common::pg::server()?.fresh_schema(false)),
@@ -220,7 +220,7 @@ fn answer_lost(pg: bool) {
 }
 
 /// `idem payouts ARGS --db DB`: its exit status and its JSON lines.
-fn payouts_cmd(db: &Path, args: &[&str]) -> (bool, Vec<Value>, String) {
+pub(crate) fn payouts_cmd(db: &Path, args: &[&str]) -> (bool, Vec<Value>, String) {
     let out = Command::new(IDEM).arg("payouts").args(args).arg("--db").arg(db).output().unwrap();
     let lines =
         String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();

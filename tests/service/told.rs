@@ -7,14 +7,13 @@
 //! change twice under two ids, signed it wrongly, or wrote it outside the
 //! change's transaction would get wrong.
 
+use crate::payouts::bank_on;
 use crate::server::{Gateway, IDEM, Serve};
-use idem::store::Db;
-use idem::store::bank::{self, Account};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -61,23 +60,10 @@ fn receiver(port: u16, after: Duration, got: Arc<Mutex<Vec<Delivery>>>) {
     });
 }
 
-fn bank_on(pg: bool) -> Option<(tempfile::TempDir, PathBuf)> {
-    let dir = tempfile::tempdir().unwrap();
-    let db = match pg {
-        true => PathBuf::from(crate::common::pg::server()?.fresh_schema(false)),
-        false => dir.path().join("bank.db"),
-    };
-    let accounts = vec![Account { id: "A".into(), holder: "h".into(), balance: 1_000_000 }];
-    bank::create(&Db::parse(db.to_str().unwrap()), &accounts).unwrap();
-    Some((dir, db))
-}
-
 /// `idem payouts ARGS --db DB`: whether it succeeded, and its JSON lines.
 fn payouts_cmd(db: &Path, args: &[&str]) -> (bool, Vec<Value>) {
-    let out = Command::new(IDEM).arg("payouts").args(args).arg("--db").arg(db).output().unwrap();
-    let lines =
-        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    (out.status.success(), lines)
+    let (ok, lines, _) = crate::payouts::payouts_cmd(db, args);
+    (ok, lines)
 }
 
 fn pay(s: &Serve, token: &str, key: &str) -> u16 {
@@ -262,6 +248,21 @@ fn a_client_events_file_with_a_short_secret_a_bad_url_or_a_client_twice_is_refus
     let hooks = dir.path().join("hooks.json");
     let clients = dir.path().join("clients.json");
     std::fs::write(&clients, r#"{"tok": "shop"}"#).unwrap();
+    // idem serve with the file and `args`: whether it started (printed its
+    // URL), and what it said on stderr
+    let refused = |args: &[&str]| {
+        let out = Command::new(IDEM)
+            .args(["serve", "--listen", "127.0.0.1:0", "--db"])
+            .arg(&db)
+            .arg("--clients")
+            .arg(&clients)
+            .arg("--client-events")
+            .arg(&hooks)
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.success() || !out.stdout.is_empty(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
     for (file, why) in [
         (r#"{"shop": {"url": "http://127.0.0.1:9/h", "secret": ""}}"#, "whsec_"),
         (r#"{"shop": {"url": "http://127.0.0.1:9/h", "secret": "whsec_c2hvcnQ="}}"#, "24 to 64"),
@@ -282,28 +283,11 @@ fn a_client_events_file_with_a_short_secret_a_bad_url_or_a_client_twice_is_refus
         ),
     ] {
         std::fs::write(&hooks, file).unwrap();
-        let out = Command::new(IDEM)
-            .args(["serve", "--listen", "127.0.0.1:0", "--gateway", &gw.url, "--db"])
-            .arg(&db)
-            .arg("--clients")
-            .arg(&clients)
-            .arg("--client-events")
-            .arg(&hooks)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && out.stdout.is_empty() && err.contains(why), "{file}: {err}");
+        let (ok, err) = refused(&["--gateway", &gw.url]);
+        assert!(!ok && err.contains(why), "{file}: {err}");
     }
     // and without --gateway there is nothing to tell
     std::fs::write(&hooks, format!(r#"{{"shop": {{"url": "http://x/a", "secret": "{SECRET}"}}}}"#)).unwrap();
-    let out = Command::new(IDEM)
-        .args(["serve", "--listen", "127.0.0.1:0", "--db"])
-        .arg(&db)
-        .arg("--clients")
-        .arg(&clients)
-        .arg("--client-events")
-        .arg(&hooks)
-        .output()
-        .unwrap();
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("needs --gateway"));
+    let (ok, err) = refused(&[]);
+    assert!(!ok && err.contains("needs --gateway"), "{err}");
 }
