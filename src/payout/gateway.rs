@@ -69,9 +69,12 @@ pub struct Limits {
     /// …doubling per look up to this.
     pub backoff_cap: Duration,
     /// A paid payout is looked up again for this long after it was paid
-    /// (money can come back: a bank return, a reversal); zero: never.
+    /// (money can come back: a bank return, a reversal; Wise documents
+    /// bounce-backs weeks later, PayPal returns an unclaimed payout after
+    /// 30 days); zero: never.
     pub return_window: Duration,
-    /// How often, within the return window.
+    /// How often in a payout's first 3 days; further apart after
+    /// ([`Limits::return_bands`]).
     pub return_check: Duration,
 }
 
@@ -84,13 +87,28 @@ impl Default for Limits {
             max_sends: 5,
             backoff: Duration::from_secs(30),
             backoff_cap: Duration::from_secs(3600),
-            return_window: Duration::from_secs(3 * 24 * 3600),
+            return_window: Duration::from_secs(45 * 24 * 3600),
             return_check: Duration::from_secs(6 * 3600),
         }
     }
 }
 
 impl Limits {
+    /// How often a paid payout is looked up for a return, by its age (the
+    /// oldest age each spacing lasts to, and the spacing): every
+    /// `return_check` for its first 3 days, 4 times as far apart to 14
+    /// days, 12 times to the end of the window. With the defaults (6 h, 45
+    /// days): 6 h, 1 day, 3 days, about 33 lookups a payout, where one
+    /// every 6 h would be 180.
+    pub fn return_bands(&self) -> Vec<(Duration, Duration)> {
+        let day = Duration::from_secs(24 * 3600);
+        [(3 * day, 1), (14 * day, 4), (self.return_window, 12)]
+            .into_iter()
+            .map(|(age, k)| (age.min(self.return_window), self.return_check.saturating_mul(k)))
+            .filter(|(age, _)| !age.is_zero())
+            .collect()
+    }
+
     /// The wait before the `attempt`-th look (1 for the first), capped
     /// exponential with full jitter (AWS's "full jitter": uniform between
     /// zero and the capped doubling), the draw fixed by `seed` so that one

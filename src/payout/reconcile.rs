@@ -134,9 +134,10 @@ fn open<S: Store + ?Sized>(
     Ok(decisions)
 }
 
-/// Looks up the payouts paid within the return window, each once per
-/// `return_check`, and credits back each whose money came back. Only
-/// returns are decisions; a payout still paid is checked again later.
+/// Looks up the payouts paid within the return window, each as often as
+/// its age says ([`Limits::return_bands`](super::Limits::return_bands)),
+/// and credits back each whose money came back. Only returns are
+/// decisions; a payout still paid is checked again later.
 fn returns<S: Store + ?Sized>(
     store: &mut S,
     gateway: &dyn Gateway,
@@ -149,11 +150,18 @@ fn returns<S: Store + ?Sized>(
         return Ok((Vec::new(), false));
     }
     let at = now();
-    let (checked_before, paid_since) =
-        (at.plus_seconds(-seconds(limits.return_check)), at.plus_seconds(-seconds(limits.return_window)));
-    let due = store::atomically(store, Durability::Lazy, policy, |tx| {
-        Ok(End::Rollback(tx.payouts_paid_due(checked_before, paid_since, 1000)?))
-    })?;
+    // a payout is due by the spacing of the youngest band its age fits in:
+    // the bands' spacings grow with their ages, so the union of each
+    // band's due payouts is exactly those
+    let mut due: Vec<PayoutRow> = Vec::new();
+    for (age, every) in limits.return_bands() {
+        let (checked_before, paid_since) = (at.plus_seconds(-seconds(every)), at.plus_seconds(-seconds(age)));
+        let band = store::atomically(store, Durability::Lazy, policy, |tx| {
+            Ok(End::Rollback(tx.payouts_paid_due(checked_before, paid_since, 1000)?))
+        })?;
+        due.extend(band.into_iter().filter(|p| !due.iter().any(|d| d.id == p.id)).collect::<Vec<_>>());
+    }
+    due.sort_by_key(|p| (p.updated_at, p.id));
     let mut decisions = Vec::new();
     for seen in due {
         let open_due = store::atomically(store, Durability::Lazy, policy, |tx| {

@@ -291,15 +291,27 @@ fn reconcile_in_background(
     Ok(())
 }
 
-/// The fewest bytes an events secret may have: an empty one (a template's
-/// unset variable) would let anyone sign events that credit money back.
-pub const MIN_EVENTS_SECRET: usize = 16;
+/// The fewest bytes of key an events secret may give (the Standard
+/// Webhooks bounds are 24 to 64): an empty one (a template's unset
+/// variable) would let anyone sign events that credit money back.
+pub const MIN_EVENTS_SECRET: usize = 24;
+/// The most bytes of key a `whsec_` secret may give.
+const MAX_EVENTS_KEY: usize = 64;
 
+/// A secret is usable if it gives a key of 24 bytes or more: `whsec_` and
+/// the base64 of 24 to 64 bytes (Standard Webhooks), or taken as it is
+/// (Stripe's `whsec_` secrets are not base64), at least 24 bytes long.
 fn events_secret_usable(secret: &[u8]) -> Result<(), ServeError> {
-    if secret.len() < MIN_EVENTS_SECRET {
+    use base64::Engine;
+    let key =
+        secret.strip_prefix(b"whsec_").and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok());
+    let (bytes, fits) = match key {
+        Some(key) => (key.len(), (MIN_EVENTS_SECRET..=MAX_EVENTS_KEY).contains(&key.len())),
+        None => (secret.len(), secret.len() >= MIN_EVENTS_SECRET),
+    };
+    if !fits {
         return Err(ServeError::Other(format!(
-            "the gateway events secret has {} bytes; at least {MIN_EVENTS_SECRET} are needed (an empty or short secret lets anyone sign events)",
-            secret.len()
+            "the gateway events secret gives a key of {bytes} bytes; at least {MIN_EVENTS_SECRET} are needed, and at most {MAX_EVENTS_KEY} after whsec_ (an empty or short secret lets anyone sign events)"
         )));
     }
     Ok(())

@@ -826,6 +826,38 @@ fn a_paid_payout_whose_money_comes_back_is_credited_back_once_and_its_post_still
     }
 }
 
+/// A paid payout is looked up for returns for the 45-day window, the
+/// lookups spaced by its age: every 6 h to 3 days, daily to 14 days,
+/// every 3 days after. The reconciler runs hourly for 50 days: 33 lookups,
+/// where one every 6 h would be 180, and none past the window.
+#[test]
+fn return_lookups_are_spaced_by_the_payouts_age_over_the_window() {
+    for backend in backends() {
+        let mut store = store_with(backend, &accounts());
+        let mut day = day_on(&mut *store);
+        let row = day.begin(0, 0, 100).unwrap().unwrap();
+        day.finish(&row, Call::Paid(None));
+        let gateway = scripted(Call::Paid(None), Lookup::Paid(None));
+        let paid = day.now;
+        let mut at_hours = Vec::new();
+        for _ in 0..50 * 24 {
+            day.now += 3600;
+            let before = gateway.looked.lock().unwrap().len();
+            let now = day.now();
+            payout::reconcile(&mut *day.store, &gateway, &|| now, Policy::embedded()).unwrap();
+            if gateway.looked.lock().unwrap().len() > before {
+                at_hours.push((day.now - paid) / 3600);
+            }
+        }
+        let within = |from: i64, to: i64| at_hours.iter().filter(|h| (from..to).contains(*h)).count();
+        assert_eq!(
+            (within(0, 73), within(73, 337), within(337, 1081), within(1081, 1201)),
+            (12, 11, 10, 0),
+            "{backend:?}: lookups at hours {at_hours:?}"
+        );
+    }
+}
+
 #[test]
 fn a_payout_paid_before_the_return_window_is_not_looked_up_again() {
     for backend in backends() {
@@ -833,7 +865,7 @@ fn a_payout_paid_before_the_return_window_is_not_looked_up_again() {
         let mut day = day_on(&mut *store);
         let row = day.begin(0, 0, 100).unwrap().unwrap();
         day.finish(&row, Call::Paid(None));
-        day.now += 4 * 24 * 3600; // past the 3-day window
+        day.now += 46 * 24 * 3600; // past the 45-day window
         let gateway = scripted(Call::Paid(None), Lookup::Failed { reason: "returned".into() });
         assert!(reconcile_for(&mut day, &gateway, 1).is_empty(), "{backend:?}");
         assert_eq!(day.store.audit().unwrap().money() + 100, OPENING * 2, "{backend:?}");

@@ -728,7 +728,11 @@ fn an_empty_or_short_events_secret_refuses_to_start() {
     let (dir, db) = bank();
     let clients = dir.path().join("clients.json");
     std::fs::write(&clients, r#"{"tok": "shop"}"#).unwrap();
-    for (flag, env) in [(Some(""), None), (None, Some("")), (Some("short-secret"), None)] {
+    // empty, short, and a whsec_ secret whose base64 gives 18 bytes of key
+    let short_key = "whsec_AAAAAAAAAAAAAAAAAAAAAAAA";
+    for (flag, env) in
+        [(Some(""), None), (None, Some("")), (Some("short-secret"), None), (Some(short_key), None)]
+    {
         let mut cmd = Command::new(IDEM);
         cmd.arg("serve").arg("--db").arg(&db).arg("--clients").arg(&clients);
         cmd.args(["--listen", "127.0.0.1:0", "--gateway", "http://127.0.0.1:9"]);
@@ -760,8 +764,13 @@ fn an_empty_or_short_events_secret_refuses_to_start() {
     }
     // a rotation's previous secret: short, or without a current one beside it
     for args in [
-        &["--gateway-events-secret", "whsec_test_0123456789", "--gateway-events-secret-previous", "short"][..],
-        &["--gateway-events-secret-previous", "whsec_test_0123456789"],
+        &[
+            "--gateway-events-secret",
+            "whsec_test_0123456789abcdef",
+            "--gateway-events-secret-previous",
+            "short",
+        ][..],
+        &["--gateway-events-secret-previous", "whsec_test_0123456789abcdef"],
     ] {
         let out = Command::new(IDEM)
             .arg("serve")
@@ -787,7 +796,7 @@ fn stalled_event_uploads_hold_no_transfer_up() {
     use std::io::{Read, Write};
     let (_dir, db) = bank();
     let gw = Gateway::start(&[]);
-    let args = ["--gateway-events-secret", "whsec_test_0123456789", "--max-connections", "32"];
+    let args = ["--gateway-events-secret", "whsec_test_0123456789abcdef", "--max-connections", "32"];
     let s = serve(&db, &gw.url, &args);
     let address = s.url.strip_prefix("http://").unwrap().to_owned();
     let upload = |signature: &str| {
@@ -817,8 +826,8 @@ fn stalled_event_uploads_hold_no_transfer_up() {
 fn provider_events(pg: bool) {
     let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&[]);
-    let secret = b"whsec_test_0123456789";
-    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test_0123456789"]);
+    let secret = b"whsec_test_0123456789abcdef";
+    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test_0123456789abcdef"]);
     let paid = pay(&s, "p-1", &payout("bob", 700));
     assert_eq!(paid.status, 201);
     let key = payouts(&db)[0].2.clone();
@@ -864,7 +873,7 @@ fn provider_events(pg: bool) {
     assert_eq!(balance(&db, "A"), START - 300);
     // reordered: a payout whose answer was lost is returned, then its paid event arrives
     let lossy = Gateway::start(&["--drop-answer", "100"]);
-    let s2 = serve(&db, &lossy.url, &["--gateway-events-secret", "whsec_test_0123456789"]);
+    let s2 = serve(&db, &lossy.url, &["--gateway-events-secret", "whsec_test_0123456789abcdef"]);
     assert_eq!(pay(&s2, "p-3", &payout("bob", 50)).status, 202);
     let key3 = payouts(&db)[2].2.clone();
     event(&s2, secret, &payout_event("evt_5", "payout.returned", &key3, 50), None);

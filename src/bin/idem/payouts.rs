@@ -41,10 +41,12 @@ pub struct GatewayArgs {
     #[arg(long, default_value = "1h", value_parser = clock::parse_duration)]
     gateway_backoff_cap: std::time::Duration,
     /// A paid payout is looked up again for this long after it was paid, to
-    /// learn of money that came back (returned, reversed); 0s: never.
-    #[arg(long, default_value = "72h", value_parser = clock::parse_duration)]
+    /// learn of money that came back (returned, reversed; bounce-backs come
+    /// weeks later, PayPal returns unclaimed payouts after 30 days); 0s: never.
+    #[arg(long, default_value = "45d", value_parser = clock::parse_duration)]
     gateway_return_window: std::time::Duration,
-    /// How often a paid payout is looked up within the return window.
+    /// How often a paid payout is looked up in its first 3 days; 4 times as
+    /// far apart to 14 days, 12 times after.
     #[arg(long, default_value = "6h", value_parser = clock::parse_positive_duration)]
     gateway_return_check: std::time::Duration,
 }

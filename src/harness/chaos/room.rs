@@ -173,7 +173,7 @@ pub(super) fn claims_left(db: &Db, policy: &Policy) -> Result<usize, HarnessErro
 }
 
 /// What the gateway's events are signed with, between chaos's own processes.
-const EVENTS_SECRET: &str = "chaos-events-secret";
+const EVENTS_SECRET: &str = "chaos-day-gateway-events-secret";
 
 impl GatewayProcess {
     /// Registers `server` as where the gateway's events go (the server
