@@ -24,15 +24,21 @@ const PAYOUTS: usize = 6;
 /// One delivery the receiver read: its headers (lowercase) and body.
 type Delivery = (BTreeMap<String, String>, String);
 
-/// The client's receiver on `port`, listening from `after` on: every
-/// delivery it reads is kept; the third of each three is answered 503, the
-/// fifth of each five is read, kept and closed unanswered, the rest 204.
-fn receiver(port: u16, after: Duration, got: Arc<Mutex<Vec<Delivery>>>) {
+/// The client's receiver on `listener`, down until `after` has passed (each
+/// connection closed at once, unread: the port is kept, so no other test
+/// can take it meanwhile); then every delivery it reads is kept; the third
+/// of each three is answered 503, the fifth of each five is read, kept and
+/// closed unanswered, the rest 204.
+fn receiver(listener: TcpListener, after: Duration, got: Arc<Mutex<Vec<Delivery>>>) {
+    let up = Instant::now() + after;
     std::thread::spawn(move || {
-        std::thread::sleep(after);
-        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
-        for (n, stream) in listener.incoming().enumerate() {
+        let mut n = 0;
+        for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
+            if Instant::now() < up {
+                continue; // down: dropped unread
+            }
+            n += 1;
             let mut reader = BufReader::new(stream.try_clone().unwrap());
             let mut headers = BTreeMap::new();
             let mut line = String::new();
@@ -48,7 +54,7 @@ fn receiver(port: u16, after: Duration, got: Arc<Mutex<Vec<Delivery>>>) {
                 continue;
             }
             got.lock().unwrap().push((headers, String::from_utf8(body).unwrap()));
-            let answer: &[u8] = match n + 1 {
+            let answer: &[u8] = match n {
                 k if k % 5 == 0 => continue, // read, kept, the answer lost
                 k if k % 3 == 0 => {
                     b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -88,7 +94,8 @@ fn on_postgres_every_change_a_client_was_not_answered_reaches_it_signed_once_per
 
 fn told(pg: bool) {
     let Some((dir, db)) = bank_on(pg) else { return };
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
     let hooks = dir.path().join("hooks.json");
     let hook =
         serde_json::json!({"shop": {"url": format!("http://127.0.0.1:{port}/hooks"), "secret": SECRET}});
@@ -116,7 +123,7 @@ fn told(pg: bool) {
         &[],
     );
     let got = Arc::new(Mutex::new(Vec::new()));
-    receiver(port, Duration::from_secs(2), got.clone());
+    receiver(listener, Duration::from_secs(2), got.clone());
     for i in 0..PAYOUTS {
         assert_eq!(pay(&s, "tok", &format!("p{i}")), 202, "the gateway's answer is lost: 202");
     }

@@ -32,19 +32,23 @@ pub(super) struct Receiver {
 }
 
 impl Receiver {
-    /// Listens on a loopback port from [`DOWN`] on; until then, nothing
-    /// does (a delivery is refused). Of what it reads, the odds drawn from
+    /// Listens on a loopback port; for its first [`DOWN`] it is down, each
+    /// connection closed at once, unread (the port is kept, so nothing else
+    /// takes it meanwhile). Of what it reads after, the odds drawn from
     /// `seed`: 20 % kept and closed unanswered, 10 % answered 503, 10 %
     /// answered after 1.5 s, the rest 204 at once.
     pub(super) fn start(seed: u64) -> std::io::Result<Receiver> {
-        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
         let got = Arc::new(Mutex::new(Vec::new()));
         let kept = got.clone();
+        let up = std::time::Instant::now() + DOWN;
         std::thread::Builder::new().name("chaos-receiver".into()).spawn(move || {
-            std::thread::sleep(DOWN);
-            let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) else { return };
             let mut rng = Rng::new(seed ^ 0x7265_6376);
             for stream in listener.incoming().flatten() {
+                if std::time::Instant::now() < up {
+                    continue; // down: dropped unread
+                }
                 let draw = rng.below(100);
                 let kept = kept.clone();
                 std::thread::spawn(move || serve(stream, draw, &kept));
