@@ -161,10 +161,14 @@ pub fn sign_standard(secret: &[u8], id: &str, body: &[u8], t: i64) -> String {
 /// A Standard Webhooks key: the base64 after `whsec_`, else the bytes as
 /// they are (a secret given raw).
 fn standard_key(secret: &[u8]) -> Vec<u8> {
+    whsec_key(secret).unwrap_or_else(|| secret.to_vec())
+}
+
+/// The key a `whsec_` secret gives (the base64 after the prefix); `None`
+/// for a secret without the prefix or whose rest is not base64.
+pub fn whsec_key(secret: &[u8]) -> Option<Vec<u8>> {
     use base64::Engine;
-    let b64 = secret.strip_prefix(b"whsec_");
-    b64.and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
-        .unwrap_or_else(|| secret.to_vec())
+    secret.strip_prefix(b"whsec_").and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
 }
 
 /// HMAC-SHA256 under `secret` over `prefix` then `body` (HMAC takes a key

@@ -32,7 +32,7 @@ mod tell;
 
 pub use events::{
     Event, FOR_A_PERSON, Refused, SIGNATURE_HEADER, STANDARD_HEADERS, Signature, apply as apply_event, sign,
-    sign_standard, verify,
+    sign_standard, verify, whsec_key,
 };
 pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, classify_send, gateway_url};
 pub use person::{Finding, events, listed, settle_by_hand, stats, stray_events};

@@ -268,13 +268,7 @@ fn reconcile_in_background(
         }
         loop {
             std::thread::sleep(every);
-            let line = |fields: serde_json::Value| {
-                let mut v = serde_json::json!({"ts": clock().to_string(), "event": "reconcile"});
-                if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {
-                    v.extend(fields);
-                }
-                app.log.line(v.to_string());
-            };
+            let line = |fields| log_line(&app, &clock, "reconcile", fields);
             match crate::payout::reconcile(&mut *store, &gateway, &*clock, policy) {
                 Ok(decisions) => {
                     for d in decisions {
@@ -291,21 +285,28 @@ fn reconcile_in_background(
     Ok(())
 }
 
+/// A background job's log line: the time, the `event`, then `fields`'
+/// members.
+fn log_line(app: &http::App, clock: &Clock, event: &str, fields: serde_json::Value) {
+    let mut v = serde_json::json!({"ts": clock().to_string(), "event": event});
+    if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {
+        v.extend(fields);
+    }
+    app.log.line(v.to_string());
+}
+
 /// The fewest bytes of key an events secret may give (the Standard
 /// Webhooks bounds are 24 to 64): an empty one (a template's unset
 /// variable) would let anyone sign events that credit money back.
 pub const MIN_EVENTS_SECRET: usize = 24;
 /// The most bytes of key a `whsec_` secret may give.
-const MAX_EVENTS_KEY: usize = 64;
+pub(crate) const MAX_EVENTS_KEY: usize = 64;
 
 /// A secret is usable if it gives a key of 24 bytes or more: `whsec_` and
 /// the base64 of 24 to 64 bytes (Standard Webhooks), or taken as it is
 /// (Stripe's `whsec_` secrets are not base64), at least 24 bytes long.
 fn events_secret_usable(secret: &[u8]) -> Result<(), ServeError> {
-    use base64::Engine;
-    let key =
-        secret.strip_prefix(b"whsec_").and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok());
-    let (bytes, fits) = match key {
+    let (bytes, fits) = match crate::payout::whsec_key(secret) {
         Some(key) => (key.len(), (MIN_EVENTS_SECRET..=MAX_EVENTS_KEY).contains(&key.len())),
         None => (secret.len(), secret.len() >= MIN_EVENTS_SECRET),
     };

@@ -21,7 +21,7 @@ struct Entry {
 
 /// The shortest and longest secret, in bytes after `whsec_` (the Standard
 /// Webhooks specification's bounds).
-const SECRET_BYTES: std::ops::RangeInclusive<usize> = 24..=64;
+const SECRET_BYTES: std::ops::RangeInclusive<usize> = super::MIN_EVENTS_SECRET..=super::MAX_EVENTS_KEY;
 
 /// Reads the client events file: a JSON object mapping each client id to
 /// `{"url": …, "secret": "whsec_…"}`. Refused whole, naming the client, for
@@ -29,7 +29,6 @@ const SECRET_BYTES: std::ops::RangeInclusive<usize> = 24..=64;
 /// base64 of 24 to 64 bytes (an empty or short one lets anyone forge what
 /// the client acts on), or a client listed twice.
 pub fn load_hooks(path: &Path) -> Result<HashMap<String, Hook>, ServeError> {
-    use base64::Engine;
     let file = path.display();
     let text = std::fs::read_to_string(path)
         .map_err(|e| ServeError::Other(format!("cannot read the client events file {file}: {e}")))?;
@@ -40,10 +39,7 @@ pub fn load_hooks(path: &Path) -> Result<HashMap<String, Hook>, ServeError> {
     for (client, entry) in entries {
         let bad = |why: String| ServeError::Other(format!("{file}: client {client:?}: {why}"));
         let url = crate::payout::gateway_url(&entry.url).map_err(bad)?;
-        let key = entry
-            .secret
-            .strip_prefix("whsec_")
-            .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok());
+        let key = crate::payout::whsec_key(entry.secret.as_bytes());
         if !key.is_some_and(|key| SECRET_BYTES.contains(&key.len())) {
             return Err(bad("the secret must be whsec_ and the base64 of 24 to 64 random bytes".into()));
         }
@@ -74,13 +70,7 @@ pub(super) fn tell_in_background(
         loop {
             let now = clock();
             let unix = crate::clock::unix_now();
-            let line = |fields: serde_json::Value| {
-                let mut v = serde_json::json!({"ts": clock().to_string(), "event": "client_event"});
-                if let (Some(v), serde_json::Value::Object(fields)) = (v.as_object_mut(), fields) {
-                    v.extend(fields);
-                }
-                app.log.line(v.to_string());
-            };
+            let line = |fields| super::log_line(&app, &clock, "client_event", fields);
             let mut failed = 0;
             match crate::payout::deliver(&mut *store, &hooks, &schedule, now, unix, &post, policy) {
                 Ok(told) => {

@@ -79,7 +79,7 @@ pub struct ToldVerdict {
 }
 
 impl ToldVerdict {
-    fn whole(&self) -> bool {
+    pub(super) fn whole(&self) -> bool {
         self.received == self.changes && self.told_twice == 0 && self.unsigned == 0 && self.left_failed == 0
     }
 }

@@ -91,11 +91,7 @@ fn payouts(s: &Summary) -> String {
              10 % 503, 10 % slow), in {} deliveries; attempts per event: median {}, most {}. \
              Told under two ids, or two changes under one: {}. Signatures that did not verify: {}. \
              Left failed for a person: {}.\n",
-            if t.received == t.changes && t.told_twice == 0 && t.unsigned == 0 && t.left_failed == 0 {
-                "every change, once per id"
-            } else {
-                "NOT every change once"
-            },
+            if t.whole() { "every change, once per id" } else { "NOT every change once" },
             t.changes,
             t.received,
             t.deliveries,
