@@ -46,37 +46,38 @@
 //! request, a 5xx) rolls back the handler's writes with the claim, and the
 //! key stays free for the corrected request.
 
-#[cfg(feature = "postgres")]
-use super::pg::OnPg;
-#[cfg(feature = "sqlite")]
-use super::sqlite::OnSqlite;
 use super::{Answer, Keys, Reply, Scope, Stop};
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
-use crate::store::keys::Kept;
 use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
-use axum::extract::{FromRequestParts, OriginalUri, Request, State};
+use axum::extract::{OriginalUri, Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
 use axum::response::Response;
-#[cfg(feature = "postgres")]
-use deadpool::managed;
 use std::sync::Arc;
-use tokio::sync::{Mutex, OwnedMutexGuard};
-#[cfg(feature = "postgres")]
-use tokio_postgres::Client;
+use tokio::sync::Mutex;
 
 mod answer;
+mod conn;
 mod key;
 mod lend;
 mod service;
+mod tx;
 use answer::{Business, answer_of, unavailable};
 pub use answer::{business, problem};
+use conn::{Held, Store};
 pub use key::IdemKey;
-#[cfg(feature = "postgres")]
-use lend::Lend;
 pub use service::{IdempotencyLayer, IdempotentService};
+pub use tx::Tx;
+#[cfg(feature = "postgres")]
+pub use tx::TxClient;
+#[cfg(feature = "sqlite")]
+pub use tx::TxSqlite;
+#[cfg(feature = "sqlx-sqlite")]
+pub use tx::TxSqlxLite;
+#[cfg(feature = "sqlx-postgres")]
+pub use tx::TxSqlxPg;
 
 /// Who the client is, from the request's head: its headers, or what an
 /// auth layer before this one put in its extensions (`None`: 401).
@@ -102,14 +103,6 @@ pub struct Idempotency {
     pub replayed_headers: Vec<HeaderName>,
 }
 
-#[derive(Clone)]
-enum Store {
-    #[cfg(feature = "postgres")]
-    Pg(managed::Pool<Lend>),
-    #[cfg(feature = "sqlite")]
-    Sqlite(Arc<Mutex<rusqlite::Connection>>),
-}
-
 impl Idempotency {
     /// The same state, naming the client from the request's whole head
     /// instead of its headers alone: the claims an auth layer before this
@@ -133,16 +126,8 @@ impl Idempotency {
     /// A connection, or the answer when none is to be had: 503 `busy`
     /// past [`Idempotency::max_wait`], 503 `unavailable` if the database
     /// failed.
-    async fn connection(&self) -> Result<Conn, Response> {
-        let get = async {
-            Some(match &self.store {
-                #[cfg(feature = "postgres")]
-                Store::Pg(pool) => Conn::Pg(Some(Box::new(pool.get().await.ok()?))),
-                #[cfg(feature = "sqlite")]
-                Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
-            })
-        };
-        match tokio::time::timeout(self.max_wait, get).await {
+    async fn connection(&self) -> Result<conn::Conn, Response> {
+        match tokio::time::timeout(self.max_wait, self.store.connection(&self.keys)).await {
             Ok(Some(conn)) => Ok(conn),
             Ok(None) => Err(unavailable()),
             Err(_) => {
@@ -152,68 +137,6 @@ impl Idempotency {
                 Err(r)
             }
         }
-    }
-}
-
-/// A connection whose write transaction a request holds. Dropped with the
-/// transaction still open (a handler that panicked, a runtime shutting
-/// down), it ends it: SQLite rolls back at once; a PostgreSQL connection is
-/// closed, never returned to the pool, and the server rolls its transaction
-/// back as it goes. No connection goes back to a pool mid-transaction.
-struct Held {
-    conn: Conn,
-    keys: Arc<Keys>,
-    /// The media type and headers stored with the answer of the key's
-    /// row, if the claim found one.
-    kept: Kept,
-    /// Whether the transaction may still be open: set until a COMMIT or
-    /// ROLLBACK went through.
-    open: bool,
-}
-
-enum Conn {
-    // `None` only once dropped
-    #[cfg(feature = "postgres")]
-    Pg(Option<Box<managed::Object<Lend>>>),
-    #[cfg(feature = "sqlite")]
-    Sqlite(OwnedMutexGuard<rusqlite::Connection>),
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        if !self.open {
-            return;
-        }
-        match &mut self.conn {
-            #[cfg(feature = "postgres")]
-            Conn::Pg(c) => drop(c.take().map(|c| managed::Object::take(*c))),
-            #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => {
-                let _ = c.execute_batch("ROLLBACK");
-            }
-        }
-    }
-}
-
-impl Held {
-    /// Rolls the transaction back; if that fails, dropping `self` ends it.
-    // `&mut self` throughout: a SQLite connection is not `Sync`, so a
-    // shared borrow of one held across an await would make the
-    // middleware's future not `Send`
-    async fn rollback(&mut self) {
-        if !self.open {
-            return;
-        }
-        let done = match &mut self.conn {
-            #[cfg(feature = "postgres")]
-            Conn::Pg(c) => match c {
-                Some(c) => c.batch_execute("ROLLBACK").await.is_ok(),
-                None => false,
-            },
-            #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => c.execute_batch("ROLLBACK").is_ok(),
-        };
-        self.open = !done;
     }
 }
 
@@ -235,24 +158,7 @@ impl KeySteps for OnSlot {
         accounts: Option<[&AcctId; 2]>,
     ) -> Result<Option<KeyRecord>, StoreError> {
         let mut slot = self.0.0.lock().await;
-        let Some(Held { conn, keys, kept, .. }) = slot.as_mut() else { return Err(gone()) };
-        // BEGIN goes with the claim: one round trip on PostgreSQL
-        let claimed;
-        (claimed, *kept) = match conn {
-            #[cfg(feature = "postgres")]
-            Conn::Pg(Some(c)) => {
-                let mut on = OnPg::new(&***c, keys, true);
-                (on.claim(key, claim, accounts).await, on.kept)
-            }
-            #[cfg(feature = "postgres")]
-            Conn::Pg(None) => return Err(gone()),
-            #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => {
-                let mut on = OnSqlite::new(c, &keys.sqlite, true);
-                (on.claim(key, claim, accounts).await, on.kept)
-            }
-        };
-        claimed
+        slot.as_mut().ok_or_else(gone)?.claim(key, claim, accounts).await
     }
 
     async fn replace_claim(
@@ -262,15 +168,7 @@ impl KeySteps for OnSlot {
         claim: &Claim,
     ) -> Result<bool, StoreError> {
         let mut slot = self.0.0.lock().await;
-        let Some(Held { conn, keys, .. }) = slot.as_mut() else { return Err(gone()) };
-        match conn {
-            #[cfg(feature = "postgres")]
-            Conn::Pg(Some(c)) => OnPg::new(&***c, keys, false).replace_claim(key, seen, claim).await,
-            #[cfg(feature = "postgres")]
-            Conn::Pg(None) => Err(gone()),
-            #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => OnSqlite::new(c, &keys.sqlite, false).replace_claim(key, seen, claim).await,
-        }
+        slot.as_mut().ok_or_else(gone)?.replace_claim(key, seen, claim).await
     }
 
     /// Nothing to delete: the claim goes with the transaction's rollback,
@@ -281,94 +179,14 @@ impl KeySteps for OnSlot {
 }
 
 impl OnSlot {
-    /// Stores `answer` with the key `token` claimed and commits, in one
-    /// round trip on PostgreSQL; whether it committed (`false`: it may
-    /// have, or not).
+    /// Stores `answer` with the key `token` claimed and commits; whether
+    /// it committed (`false`: it may have, or not).
     async fn complete_and_commit(&self, key: &ScopedKey, token: &str, answer: &Answer) -> bool {
         let mut slot = self.0.0.lock().await;
-        let Some(Held { conn, keys, open, .. }) = slot.as_mut() else { return false };
-        let committed = match conn {
-            #[cfg(feature = "postgres")]
-            Conn::Pg(Some(c)) => OnPg::new(&***c, keys, false).complete_and_commit(key, token, answer).await,
-            #[cfg(feature = "postgres")]
-            Conn::Pg(None) => false,
-            #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => {
-                OnSqlite::new(c, &keys.sqlite, false).complete(key, token, answer).is_ok()
-                    && c.execute_batch("COMMIT").is_ok()
-            }
-        };
-        *open = !committed;
-        committed
-    }
-}
-
-/// The handler's way into the open transaction: its writes commit with the
-/// key and the answer, or roll back with them.
-#[derive(Clone)]
-pub struct Tx(Arc<Mutex<Option<Held>>>);
-
-impl Tx {
-    #[cfg(feature = "postgres")]
-    /// On PostgreSQL, the client whose transaction is open (run the
-    /// handler's statements on it; never `COMMIT` or `ROLLBACK`: the layer
-    /// does); `None` on SQLite.
-    pub async fn client(&self) -> Option<TxClient> {
-        let held = self.0.clone().lock_owned().await;
-        matches!(*held, Some(Held { conn: Conn::Pg(Some(_)), .. })).then_some(TxClient(held))
-    }
-
-    #[cfg(feature = "sqlite")]
-    /// On SQLite, the connection whose transaction is open (as for
-    /// [`Tx::client`]); `None` on PostgreSQL.
-    pub async fn sqlite(&self) -> Option<TxSqlite> {
-        let held = self.0.clone().lock_owned().await;
-        matches!(*held, Some(Held { conn: Conn::Sqlite(_), .. })).then_some(TxSqlite(held))
-    }
-}
-
-/// A locked hold on the open transaction's PostgreSQL client; derefs to it.
-#[cfg(feature = "postgres")]
-pub struct TxClient(OwnedMutexGuard<Option<Held>>);
-
-#[cfg(feature = "postgres")]
-impl std::ops::Deref for TxClient {
-    type Target = Client;
-    fn deref(&self) -> &Client {
-        match &*self.0 {
-            Some(Held { conn: Conn::Pg(Some(c)), .. }) => c,
-            // checked when made, and held since: nothing can change it
-            _ => unreachable!("a TxClient holds a PostgreSQL transaction"),
+        match slot.as_mut() {
+            Some(held) => held.complete_and_commit(key, token, answer).await,
+            None => false,
         }
-    }
-}
-
-/// A locked hold on the open transaction's SQLite connection; derefs to it.
-#[cfg(feature = "sqlite")]
-pub struct TxSqlite(OwnedMutexGuard<Option<Held>>);
-
-#[cfg(feature = "sqlite")]
-impl std::ops::Deref for TxSqlite {
-    type Target = rusqlite::Connection;
-    fn deref(&self) -> &rusqlite::Connection {
-        match &*self.0 {
-            Some(Held { conn: Conn::Sqlite(c), .. }) => c,
-            _ => unreachable!("a TxSqlite holds a SQLite transaction"),
-        }
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for Tx {
-    type Rejection = Response;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Tx, Response> {
-        parts.extensions.get::<Tx>().cloned().ok_or_else(|| {
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "no_transaction",
-                "The route has no idempotency layer.",
-            )
-        })
     }
 }
 

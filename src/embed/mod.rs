@@ -44,18 +44,28 @@ use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::protocol::{Ctx, Decision, fresh_token};
 use crate::request::ScopedKey;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
 use crate::store::KeyTable;
 use crate::store::keys::Kept;
 use crate::store::{Dialect, StoreError};
 use std::fmt;
 
-#[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
+#[cfg(all(
+    feature = "axum",
+    any(feature = "postgres", feature = "sqlite", feature = "sqlx-postgres", feature = "sqlx-sqlite")
+))]
 pub mod layer;
 #[cfg(feature = "postgres")]
 pub mod pg;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+mod sqlx;
 
 /// How long a request waits, by default, for another transaction that
 /// holds its key before it is answered as in flight (on PostgreSQL; on
@@ -214,9 +224,9 @@ pub struct Keys {
     versions: String,
     policy: Policy,
     wait: std::time::Duration,
-    #[cfg(feature = "sqlite")]
+    #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
     sqlite: KeyTable,
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     pg: KeyTable,
 }
 
@@ -253,9 +263,9 @@ impl Keys {
         }
         let table = format!("{prefix}idem_keys");
         Ok(Keys {
-            #[cfg(feature = "sqlite")]
+            #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
             sqlite: KeyTable::new(&table, Dialect::Sqlite),
-            #[cfg(feature = "postgres")]
+            #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
             pg: KeyTable::new(&table, Dialect::Postgres),
             table,
             index: format!("{name}idem_keys_created_at"),

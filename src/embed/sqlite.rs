@@ -55,6 +55,21 @@ impl<'c, C: Deref<Target = Connection>> OnSqlite<'c, C> {
     }
 }
 
+impl<C: Deref<Target = Connection>> OnSqlite<'_, C> {
+    /// [`OnSqlite::complete`] and `COMMIT`; whether both went through.
+    // `&mut self`: a shared borrow of a SQLite connection, which is not
+    // `Sync`, would make the layer's future not `Send`
+    #[cfg(feature = "axum")]
+    pub(super) async fn complete_and_commit(
+        &mut self,
+        key: &ScopedKey,
+        token: &str,
+        answer: &Answer,
+    ) -> bool {
+        self.complete(key, token, answer).is_ok() && self.conn.execute_batch("COMMIT").is_ok()
+    }
+}
+
 impl<C: Deref<Target = Connection>> KeySteps for OnSqlite<'_, C> {
     async fn claim(
         &mut self,

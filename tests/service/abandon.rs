@@ -5,8 +5,9 @@
 //! have paid exactly once (never twice, never stuck at 409), every answer a
 //! client heard must be the one its retry replays, and the requests that
 //! did not hang up must have met nothing but 201 and 409 (no 503 left
-//! behind by someone else's abandoned transaction). The same storm, less
-//! the panics, runs against `idem serve` on PostgreSQL.
+//! behind by someone else's abandoned transaction). The same storm runs on
+//! the application's own sqlx pools (PostgreSQL and SQLite), and, less the
+//! panics, against `idem serve` on PostgreSQL.
 
 use crate::common::pg;
 use crate::server::Serve;
@@ -52,6 +53,64 @@ fn sqlite_an_abandonment_storm_pays_every_key_once_and_strands_none() {
     let rows: Vec<_> = rows.unwrap().map(Result::unwrap).collect();
     drop(select);
     let total: i64 = conn.query_row("SELECT sum(cents) FROM wallet", [], |r| r.get(0)).unwrap();
+    judge(moves, rows, total, WALLETS * OPENING, "move");
+}
+
+#[test]
+fn sqlx_sqlite_an_abandonment_storm_pays_every_key_once_and_strands_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("storm.db");
+    let runtime = runtime();
+    let (moves, rows, total) = runtime.block_on(async {
+        use sqlx::sqlite::{SqliteConnectOptions, SqlitePool};
+        let options = SqliteConnectOptions::new().filename(&path).create_if_missing(true);
+        let options = options.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal);
+        let pool = SqlitePool::connect_with(options).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(SCHEMA.replace("{serial}", "INTEGER PRIMARY KEY")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        for w in 0..WALLETS {
+            sqlx::query("INSERT INTO wallet VALUES (?1, ?2)")
+                .bind(w)
+                .bind(OPENING)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        let idem =
+            Idempotency::on_sqlx_sqlite(pool.clone(), Keys::new("storm_").unwrap(), client).await.unwrap();
+        let address = serve_on(idem).await;
+        let moves = tokio::task::spawn_blocking(move || storm(&Target::layer(address))).await.unwrap();
+        let rows: Vec<(String, i64, i64)> =
+            sqlx::query_as("SELECT key, id, cents FROM moves").fetch_all(&pool).await.unwrap();
+        let total: i64 = sqlx::query_scalar("SELECT sum(cents) FROM wallet").fetch_one(&pool).await.unwrap();
+        (moves, rows, total)
+    });
+    judge(moves, rows, total, WALLETS * OPENING, "move");
+}
+
+#[test]
+fn sqlx_postgres_an_abandonment_storm_pays_every_key_once_and_strands_none() {
+    let Some(server) = pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    pg::execute(&spec, &SCHEMA.replace("{serial}", "BIGSERIAL PRIMARY KEY"));
+    for w in 0..WALLETS {
+        pg::execute(&spec, &format!("INSERT INTO wallet VALUES ({w}, {OPENING})"));
+    }
+    let runtime = runtime();
+    let moves = runtime.block_on(async {
+        let options = pg::sqlx_options(&spec);
+        let pool =
+            sqlx::postgres::PgPoolOptions::new().max_connections(8).connect_with(options).await.unwrap();
+        let idem = Idempotency::on_sqlx_postgres(pool, Keys::new("storm_").unwrap(), client).await.unwrap();
+        let address = serve_on(idem).await;
+        tokio::task::spawn_blocking(move || storm(&Target::layer(address))).await.unwrap()
+    });
+    let mut c = pg::client(&spec);
+    let rows = c.query("SELECT key, id, cents FROM moves", &[]).unwrap();
+    let rows = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    let total: i64 = c.query_one("SELECT sum(cents)::bigint FROM wallet", &[]).unwrap().get(0);
     judge(moves, rows, total, WALLETS * OPENING, "move");
 }
 
@@ -208,13 +267,18 @@ fn judge(heard: Heard, moves: Vec<(String, i64, i64)>, total: i64, expected: i64
     assert_eq!(total, expected - debited, "the wallets hold what the moves say");
 }
 
+/// The client a request names.
+fn client(h: &HeaderMap) -> Option<String> {
+    h.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+}
+
 /// The layer on `db` over [`pay`], served on loopback.
 async fn serve(db: &str) -> SocketAddr {
-    let idem = Idempotency::connect(db, Keys::new("storm_").unwrap(), 8, |h| {
-        h.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
-    })
-    .await
-    .unwrap();
+    serve_on(Idempotency::connect(db, Keys::new("storm_").unwrap(), 8, client).await.unwrap()).await
+}
+
+/// The layer on `idem`'s store over [`pay`], served on loopback.
+async fn serve_on(idem: Idempotency) -> SocketAddr {
     let app = Router::new().route("/pay", post(pay)).route_layer(from_fn_with_state(idem, idempotent));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
@@ -230,21 +294,31 @@ async fn pay(tx: Tx, headers: HeaderMap, body: String) -> Response {
     let key = header("idempotency-key").trim_matches('"').to_owned();
     let cents: i64 = body.trim_start_matches(r#"{"cents":"#).trim_end_matches('}').parse().unwrap();
     let wallet = wallet(&key);
-    let id: i64 = match tx.client().await {
-        Some(c) => {
-            c.execute("UPDATE wallet SET cents = cents - $2 WHERE id = $1", &[&wallet, &cents])
-                .await
-                .unwrap();
-            let sql = "INSERT INTO moves (key, cents) VALUES ($1, $2) RETURNING id";
-            c.query_one(sql, &[&key, &cents]).await.unwrap().get(0)
-        }
-        None => {
-            let c = tx.sqlite().await.unwrap();
-            c.execute("UPDATE wallet SET cents = cents - ?2 WHERE id = ?1", [wallet, cents]).unwrap();
-            c.execute("INSERT INTO moves (key, cents) VALUES (?1, ?2)", rusqlite::params![key, cents])
-                .unwrap();
-            c.last_insert_rowid()
-        }
+    let (debit, record) = (
+        "UPDATE wallet SET cents = cents - $2 WHERE id = $1",
+        "INSERT INTO moves (key, cents) VALUES ($1, $2) RETURNING id",
+    );
+    let on_pg = if let Some(c) = tx.client().await {
+        c.execute(debit, &[&wallet, &cents]).await.unwrap();
+        Some(c.query_one(record, &[&key, &cents]).await.unwrap().get(0))
+    } else if let Some(mut c) = tx.sqlx_postgres().await {
+        sqlx::query(debit).bind(wallet).bind(cents).execute(&mut *c).await.unwrap();
+        Some(sqlx::query_scalar(record).bind(&key).bind(cents).fetch_one(&mut *c).await.unwrap())
+    } else {
+        None
+    };
+    // SQLite numbers `?n` as written (it would number `$n` by first use)
+    let (debit, record) = (debit.replace('$', "?"), record.replace('$', "?"));
+    let (debit, record) = (sqlx::AssertSqlSafe(debit), sqlx::AssertSqlSafe(record));
+    let id: i64 = if let Some(id) = on_pg {
+        id
+    } else if let Some(c) = tx.sqlite().await {
+        c.execute(&debit.0, [wallet, cents]).unwrap();
+        c.query_row(&record.0, rusqlite::params![key, cents], |r| r.get(0)).unwrap()
+    } else {
+        let mut c = tx.sqlx_sqlite().await.unwrap();
+        sqlx::query(debit).bind(wallet).bind(cents).execute(&mut *c).await.unwrap();
+        sqlx::query_scalar(record).bind(&key).bind(cents).fetch_one(&mut *c).await.unwrap()
     };
     tokio::time::sleep(Duration::from_millis(header("x-sleep-ms").parse().unwrap_or(0))).await;
     assert!(header("x-panic").is_empty(), "the handler panics after its writes");

@@ -432,6 +432,92 @@ fn the_layer_runs_on_the_applications_own_connections() {
     assert!(made.load(Ordering::SeqCst) >= 1);
 }
 
+/// The layer on the pools a team already has: its deadpool-postgres pool
+/// and its sqlx pools, each configured as the team's (an application name
+/// of its own, which the handler reads back through the request's
+/// transaction). Each key runs once and replays; the team's pool is the one
+/// that served it.
+#[test]
+fn the_layer_runs_on_the_applications_deadpool_and_sqlx_pools() {
+    use idem::embed::layer::Tx;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    // sqlx on SQLite: a file, which the team's own query reads back
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("shop.db");
+    let (address, pool) = runtime.block_on(async {
+        let options = sqlx::sqlite::SqliteConnectOptions::new().filename(&file).create_if_missing(true);
+        let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+        sqlx::raw_sql("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let idem =
+            Idempotency::on_sqlx_sqlite(pool.clone(), Keys::new("own_").unwrap(), |_| Some("c1".into()))
+                .await
+                .unwrap();
+        let order = |tx: Tx| async move {
+            let mut c = tx.sqlx_sqlite().await.unwrap();
+            let id: i64 = sqlx::query_scalar("INSERT INTO orders (item) VALUES ('tea') RETURNING id")
+                .fetch_one(&mut *c)
+                .await
+                .unwrap();
+            (StatusCode::CREATED, format!(r#"{{"order":{id}}}"#)).into_response()
+        };
+        let app =
+            Router::new().route("/orders", post(order)).route_layer(from_fn_with_state(idem, idempotent));
+        (listen(app).await, pool)
+    });
+    let first = send(address, "/orders", "k1");
+    let again = send(address, "/orders", "k1");
+    assert_eq!((first.status, first.body.as_str()), (201, r#"{"order":1}"#));
+    assert!(replayed(&again) && again.body == first.body, "{again:?}");
+    let orders: i64 =
+        runtime.block_on(sqlx::query_scalar("SELECT count(*) FROM orders").fetch_one(&pool)).unwrap();
+    assert_eq!(orders, 1, "the team's pool sees one order");
+    // PostgreSQL: the team's deadpool-postgres pool, then its sqlx pool
+    let Some(server) = crate::common::pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    let session = |tx: Tx| async move {
+        let name: String = if let Some(c) = tx.client().await {
+            c.query_one("SHOW application_name", &[]).await.unwrap().get(0)
+        } else {
+            let mut c = tx.sqlx_postgres().await.unwrap();
+            sqlx::query_scalar("SHOW application_name").fetch_one(&mut *c).await.unwrap()
+        };
+        (StatusCode::CREATED, format!(r#"{{"session":"{name}"}}"#)).into_response()
+    };
+    let (deadpool, sqlx_pool) = runtime.block_on(async {
+        let mut config: tokio_postgres::Config = spec.parse().unwrap();
+        config.application_name("the_team_deadpool");
+        let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+        let pool = deadpool_postgres::Pool::builder(manager).max_size(2).build().unwrap();
+        let idem = Idempotency::on_deadpool(pool.clone(), Keys::new("dp_").unwrap(), |_| Some("c1".into()))
+            .await
+            .unwrap();
+        let deadpool = listen(
+            Router::new().route("/orders", post(session)).route_layer(from_fn_with_state(idem, idempotent)),
+        )
+        .await;
+        let options = crate::common::pg::sqlx_options(&spec).application_name("the_team_sqlx");
+        let pool =
+            sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(options).await.unwrap();
+        let idem = Idempotency::on_sqlx_postgres(pool, Keys::new("sx_").unwrap(), |_| Some("c1".into()))
+            .await
+            .unwrap();
+        let sqlx_pool = listen(
+            Router::new().route("/orders", post(session)).route_layer(from_fn_with_state(idem, idempotent)),
+        )
+        .await;
+        (deadpool, sqlx_pool)
+    });
+    for (address, name) in [(deadpool, "the_team_deadpool"), (sqlx_pool, "the_team_sqlx")] {
+        let first = send(address, "/orders", "k1");
+        let again = send(address, "/orders", "k1");
+        assert_eq!((first.status, first.body.clone()), (201, format!(r#"{{"session":"{name}"}}"#)));
+        assert!(replayed(&again) && again.body == first.body, "{again:?}");
+    }
+}
+
 /// What the handler's transaction isolates on PostgreSQL: READ COMMITTED,
 /// the server's default. Eight requests under eight keys refund one order,
 /// each reading whether it was refunded and then writing: read then write

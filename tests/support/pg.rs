@@ -258,3 +258,32 @@ pub fn execute(spec: &str, sql: &str) {
 pub fn client(spec: &str) -> postgres::Client {
     postgres::Client::connect(spec, postgres::NoTls).unwrap()
 }
+
+/// The options of a sqlx pool on the database `spec` names (libpq's
+/// `key=value` or a URL): its host or socket, port, role, database and
+/// `-c` settings (a fresh schema's `search_path`).
+#[allow(dead_code)] // the engine's suites lend no sqlx pool
+pub fn sqlx_options(spec: &str) -> sqlx::postgres::PgConnectOptions {
+    use tokio_postgres::config::Host;
+    let config: tokio_postgres::Config = spec.parse().unwrap();
+    let mut options = sqlx::postgres::PgConnectOptions::new_without_pgpass();
+    options = match &config.get_hosts()[0] {
+        Host::Tcp(name) => options.host(name),
+        Host::Unix(dir) => options.socket(dir),
+    };
+    if let Some(&port) = config.get_ports().first() {
+        options = options.port(port);
+    }
+    if let Some(user) = config.get_user() {
+        options = options.username(user);
+    }
+    if let Some(password) = config.get_password() {
+        options = options.password(&String::from_utf8_lossy(password));
+    }
+    if let Some(db) = config.get_dbname() {
+        options = options.database(db);
+    }
+    let settings = config.get_options().unwrap_or_default().split_whitespace().filter(|w| *w != "-c");
+    let pairs: Vec<(&str, &str)> = settings.filter_map(|s| s.split_once('=')).collect();
+    options.options(pairs)
+}

@@ -1,7 +1,8 @@
 //! The connections the layer runs its requests on: its own, made from a
 //! connection string, or the application's own (a SQLite connection it
 //! shares, a way of making PostgreSQL connections it already has, TLS and
-//! all), so that the layer opens nothing beside the application's pool.
+//! all, its deadpool-postgres pool, its sqlx pool), so that the layer opens
+//! nothing beside the application's pool.
 
 use super::{Idempotency, Store};
 use crate::embed::Keys;
@@ -12,7 +13,13 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 #[cfg(feature = "postgres")]
 use {
-    crate::store::StoreError, deadpool::managed, std::future::Future, std::pin::Pin, tokio_postgres::Client,
+    super::conn::{Lease, Lender},
+    crate::store::StoreError,
+    deadpool::managed,
+    std::future::Future,
+    std::ops::{Deref, DerefMut},
+    std::pin::Pin,
+    tokio_postgres::Client,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -21,22 +28,42 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[cfg(feature = "postgres")]
 type Make = dyn Fn() -> Pin<Box<dyn Future<Output = Result<Client, StoreError>> + Send>> + Send + Sync;
 
-/// The manager of the layer's PostgreSQL pool (deadpool's): a connection
-/// comes from the maker, and goes back only if it is not closed (one whose
-/// transaction a request left open is never returned: `Held`'s drop).
+/// The manager of the layer's own PostgreSQL pool (deadpool's): a
+/// connection comes from the maker, and goes back only if it is not closed
+/// (one whose transaction a request left open is never returned: `Held`'s
+/// drop).
 #[cfg(feature = "postgres")]
-pub(super) struct Lend(Box<Make>);
+struct Lend(Box<Make>);
+
+/// A connection of the layer's own pool.
+#[cfg(feature = "postgres")]
+struct Own(Client);
+
+#[cfg(feature = "postgres")]
+impl Deref for Own {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.0
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl DerefMut for Own {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.0
+    }
+}
 
 #[cfg(feature = "postgres")]
 impl managed::Manager for Lend {
-    type Type = Client;
+    type Type = Own;
     type Error = StoreError;
 
-    async fn create(&self) -> Result<Client, StoreError> {
-        (self.0)().await
+    async fn create(&self) -> Result<Own, StoreError> {
+        (self.0)().await.map(Own)
     }
 
-    async fn recycle(&self, client: &mut Client, _: &managed::Metrics) -> managed::RecycleResult<StoreError> {
+    async fn recycle(&self, client: &mut Own, _: &managed::Metrics) -> managed::RecycleResult<StoreError> {
         match client.is_closed() {
             false => Ok(()),
             true => Err(managed::RecycleError::message("the connection is closed")),
@@ -141,10 +168,99 @@ impl Idempotency {
     ) -> Result<Idempotency, BoxError> {
         let wait = Duration::from_secs(5);
         let pool = crate::store::reach::pool(Lend(make), connections, wait, create.max(wait))?;
+        Idempotency::on_deadpool(pool, keys, who).await
+    }
+
+    /// The middleware's state on the application's own deadpool pool of
+    /// PostgreSQL connections: a `deadpool_postgres::Pool` (deadpool-postgres
+    /// 0.14, on deadpool 0.13), or any deadpool pool whose objects deref to
+    /// a `tokio_postgres::Client`. A request holds one of its connections
+    /// from its claim to its commit; one whose transaction a request left
+    /// open (its handler panicked) is closed, never returned to the pool.
+    /// Builds the key table if it is not there.
+    ///
+    /// ```no_run
+    /// # use idem::embed::{Keys, layer::Idempotency};
+    /// # async fn setup(pool: deadpool_postgres::Pool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// // `pool`: the one the application's other routes use
+    /// let idem = Idempotency::on_deadpool(pool.clone(), Keys::new("app_")?, |headers| {
+    ///     headers.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+    /// })
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub async fn on_deadpool<M>(
+        pool: managed::Pool<M>,
+        keys: Keys,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, BoxError>
+    where
+        M: managed::Manager + 'static,
+        M::Type: DerefMut<Target = Client> + Send + Sync,
+        M::Error: std::fmt::Display,
+    {
         let mut first = pool.get().await.map_err(|e| e.to_string())?;
         keys.migrate_pg(&mut first).await?;
         drop(first);
-        Ok(Idempotency::with(Store::Pg(pool), keys, who))
+        let lend: Arc<Lender> = Arc::new(move || {
+            let pool = pool.clone();
+            Box::pin(async move { Some(Box::new(pool.get().await.ok()?) as Box<dyn Lease>) })
+        });
+        Ok(Idempotency::with(Store::Pg(lend), keys, who))
+    }
+
+    /// The middleware's state on the application's own sqlx `PgPool`: a
+    /// request holds one of its connections from its claim to its commit
+    /// (the handler reaches it with [`Tx::sqlx_postgres`](super::Tx::sqlx_postgres)).
+    /// Builds the key table if it is not there.
+    ///
+    /// ```no_run
+    /// # use idem::embed::{Keys, layer::Idempotency};
+    /// # async fn setup() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let pool = sqlx::PgPool::connect("postgres:///shop").await?;
+    /// let idem = Idempotency::on_sqlx_postgres(pool.clone(), Keys::new("app_")?, |headers| {
+    ///     headers.get("x-client").and_then(|v| v.to_str().ok()).map(String::from)
+    /// })
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "sqlx-postgres")]
+    pub async fn on_sqlx_postgres(
+        pool: sqlx::PgPool,
+        keys: Keys,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, BoxError> {
+        keys.migrate_sqlx_postgres(&pool).await?;
+        Ok(Idempotency::with(Store::SqlxPg(pool), keys, who))
+    }
+
+    /// The middleware's state on the application's own sqlx `SqlitePool`
+    /// (as for [`Idempotency::on_sqlx_postgres`]; the handler reaches its
+    /// connection with [`Tx::sqlx_sqlite`](super::Tx::sqlx_sqlite)). Each
+    /// request's transaction is `BEGIN IMMEDIATE`, SQLite's one writer: the
+    /// layer's requests wait for it in turn, up to
+    /// [`Idempotency::max_wait`] (writes of the application's own outside
+    /// the layer wait as SQLite makes them, up to the pool's `busy_timeout`).
+    ///
+    /// ```
+    /// # use idem::embed::{Keys, layer::Idempotency};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
+    /// let idem = Idempotency::on_sqlx_sqlite(pool.clone(), Keys::new("app_")?, |_| Some("c1".into())).await?;
+    /// let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM app_idem_keys").fetch_one(&pool).await?;
+    /// assert_eq!(kept, 0);
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "sqlx-sqlite")]
+    pub async fn on_sqlx_sqlite(
+        pool: sqlx::SqlitePool,
+        keys: Keys,
+        who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Idempotency, BoxError> {
+        keys.migrate_sqlx_sqlite(&pool).await?;
+        Ok(Idempotency::with(Store::SqlxLite(pool, Arc::default()), keys, who))
     }
 
     /// The middleware's state on the application's own SQLite connection,

@@ -125,16 +125,7 @@ pub(crate) async fn purge<C: GenericClient + Sync>(
     c.execute_typed(&t.purge, &args).await
 }
 
-/// Puts a lock wait of `$1` in force for the rest of the transaction,
-/// keeping the one it had in `idem.lock_timeout` (a volatile subquery, so
-/// it runs first): the claim's insert waits on a racer's uncommitted claim
-/// of the same key for that long at most.
-pub(crate) const WAIT_FOR_CLAIM: &str = "SELECT set_config('lock_timeout', $1, true) \
-     FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS kept";
-
-/// Gives the transaction back the lock wait it had before the claim.
-pub(crate) const WAIT_AS_BEFORE: &str =
-    "SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)";
+pub(crate) use super::{WAIT_AS_BEFORE, WAIT_FOR_CLAIM};
 
 /// Runs the steps of `steps` that the table `versions` does not record yet,
 /// in one transaction; concurrent start-ups are serialised by an advisory

@@ -1,0 +1,260 @@
+//! Where the layer's requests run: a connection of one of the stores,
+//! whose write transaction a request holds from its claim to its commit.
+//! Each store's key steps are the library's (`embed::pg`, `embed::sqlite`,
+//! `embed::sqlx`); this is only which of them a connection takes.
+
+use super::Answer;
+use crate::embed::Keys;
+#[cfg(feature = "sqlx-sqlite")]
+use crate::embed::sqlx::OnSqlxLite;
+#[cfg(feature = "sqlx-postgres")]
+use crate::embed::sqlx::OnSqlxPg;
+use crate::request::{AcctId, ScopedKey};
+use crate::store::keys::Kept;
+use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
+use std::sync::Arc;
+#[cfg(feature = "postgres")]
+use {crate::embed::pg::OnPg, tokio_postgres::Client};
+#[cfg(feature = "sqlite")]
+use {crate::embed::sqlite::OnSqlite, tokio::sync::Mutex, tokio::sync::OwnedMutexGuard};
+
+/// A PostgreSQL connection lent from a deadpool pool (the layer's own, or
+/// the application's): its client, and how it is let go of with its
+/// transaction open (closed, never returned to the pool).
+#[cfg(feature = "postgres")]
+pub(super) trait Lease: Send + Sync {
+    fn client(&self) -> &Client;
+    fn discard(self: Box<Self>);
+}
+
+#[cfg(feature = "postgres")]
+impl<M> Lease for deadpool::managed::Object<M>
+where
+    M: deadpool::managed::Manager,
+    M::Type: std::ops::Deref<Target = Client> + Send + Sync,
+{
+    fn client(&self) -> &Client {
+        self
+    }
+
+    fn discard(self: Box<Self>) {
+        drop(deadpool::managed::Object::take(*self));
+    }
+}
+
+/// Lends a PostgreSQL connection, or `None` when none is to be had.
+#[cfg(feature = "postgres")]
+pub(super) type Lender =
+    dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = Option<Box<dyn Lease>>> + Send>> + Send + Sync;
+
+/// Where the layer's connections come from.
+#[derive(Clone)]
+pub(super) enum Store {
+    #[cfg(feature = "postgres")]
+    Pg(Arc<Lender>),
+    #[cfg(feature = "sqlite")]
+    Sqlite(Arc<Mutex<rusqlite::Connection>>),
+    #[cfg(feature = "sqlx-postgres")]
+    SqlxPg(sqlx::PgPool),
+    /// The pool, and the layer's line for SQLite's one writer: requests
+    /// wait in it in turn (SQLite's own busy wait lets a waiter lose to
+    /// later ones, past any bound, while a slow handler holds the lock).
+    #[cfg(feature = "sqlx-sqlite")]
+    SqlxLite(sqlx::SqlitePool, Arc<tokio::sync::Mutex<()>>),
+}
+
+impl Store {
+    /// A connection (on sqlx, its transaction begun), or `None` if the
+    /// database failed.
+    #[cfg_attr(not(feature = "sqlx-postgres"), allow(unused_variables))]
+    pub(super) async fn connection(&self, keys: &Keys) -> Option<Conn> {
+        Some(match self {
+            #[cfg(feature = "postgres")]
+            Store::Pg(lend) => Conn::Pg(Some(lend().await?)),
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
+            #[cfg(feature = "sqlx-postgres")]
+            Store::SqlxPg(pool) => Conn::SqlxPg(Some(OnSqlxPg::begin(pool, keys).await.ok()?)),
+            #[cfg(feature = "sqlx-sqlite")]
+            Store::SqlxLite(pool, line) => {
+                let turn = line.clone().lock_owned().await;
+                Conn::SqlxLite(Some(OnSqlxLite::begin(pool).await.ok()?), turn)
+            }
+        })
+    }
+}
+
+pub(super) enum Conn {
+    // `None` only once discarded
+    #[cfg(feature = "postgres")]
+    Pg(Option<Box<dyn Lease>>),
+    #[cfg(feature = "sqlite")]
+    Sqlite(OwnedMutexGuard<rusqlite::Connection>),
+    // sqlx's own transaction, begun with the connection; `None` once ended
+    #[cfg(feature = "sqlx-postgres")]
+    SqlxPg(Option<sqlx::Transaction<'static, sqlx::Postgres>>),
+    // and the request's turn in the writers' line, held (never read) to its end
+    #[cfg(feature = "sqlx-sqlite")]
+    SqlxLite(
+        Option<sqlx::Transaction<'static, sqlx::Sqlite>>,
+        #[allow(dead_code)] tokio::sync::OwnedMutexGuard<()>,
+    ),
+}
+
+/// A connection whose write transaction a request holds. Dropped with the
+/// transaction still open (a handler that panicked, a runtime shutting
+/// down), it ends it: SQLite rolls back at once; a tokio-postgres
+/// connection is closed, never returned to its pool, and the server rolls
+/// its transaction back as it goes; sqlx's transaction rolls back before
+/// its connection is used again. No connection is used mid-transaction by
+/// another request.
+pub(super) struct Held {
+    pub(super) conn: Conn,
+    pub(super) keys: Arc<Keys>,
+    /// The media type and headers stored with the answer of the key's
+    /// row, if the claim found one.
+    pub(super) kept: Kept,
+    /// Whether the transaction may still be open: set until a COMMIT or
+    /// ROLLBACK went through.
+    pub(super) open: bool,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        match &mut self.conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(c) => drop(c.take().map(Lease::discard)),
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => {
+                let _ = c.execute_batch("ROLLBACK");
+            }
+            // sqlx's transaction, dropped with the connection, rolls back
+            #[cfg(feature = "sqlx-postgres")]
+            Conn::SqlxPg(_) => {}
+            #[cfg(feature = "sqlx-sqlite")]
+            Conn::SqlxLite(..) => {}
+        }
+    }
+}
+
+/// The transaction was let go of: nothing is left to claim in.
+fn gone() -> StoreError {
+    StoreError::Backend("the request's transaction was lost".into())
+}
+
+/// Runs `$body` with `$on`, the key steps of `$held`'s connection (the
+/// transaction begun by the claim when `$begin`), and gives back what the
+/// claim found of the key's row.
+macro_rules! on_conn {
+    ($held:expr, $begin:expr, |$on:ident| $body:expr) => {{
+        let Held { conn, keys, .. } = $held;
+        match conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(Some(c)) => {
+                let mut $on = OnPg::new(c.client(), keys, $begin);
+                let done = $body;
+                (done, $on.kept)
+            }
+            #[cfg(feature = "postgres")]
+            Conn::Pg(None) => (Err(gone()), Kept::default()),
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => {
+                let mut $on = OnSqlite::new(c, &keys.sqlite, $begin);
+                let done = $body;
+                (done, $on.kept)
+            }
+            // begun with the connection
+            #[cfg(feature = "sqlx-postgres")]
+            Conn::SqlxPg(tx) => {
+                let mut $on = OnSqlxPg::new(tx, keys);
+                let done = $body;
+                (done, $on.kept)
+            }
+            #[cfg(feature = "sqlx-sqlite")]
+            Conn::SqlxLite(tx, _) => {
+                let mut $on = OnSqlxLite::new(tx, keys);
+                let done = $body;
+                (done, $on.kept)
+            }
+        }
+    }};
+}
+
+impl Held {
+    /// The key steps' claim, `BEGIN` sent with it (one round trip on
+    /// tokio-postgres).
+    pub(super) async fn claim(
+        &mut self,
+        key: &ScopedKey,
+        claim: &Claim,
+        accounts: Option<[&AcctId; 2]>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let claimed;
+        (claimed, self.kept) = on_conn!(self, true, |on| on.claim(key, claim, accounts).await);
+        claimed
+    }
+
+    pub(super) async fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+    ) -> Result<bool, StoreError> {
+        let kept = std::mem::take(&mut self.kept);
+        let replaced;
+        (replaced, _) = on_conn!(self, false, |on| on.replace_claim(key, seen, claim).await);
+        self.kept = kept;
+        replaced
+    }
+
+    /// Stores `answer` with the key `token` claimed and commits (in one
+    /// round trip on tokio-postgres); whether it committed (`false`: it
+    /// may have, or not).
+    pub(super) async fn complete_and_commit(
+        &mut self,
+        key: &ScopedKey,
+        token: &str,
+        answer: &Answer,
+    ) -> bool {
+        let kept = std::mem::take(&mut self.kept);
+        #[allow(unused_mut)] // the tokio-postgres and rusqlite steps complete on `&self`
+        let (committed, _) =
+            on_conn!(self, false, |on| Ok::<_, StoreError>(on.complete_and_commit(key, token, answer).await));
+        self.kept = kept;
+        self.open = !matches!(committed, Ok(true));
+        !self.open
+    }
+
+    /// Rolls the transaction back; if that fails, dropping `self` ends it.
+    // `&mut self` throughout: a SQLite connection is not `Sync`, so a
+    // shared borrow of one held across an await would make the
+    // middleware's future not `Send`
+    pub(super) async fn rollback(&mut self) {
+        if !self.open {
+            return;
+        }
+        let done = match &mut self.conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(c) => match c {
+                Some(c) => c.client().batch_execute("ROLLBACK").await.is_ok(),
+                None => false,
+            },
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => c.execute_batch("ROLLBACK").is_ok(),
+            #[cfg(feature = "sqlx-postgres")]
+            Conn::SqlxPg(tx) => match tx.take() {
+                Some(tx) => tx.rollback().await.is_ok(),
+                None => true,
+            },
+            #[cfg(feature = "sqlx-sqlite")]
+            Conn::SqlxLite(tx, _) => match tx.take() {
+                Some(tx) => tx.rollback().await.is_ok(),
+                None => true,
+            },
+        };
+        self.open = !done;
+    }
+}

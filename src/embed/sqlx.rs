@@ -1,0 +1,337 @@
+//! The library on the application's own sqlx pools (features
+//! `sqlx-postgres`, `sqlx-sqlite`): the key table's statements, the same
+//! texts as every other store's (`store::keys`), run on a connection of a
+//! `PgPool` or a `SqlitePool` in the transaction the handler writes in.
+//!
+//! The transaction is sqlx's own (`Pool::begin_with`), so a handler that
+//! begins one on the connection gets a savepoint, and a transaction
+//! dropped unfinished (a handler that panicked) is rolled back by sqlx
+//! before its connection is used again. sqlx sends one statement a round
+//! trip (it does not pipeline): a new key costs `BEGIN` (on PostgreSQL with
+//! the claim's lock wait), the claim, on PostgreSQL the lock wait put back,
+//! the completion and `COMMIT`: five round trips on PostgreSQL, four on
+//! SQLite, where tokio-postgres sends them as two.
+
+use super::{Answer, Keys};
+use crate::clock::Timestamp;
+use crate::request::{AcctId, ScopedKey};
+use crate::store::keys::{self, Kept, KeyTable};
+use crate::store::{Claim, Failure, KeyRecord, KeyRow, KeySteps, StoreError};
+use sqlx::{AssertSqlSafe, Transaction};
+
+/// The transaction was let go of: nothing is left to run in.
+fn gone() -> StoreError {
+    StoreError::Backend("the request's transaction was lost".into())
+}
+
+/// A lock wait past its bound is the key in flight; anything else failed.
+fn failed(e: sqlx::Error) -> StoreError {
+    match &e {
+        // PostgreSQL's lock_not_available: the claim waited past its bound
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03") => StoreError::Busy,
+        _ => StoreError::Backend(Failure::caused_by("the key table", e)),
+    }
+}
+
+/// The key steps, the completion and the migration on one sqlx database:
+/// the same code for both, but for how each begins its transaction and
+/// reads a key another transaction may hold.
+macro_rules! on_sqlx {
+    ($db:ty, $lent:ident) => {
+        /// A transaction on a connection of the application's pool, as the
+        /// conductor's key steps (`None` once committed or rolled back).
+        pub(crate) struct $lent<'c> {
+            tx: &'c mut Option<Transaction<'static, $db>>,
+            table: &'c KeyTable,
+            /// The media type and headers stored with the answer of the
+            /// key's row, if the claim found one.
+            pub(crate) kept: Kept,
+        }
+
+        impl<'c> $lent<'c> {
+            pub(crate) fn new(tx: &'c mut Option<Transaction<'static, $db>>, keys: &'c Keys) -> Self {
+                $lent { tx, table: Self::table(keys), kept: (None, None) }
+            }
+
+            /// Stores `answer` with the key `token` claimed and commits;
+            /// whether it committed (`false`: it may have, or not).
+            pub(crate) async fn complete_and_commit(
+                &mut self,
+                key: &ScopedKey,
+                token: &str,
+                answer: &Answer,
+            ) -> bool {
+                let (stored, media, headers) = answer.stored();
+                let who = keys::who(key);
+                let reason = stored.reason.as_ref().map(ToString::to_string);
+                let Some(conn) = self.tx.as_deref_mut() else { return false };
+                let done = sqlx::query::<$db>(AssertSqlSafe(&*self.table.complete))
+                    .bind(who[0])
+                    .bind(who[1])
+                    .bind(who[2])
+                    .bind(i32::from(stored.status))
+                    .bind(reason)
+                    .bind(&stored.body)
+                    .bind(stored.transfer_id)
+                    .bind(Timestamp::now().to_string())
+                    .bind(token)
+                    .bind(media)
+                    .bind(headers)
+                    .execute(&mut *conn)
+                    .await;
+                match (done, self.tx.take()) {
+                    (Ok(d), Some(tx)) if d.rows_affected() == 1 => tx.commit().await.is_ok(),
+                    _ => false,
+                }
+            }
+
+            /// Inserts `claim` (over the version `seen`, if any) on `key`;
+            /// whether it was written.
+            async fn write_claim(
+                &mut self,
+                sql: &str,
+                key: &ScopedKey,
+                claim: &Claim,
+                seen: Option<&KeyRecord>,
+            ) -> Result<bool, StoreError> {
+                let who = keys::who(key);
+                let mut q = sqlx::query::<$db>(AssertSqlSafe(sql))
+                    .bind(who[0])
+                    .bind(who[1])
+                    .bind(who[2])
+                    .bind(&claim.fingerprint)
+                    .bind(&claim.token)
+                    .bind(claim.created_at.to_string())
+                    .bind(claim.lease_until.to_string());
+                if let Some(seen) = seen {
+                    q = q.bind(&seen.token).bind(seen.state.name());
+                }
+                Ok(q.execute(self.tx.as_deref_mut().ok_or_else(gone)?).await.map_err(failed)?.rows_affected()
+                    == 1)
+            }
+
+            /// The key's row by `sql` (the record, `content_type`, `headers`).
+            async fn read(
+                &mut self,
+                sql: &str,
+                key: &ScopedKey,
+            ) -> Result<Option<(KeyRecord, Kept)>, StoreError> {
+                use sqlx::Row;
+                let who = keys::who(key);
+                let row = sqlx::query::<$db>(AssertSqlSafe(sql)).bind(who[0]).bind(who[1]).bind(who[2]);
+                let Some(r) =
+                    row.fetch_optional(self.tx.as_deref_mut().ok_or_else(gone)?).await.map_err(failed)?
+                else {
+                    return Ok(None);
+                };
+                let get = |e: sqlx::Error| StoreError::Backend(Failure::caused_by("a key row", e));
+                let status: Option<i32> = r.try_get(5).map_err(get)?;
+                let record = KeyRow {
+                    fingerprint: r.try_get(0).map_err(get)?,
+                    created_at: r.try_get(1).map_err(get)?,
+                    token: r.try_get(2).map_err(get)?,
+                    state: r.try_get(3).map_err(get)?,
+                    lease_until: r.try_get(4).map_err(get)?,
+                    status: status.map(i64::from),
+                    reason: r.try_get(6).map_err(get)?,
+                    body: r.try_get(7).map_err(get)?,
+                    transfer_id: r.try_get(8).map_err(get)?,
+                }
+                .decode()?;
+                Ok(Some((record, (r.try_get(9).map_err(get)?, r.try_get(10).map_err(get)?))))
+            }
+        }
+
+        impl KeySteps for $lent<'_> {
+            async fn claim(
+                &mut self,
+                key: &ScopedKey,
+                claim: &Claim,
+                _: Option<[&AcctId; 2]>,
+            ) -> Result<Option<KeyRecord>, StoreError> {
+                let insert = self.table.insert_claim.clone();
+                let claimed = self.write_claim(&insert, key, claim, None).await?;
+                Self::after_claim(self.tx.as_deref_mut().ok_or_else(gone)?).await?;
+                if claimed {
+                    return Ok(None);
+                }
+                // the primary key says the key exists: its committed row decides
+                match self.read(&Self::read_sql(self.table).to_owned(), key).await? {
+                    Some((existing, kept)) => {
+                        self.kept = kept;
+                        Ok(Some(existing))
+                    }
+                    None => Err(StoreError::Busy), // purged meanwhile: in flight, retry
+                }
+            }
+
+            async fn replace_claim(
+                &mut self,
+                key: &ScopedKey,
+                seen: &KeyRecord,
+                claim: &Claim,
+            ) -> Result<bool, StoreError> {
+                let replace = self.table.replace_claim.clone();
+                self.write_claim(&replace, key, claim, Some(seen)).await
+            }
+
+            /// Nothing to delete: the claim goes with the transaction's
+            /// rollback, which the layer runs.
+            async fn release(&mut self, _: &ScopedKey, _: &str) -> Result<bool, StoreError> {
+                Ok(false)
+            }
+        }
+    };
+}
+
+#[cfg(all(feature = "sqlx-sqlite", feature = "axum"))]
+pub(crate) use lite::OnSqlxLite;
+#[cfg(all(feature = "sqlx-postgres", feature = "axum"))]
+pub(crate) use pg::OnSqlxPg;
+
+#[cfg(feature = "sqlx-postgres")]
+mod pg {
+    use super::*;
+    use crate::store::keys::WAIT_AS_BEFORE;
+    use sqlx::PgConnection;
+
+    on_sqlx!(sqlx::Postgres, OnSqlxPg);
+
+    impl OnSqlxPg<'_> {
+        fn table(keys: &Keys) -> &KeyTable {
+            &keys.pg
+        }
+
+        /// A transaction on a connection of `pool`, begun with the claim's
+        /// lock wait: a racer's uncommitted claim of the key is waited on
+        /// for `keys`' wait at most (the transaction's own wait kept, to be
+        /// put back for the work). The wait is a number of ours, written
+        /// into the text: one round trip.
+        pub(crate) async fn begin(
+            pool: &sqlx::PgPool,
+            keys: &Keys,
+        ) -> Result<Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+            let begin = format!(
+                "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true); \
+                 SELECT set_config('lock_timeout', '{}ms', true)",
+                keys.wait.as_millis().max(1)
+            );
+            pool.begin_with(AssertSqlSafe(begin)).await
+        }
+
+        async fn after_claim(conn: &mut PgConnection) -> Result<(), StoreError> {
+            sqlx::raw_sql(WAIT_AS_BEFORE).execute(conn).await.map(drop).map_err(failed)
+        }
+
+        /// Locked without waiting: a racer taking it over is in flight.
+        fn read_sql(t: &KeyTable) -> &str {
+            &t.read_nowait
+        }
+    }
+
+    impl Keys {
+        /// Creates or upgrades the key table through `pool`; the layer's
+        /// [`on_sqlx_postgres`](crate::embed::layer::Idempotency::on_sqlx_postgres)
+        /// runs it at start-up. Concurrent start-ups are serialised by an
+        /// advisory lock.
+        pub async fn migrate_sqlx_postgres(&self, pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+            use sqlx::Row;
+            let mut tx = pool.begin().await?;
+            sqlx::raw_sql("SELECT pg_advisory_xact_lock(7262617)").execute(&mut *tx).await?;
+            let versions = &self.versions;
+            let create = format!("CREATE TABLE IF NOT EXISTS {versions} (version INTEGER NOT NULL)");
+            sqlx::raw_sql(AssertSqlSafe(create)).execute(&mut *tx).await?;
+            let at = format!("SELECT coalesce(max(version), 0) FROM {versions}");
+            let at: i32 = sqlx::query(AssertSqlSafe(at)).fetch_one(&mut *tx).await?.try_get(0)?;
+            let steps = self.migrations(crate::store::Dialect::Postgres);
+            for (n, step) in steps.iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX)) {
+                sqlx::raw_sql(AssertSqlSafe(&**step)).execute(&mut *tx).await?;
+                let record = format!("INSERT INTO {versions} (version) VALUES ({})", n + 1);
+                sqlx::raw_sql(AssertSqlSafe(record)).execute(&mut *tx).await?;
+            }
+            tx.commit().await
+        }
+
+        /// Deletes up to `limit` keys past retention, oldest first; how many.
+        pub async fn purge_sqlx_postgres(&self, pool: &sqlx::PgPool, limit: u64) -> Result<u64, sqlx::Error> {
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let purge = sqlx::query(AssertSqlSafe(&*self.pg.purge)).bind(self.retained_since().to_string());
+            let done = purge.bind(limit).bind(super::super::NO_ENDPOINT).execute(pool).await?;
+            Ok(done.rows_affected())
+        }
+    }
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+mod lite {
+    use super::*;
+    use sqlx::SqliteConnection;
+
+    on_sqlx!(sqlx::Sqlite, OnSqlxLite);
+
+    impl OnSqlxLite<'_> {
+        fn table(keys: &Keys) -> &KeyTable {
+            &keys.sqlite
+        }
+
+        /// A transaction on a connection of `pool` that holds SQLite's
+        /// write lock before any read, so no read is upgraded and a racer
+        /// on the key waits for the first to end, then replays it.
+        pub(crate) async fn begin(
+            pool: &sqlx::SqlitePool,
+        ) -> Result<Transaction<'static, sqlx::Sqlite>, sqlx::Error> {
+            pool.begin_with("BEGIN IMMEDIATE").await
+        }
+
+        async fn after_claim(_: &mut SqliteConnection) -> Result<(), StoreError> {
+            Ok(())
+        }
+
+        fn read_sql(t: &KeyTable) -> &str {
+            &t.read
+        }
+    }
+
+    impl Keys {
+        /// Creates or upgrades the key table through `pool`, each step in a
+        /// write transaction of its own with its version; the layer's
+        /// [`on_sqlx_sqlite`](crate::embed::layer::Idempotency::on_sqlx_sqlite)
+        /// runs it at start-up.
+        pub async fn migrate_sqlx_sqlite(&self, pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+            use sqlx::Row;
+            let versions = &self.versions;
+            let create = format!("CREATE TABLE IF NOT EXISTS {versions} (version INTEGER NOT NULL)");
+            sqlx::raw_sql(AssertSqlSafe(create)).execute(pool).await?;
+            let steps = self.migrations(crate::store::Dialect::Sqlite);
+            loop {
+                let mut conn = pool.acquire().await?;
+                sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut *conn).await?;
+                let at = format!("SELECT coalesce(max(version), 0) FROM {versions}");
+                let at: i64 = sqlx::query(AssertSqlSafe(at)).fetch_one(&mut *conn).await?.try_get(0)?;
+                let Some(step) = usize::try_from(at).ok().and_then(|at| steps.get(at)) else {
+                    sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+                    return Ok(());
+                };
+                let record = format!("{step}; INSERT INTO {versions} (version) VALUES ({})", at + 1);
+                if let Err(e) = sqlx::raw_sql(AssertSqlSafe(record)).execute(&mut *conn).await {
+                    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+                    return Err(e);
+                }
+                sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+            }
+        }
+
+        /// Deletes up to `limit` keys past retention, oldest first; how many.
+        pub async fn purge_sqlx_sqlite(
+            &self,
+            pool: &sqlx::SqlitePool,
+            limit: u64,
+        ) -> Result<u64, sqlx::Error> {
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let purge =
+                sqlx::query(AssertSqlSafe(&*self.sqlite.purge)).bind(self.retained_since().to_string());
+            let done = purge.bind(limit).bind(super::super::NO_ENDPOINT).execute(pool).await?;
+            Ok(done.rows_affected())
+        }
+    }
+}
