@@ -7,8 +7,10 @@
 //!   cargo run --release --example ledger -- --db ledger.db \
 //!       --clients clients.json --accounts A=1000000,B=0
 //!
-//! `--db` is a SQLite file or a PostgreSQL connection string. The first
-//! line on stdout is the URL, printed once it listens.
+//! `--db` is a SQLite file or a PostgreSQL connection string. With
+//! `--pool sqlx` (a PostgreSQL URL), the layer runs on the service's own
+//! sqlx pool instead of connections of its own. The first line on stdout
+//! is the URL, printed once it listens.
 
 use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -46,6 +48,10 @@ struct Args {
     /// record. For the pays-twice comparison.
     #[arg(long)]
     die_after_writes: bool,
+    /// Whose connections the layer runs on: its `own`, made from `--db`, or
+    /// the service's `sqlx` pool (`--db` a PostgreSQL URL).
+    #[arg(long, default_value = "own", value_parser = ["own", "sqlx"])]
+    pool: String,
 }
 
 /// The ledger's own tables; `{serial}` and `{now}` are each dialect's.
@@ -63,8 +69,17 @@ async fn main() -> Result<(), Error> {
     let tokens: Arc<HashMap<String, String>> =
         Arc::new(serde_json::from_slice(&std::fs::read(&args.clients)?)?);
     let known = tokens.clone();
-    let idem = Idempotency::connect(&args.db, Keys::new("ledger_")?, 16, move |h| caller(&known, h)).await?;
+    let who = move |h: &HeaderMap| caller(&known, h);
+    // the tables first: the sqlx pool's check of them is the layer's first request
     let reader = Reader::open(&args.db, &args.accounts).await?;
+    let keys = Keys::new("ledger_")?;
+    let idem = match args.pool.as_str() {
+        "sqlx" => {
+            let pool = sqlx::postgres::PgPoolOptions::new().max_connections(16).connect(&args.db).await?;
+            Idempotency::on_sqlx_postgres(pool, keys, who).await?
+        }
+        _ => Idempotency::connect(&args.db, keys, 16, who).await?,
+    };
     let app = match args.keys.as_str() {
         "beside" => Router::new().route("/v1/transfers", post(transfer_beside)),
         _ => Router::new()
@@ -260,12 +275,14 @@ async fn transfer(
         Ok(m) => m,
         Err(why) => return problem(StatusCode::BAD_REQUEST, "invalid_request", why),
     };
-    let done = match tx.client().await {
-        Some(c) => move_pg(&c, &m).await.map_err(|e| e.to_string()),
-        None => match tx.sqlite().await {
-            Some(c) => move_sqlite(&c, &m).map_err(|e| e.to_string()),
-            None => Err("no transaction".into()),
-        },
+    let done = if let Some(c) = tx.client().await {
+        move_pg(&c, &m).await.map_err(|e| e.to_string())
+    } else if let Some(c) = tx.sqlite().await {
+        move_sqlite(&c, &m).map_err(|e| e.to_string())
+    } else if let Some(mut c) = tx.sqlx_postgres().await {
+        move_sqlx(&mut c, &m).await.map_err(|e| e.to_string())
+    } else {
+        Err("no transaction".to_owned())
     };
     if app.die {
         // the layer has not committed: the writes go with the process
@@ -367,6 +384,46 @@ async fn move_pg(c: &tokio_postgres::Client, m: &Move) -> Result<Done, tokio_pos
     let stored = answer_of(m, Done::Moved { have, id }).1;
     c.execute("UPDATE ledger_moves SET answer = $2 WHERE id = $1", &[&id, &stored]).await?;
     Ok(done)
+}
+
+/// [`move_pg`] on the service's sqlx pool.
+async fn move_sqlx(c: &mut sqlx::PgConnection, m: &Move) -> Result<Done, sqlx::Error> {
+    let held: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT name, cents FROM ledger_wallets WHERE name IN ($1, $2) ORDER BY name FOR UPDATE",
+    )
+    .bind(&m.src)
+    .bind(&m.dst)
+    .fetch_all(&mut *c)
+    .await?;
+    if held.len() != 2 {
+        return Ok(Done::Unknown);
+    }
+    let have = held.iter().find(|(name, _)| *name == m.src).map_or(0, |(_, cents)| *cents);
+    if have < m.cents {
+        return Ok(Done::Poor);
+    }
+    for (sql, name) in [
+        ("UPDATE ledger_wallets SET cents = cents - $2 WHERE name = $1", &m.src),
+        ("UPDATE ledger_wallets SET cents = cents + $2 WHERE name = $1", &m.dst),
+    ] {
+        sqlx::query(sql).bind(name).bind(m.cents).execute(&mut *c).await?;
+    }
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO ledger_moves (src, dst, cents, client) VALUES ($1, $2, $3, $4) RETURNING id",
+    )
+    .bind(&m.src)
+    .bind(&m.dst)
+    .bind(m.cents)
+    .bind(&m.client)
+    .fetch_one(&mut *c)
+    .await?;
+    let stored = answer_of(m, Done::Moved { have, id }).1;
+    sqlx::query("UPDATE ledger_moves SET answer = $2 WHERE id = $1")
+        .bind(id)
+        .bind(stored)
+        .execute(&mut *c)
+        .await?;
+    Ok(Done::Moved { have, id })
 }
 
 fn move_sqlite(c: &rusqlite::Connection, m: &Move) -> rusqlite::Result<Done> {

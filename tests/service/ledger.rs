@@ -17,9 +17,9 @@ fn example() -> std::path::PathBuf {
     exe.parent().unwrap().parent().unwrap().join("examples").join("ledger")
 }
 
-/// Runs the example on `db` and `idem check --url` on it, under the open
-/// profile and the one declaring the layer's choices.
-fn check_the_ledger(db: &str) {
+/// Runs the example on `db` (with `more` arguments) and `idem check --url`
+/// on it, under the open profile and the one declaring the layer's choices.
+fn check_the_ledger(db: &str, more: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let clients = dir.path().join("clients.json");
     std::fs::write(&clients, r#"{"tok-1": "shop-1", "tok-2": "shop-2", "tok-1b": "shop-1"}"#).unwrap();
@@ -27,6 +27,7 @@ fn check_the_ledger(db: &str) {
         .args(["--db", db, "--clients"])
         .arg(&clients)
         .args(["--accounts", "A=1000000000,B=0,D=800"])
+        .args(more)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -58,13 +59,19 @@ fn check_the_ledger(db: &str) {
 #[test]
 fn the_example_ledger_passes_idem_check_through_the_layer_on_postgres() {
     let Some(server) = pg::server() else { return };
-    check_the_ledger(&server.fresh_schema(false));
+    check_the_ledger(&server.fresh_schema(false), &[]);
+}
+
+#[test]
+fn the_example_ledger_passes_idem_check_through_the_layer_on_its_own_sqlx_pool() {
+    let Some(server) = pg::server() else { return };
+    check_the_ledger(&pg::sqlx_url(&server.fresh_schema(false)), &["--pool", "sqlx"]);
 }
 
 #[test]
 fn the_example_ledger_passes_idem_check_through_the_layer_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
-    check_the_ledger(&dir.path().join("ledger.db").display().to_string());
+    check_the_ledger(&dir.path().join("ledger.db").display().to_string(), &[]);
 }
 
 /// The example on `db` in `mode` (`inside` or `beside`), its URL and process.

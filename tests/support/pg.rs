@@ -259,31 +259,43 @@ pub fn client(spec: &str) -> postgres::Client {
     postgres::Client::connect(spec, postgres::NoTls).unwrap()
 }
 
-/// The options of a sqlx pool on the database `spec` names (libpq's
-/// `key=value` or a URL): its host or socket, port, role, database and
-/// `-c` settings (a fresh schema's `search_path`).
+/// The database `spec` names (libpq's `key=value` or a URL) as a URL
+/// sqlx takes: its host or socket, port, role, password, database and `-c`
+/// settings (a fresh schema's `search_path`).
 #[allow(dead_code)] // the engine's suites lend no sqlx pool
-pub fn sqlx_options(spec: &str) -> sqlx::postgres::PgConnectOptions {
+pub fn sqlx_url(spec: &str) -> String {
     use tokio_postgres::config::Host;
     let config: tokio_postgres::Config = spec.parse().unwrap();
-    let mut options = sqlx::postgres::PgConnectOptions::new_without_pgpass();
-    options = match &config.get_hosts()[0] {
-        Host::Tcp(name) => options.host(name),
-        Host::Unix(dir) => options.socket(dir),
+    let escape = |s: &str| {
+        s.bytes()
+            .map(|b| match b.is_ascii_alphanumeric() || b"-_.".contains(&b) {
+                true => (b as char).to_string(),
+                false => format!("%{b:02X}"),
+            })
+            .collect::<String>()
     };
-    if let Some(&port) = config.get_ports().first() {
-        options = options.port(port);
+    let mut query = vec![];
+    match &config.get_hosts()[0] {
+        Host::Tcp(name) => query.push(format!("host={}", escape(name))),
+        Host::Unix(dir) => query.push(format!("host={}", escape(&dir.display().to_string()))),
+    }
+    if let Some(port) = config.get_ports().first() {
+        query.push(format!("port={port}"));
     }
     if let Some(user) = config.get_user() {
-        options = options.username(user);
+        query.push(format!("user={}", escape(user)));
     }
     if let Some(password) = config.get_password() {
-        options = options.password(&String::from_utf8_lossy(password));
+        query.push(format!("password={}", escape(&String::from_utf8_lossy(password))));
     }
-    if let Some(db) = config.get_dbname() {
-        options = options.database(db);
+    if let Some(options) = config.get_options() {
+        query.push(format!("options={}", escape(options)));
     }
-    let settings = config.get_options().unwrap_or_default().split_whitespace().filter(|w| *w != "-c");
-    let pairs: Vec<(&str, &str)> = settings.filter_map(|s| s.split_once('=')).collect();
-    options.options(pairs)
+    format!("postgres:///{}?{}", escape(config.get_dbname().unwrap_or("postgres")), query.join("&"))
+}
+
+/// [`sqlx_url`], as a sqlx pool's options.
+#[allow(dead_code)] // the engine's suites lend no sqlx pool
+pub fn sqlx_options(spec: &str) -> sqlx::postgres::PgConnectOptions {
+    sqlx_url(spec).parse().unwrap()
 }
