@@ -82,6 +82,10 @@ chaos clients="32" transfers="200" kills="5":
 pg action="start":
     tools/pg-local {{action}}
 
+# cargo deny check (deny.toml): advisories, licences, bans, sources.
+deny:
+    tools/deny
+
 # What CI runs, from this checkout.
 ci:
     bash .ci/run
