@@ -49,6 +49,7 @@
 use super::{Answer, Keys, Reply, Scope, Stop};
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
+use crate::store::keys::Kept;
 use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
 use axum::extract::{OriginalUri, Request, State};
@@ -277,7 +278,7 @@ async fn run<Fut: std::future::Future<Output = Response>>(
     };
     let Ok(token) = Keys::token::<()>() else { return unavailable() };
     let key = scope.key(&key);
-    let held = Held { conn, keys: idem.keys.clone(), kept: (None, None), open: true };
+    let held = Held { conn, keys: idem.keys.clone(), kept: Kept::default(), open: true };
     let tx = Tx(Arc::new(Mutex::new(Some(held))));
     let ctx = idem.keys.ctx(&token);
     let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
@@ -292,13 +293,7 @@ async fn run<Fut: std::future::Future<Output = Response>>(
             // not an answer to keep: the handler's writes go with the claim
             return Err(Stop::Work(Response::from_parts(head, Body::from(bytes))));
         }
-        // the key table keeps text: an answer that is not would replay altered
-        let Ok(text) = std::str::from_utf8(&bytes) else {
-            let why =
-                "The answer is not UTF-8 text, which the key keeps: nothing was kept, and the key is free.";
-            return Err(Stop::Work(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer_not_text", why)));
-        };
-        let mut answer = Answer::new(head.status.as_u16(), text);
+        let mut answer = Answer::new(head.status.as_u16(), bytes.to_vec());
         answer.content_type =
             head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
         for name in &idem.replayed_headers {

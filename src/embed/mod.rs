@@ -109,8 +109,9 @@ impl Scope {
 pub struct Answer {
     /// The HTTP status (a business refusal, a 4xx, is an answer too).
     pub status: u16,
-    /// The body, as the first request was answered.
-    pub body: String,
+    /// The body, as the first request was answered: any bytes (a body that
+    /// is UTF-8 text is kept as text, readable in the key table).
+    pub body: Vec<u8>,
     /// The body's media type, when the work said one: a replay carries it
     /// as the first answer did (a stored refusal stays problem+json).
     pub content_type: Option<String>,
@@ -120,22 +121,33 @@ pub struct Answer {
 }
 
 impl Answer {
-    /// An answer of `status` with `body`.
-    pub fn new(status: u16, body: impl Into<String>) -> Answer {
+    /// An answer of `status` with `body` (text, or any bytes).
+    ///
+    /// ```
+    /// use idem::embed::Answer;
+    /// assert_eq!(Answer::new(201, r#"{"order":7}"#).text(), Some(r#"{"order":7}"#));
+    /// assert_eq!(Answer::new(200, vec![0xff, 0xfe]).text(), None);
+    /// ```
+    pub fn new(status: u16, body: impl Into<Vec<u8>>) -> Answer {
         Answer { status, body: body.into(), content_type: None, headers: Vec::new() }
     }
 
-    /// The answer as the key table stores it, its media type, and its
-    /// other headers as the `headers` column keeps them (JSON, or NULL).
-    fn stored(&self) -> (crate::store::Stored, Option<&str>, Option<String>) {
-        let stored = crate::store::Stored {
-            status: self.status,
-            reason: None,
-            body: self.body.clone(),
-            transfer_id: None,
+    /// The body, if it is UTF-8 text.
+    pub fn text(&self) -> Option<&str> {
+        std::str::from_utf8(&self.body).ok()
+    }
+
+    /// The answer as the key table stores it, and what its row keeps
+    /// besides: the media type, the other headers (JSON), and the body
+    /// itself when it is not text (`body` is then empty).
+    fn stored(&self) -> (crate::store::Stored, Kept) {
+        let (body, body_bytes) = match self.text() {
+            Some(text) => (text.to_owned(), None),
+            None => (String::new(), Some(self.body.clone())),
         };
+        let stored = crate::store::Stored { status: self.status, reason: None, body, transfer_id: None };
         let headers = (!self.headers.is_empty()).then(|| serde_json::json!(self.headers).to_string());
-        (stored, self.content_type.as_deref(), headers)
+        (stored, Kept { content_type: self.content_type.clone(), headers, body_bytes })
     }
 
     /// The same answer, with one more header for its replays to carry.
@@ -307,14 +319,15 @@ impl Keys {
     }
 
     /// The reply a decision on the key's row gives without running the work
-    /// (a replay carries the `content_type` and headers `kept` with it).
-    fn decided(decision: Decision, (content_type, headers): Kept) -> Reply {
+    /// (a replay carries what its row `kept` with it).
+    fn decided(decision: Decision, kept: Kept) -> Reply {
         match decision {
             Decision::Replay(s) => {
                 // written by `Answer::stored`; a row of another hand's that is
                 // not a list of pairs replays with none
-                let headers = headers.and_then(|h| serde_json::from_str(&h).ok()).unwrap_or_default();
-                Reply::Replayed(Answer { status: s.status, body: s.body, content_type, headers })
+                let headers = kept.headers.and_then(|h| serde_json::from_str(&h).ok()).unwrap_or_default();
+                let body = kept.body_bytes.unwrap_or_else(|| s.body.into_bytes());
+                Reply::Replayed(Answer { status: s.status, body, content_type: kept.content_type, headers })
             }
             Decision::Mismatch => Reply::Mismatch,
             Decision::InProgress | Decision::TakeOver | Decision::Expired => Reply::InFlight,

@@ -51,7 +51,7 @@ pub(super) struct OnPg<'c, C> {
 
 impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
     pub(super) fn new(c: &'c C, keys: &'c Keys, begin: bool) -> Self {
-        OnPg { c, table: &keys.pg, wait: keys.wait, begin, kept: (None, None) }
+        OnPg { c, table: &keys.pg, wait: keys.wait, begin, kept: Kept::default() }
     }
 
     /// [`OnPg::complete`] and `COMMIT`, sent together (one round trip);
@@ -71,9 +71,11 @@ impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
         token: &str,
         answer: &Answer,
     ) -> Result<(), StoreError> {
-        let (stored, media, headers) = answer.stored();
-        let (who, kept) = (keys::who(key), (media, headers.as_deref()));
-        match key_sql::complete(self.c, self.table, who, token, &stored, kept, Timestamp::now()).await {
+        let (stored, kept) = answer.stored();
+        let who = keys::who(key);
+        match key_sql::complete(self.c, self.table, who, token, &stored, kept.as_args(), Timestamp::now())
+            .await
+        {
             Ok(true) => Ok(()),
             Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
             Err(e) => Err(failed(e)),
@@ -114,7 +116,7 @@ impl<C: GenericClient + Sync> KeySteps for OnPg<'_, C> {
         let Some(row) = key_sql::read_nowait(c, t, who).await.map_err(failed)? else {
             return Err(StoreError::Busy); // purged meanwhile: in flight, retry
         };
-        self.kept = (row.get(9), row.get(10));
+        self.kept = key_sql::kept(&row);
         key_sql::record(&row, 0).map(Some)
     }
 
@@ -174,7 +176,7 @@ impl Keys {
     ///     })
     ///     .await?;
     /// match reply {
-    ///     Reply::Fresh(a) | Reply::Replayed(a) => println!("{} {}", a.status, a.body),
+    ///     Reply::Fresh(a) | Reply::Replayed(a) => println!("{} {:?}", a.status, a.text()),
     ///     Reply::InFlight => println!("409: the first request still runs"),
     ///     Reply::Mismatch => println!("422: the key with another body"),
     /// }

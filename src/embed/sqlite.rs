@@ -40,14 +40,15 @@ pub(super) struct OnSqlite<'c, C> {
 
 impl<'c, C: Deref<Target = Connection>> OnSqlite<'c, C> {
     pub(super) fn new(conn: &'c mut C, table: &'c KeyTable, begin: bool) -> Self {
-        OnSqlite { conn, table, begin, kept: (None, None) }
+        OnSqlite { conn, table, begin, kept: Kept::default() }
     }
 
     /// Stores `answer` with the key `token` claimed (the caller commits).
     pub(super) fn complete(&self, key: &ScopedKey, token: &str, answer: &Answer) -> Result<(), StoreError> {
-        let (stored, media, headers) = answer.stored();
-        let (who, kept) = (keys::who(key), (media, headers.as_deref()));
-        match key_sql::complete(self.conn, self.table, who, token, &stored, kept, Timestamp::now()) {
+        let (stored, kept) = answer.stored();
+        let who = keys::who(key);
+        match key_sql::complete(self.conn, self.table, who, token, &stored, kept.as_args(), Timestamp::now())
+        {
             Ok(true) => Ok(()),
             Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
             Err(e) => Err(failed(e)),

@@ -50,7 +50,7 @@ macro_rules! on_sqlx {
 
         impl<'c> $lent<'c> {
             pub(crate) fn new(tx: &'c mut Option<Transaction<'static, $db>>, keys: &'c Keys) -> Self {
-                $lent { tx, table: Self::table(keys), kept: (None, None) }
+                $lent { tx, table: Self::table(keys), kept: Kept::default() }
             }
 
             /// Stores `answer` with the key `token` claimed and commits;
@@ -61,7 +61,7 @@ macro_rules! on_sqlx {
                 token: &str,
                 answer: &Answer,
             ) -> bool {
-                let (stored, media, headers) = answer.stored();
+                let (stored, kept) = answer.stored();
                 let who = keys::who(key);
                 let reason = stored.reason.as_ref().map(ToString::to_string);
                 let Some(conn) = self.tx.as_deref_mut() else { return false };
@@ -75,8 +75,9 @@ macro_rules! on_sqlx {
                     .bind(stored.transfer_id)
                     .bind(Timestamp::now().to_string())
                     .bind(token)
-                    .bind(media)
-                    .bind(headers)
+                    .bind(kept.content_type)
+                    .bind(kept.headers)
+                    .bind(kept.body_bytes)
                     .execute(&mut *conn)
                     .await;
                 match (done, self.tx.take()) {
@@ -138,7 +139,12 @@ macro_rules! on_sqlx {
                     transfer_id: r.try_get(8).map_err(get)?,
                 }
                 .decode()?;
-                Ok(Some((record, (r.try_get(9).map_err(get)?, r.try_get(10).map_err(get)?))))
+                let kept = Kept {
+                    content_type: r.try_get(9).map_err(get)?,
+                    headers: r.try_get(10).map_err(get)?,
+                    body_bytes: r.try_get(11).map_err(get)?,
+                };
+                Ok(Some((record, kept)))
             }
         }
 

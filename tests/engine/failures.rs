@@ -344,9 +344,14 @@ fn a_busy_execution_answers_503_and_frees_its_key() {
 }
 
 #[test]
-fn a_database_of_schema_version_1_or_2_is_upgraded_and_keeps_its_keys() {
-    // version 1 had neither content_type nor headers; version 2 no headers
-    let versions = [(1, "DROP COLUMN content_type, DROP COLUMN headers"), (2, "DROP COLUMN headers")];
+fn a_database_of_schema_version_1_2_or_3_is_upgraded_and_keeps_its_keys() {
+    // version 1 had neither content_type, headers nor body_bytes; version 2
+    // had content_type; version 3 headers too
+    let versions = [
+        (1, "DROP COLUMN content_type, DROP COLUMN headers, DROP COLUMN body_bytes"),
+        (2, "DROP COLUMN headers, DROP COLUMN body_bytes"),
+        (3, "DROP COLUMN body_bytes"),
+    ];
     for (backend, (version, drop)) in backends().into_iter().flat_map(|b| versions.map(|v| (b, v))) {
         let mut rng = rng();
         let bank = Bank::on(backend, &mut rng, 2, false);
@@ -372,7 +377,7 @@ fn a_database_of_schema_version_1_or_2_is_upgraded_and_keeps_its_keys() {
         assert!(again.replay() && again.raw_body() == first.raw_body(), "{backend:?}: {again:?}");
         let other = request("c", "/v1/transfers", "k2", &bank.accounts[0], &bank.accounts[1], 7);
         assert_eq!(bank.send(&other).status(), 201, "{backend:?}");
-        let typed = "SELECT count(*) FROM idem_key WHERE content_type IS NULL AND headers IS NULL";
+        let typed = "SELECT count(*) FROM idem_key WHERE content_type IS NULL AND headers IS NULL AND body_bytes IS NULL";
         assert_eq!(bank.count(typed), 2, "{backend:?} version {version}: the columns are back");
         assert_eq!(bank.transfers().len(), 2, "{backend:?}");
     }

@@ -14,10 +14,12 @@
 //! with their arguments and the reading of their rows.
 //!
 //! `content_type` is the stored answer's media type, which the library
-//! keeps (a refusal answered as problem+json replays as one), and `headers`
+//! keeps (a refusal answered as problem+json replays as one), `headers`
 //! the other headers of the answer it replays (`Location` by default), a
-//! JSON array of `[name, value]` pairs; the engine's answers are JSON with
-//! no header to replay, and leave both NULL.
+//! JSON array of `[name, value]` pairs, and `body_bytes` the body of an
+//! answer that is not UTF-8 text, as it was (`body` is then empty: a text
+//! answer stays readable as text); the engine's answers are JSON with no
+//! header to replay, and leave the three NULL.
 
 use super::record::{PURGEABLE, RECORD_COLUMNS};
 
@@ -26,9 +28,28 @@ pub(crate) mod pg;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
 
-/// What a completed key's row keeps for its replay besides the record:
-/// `content_type`, and `headers` (JSON).
-pub(crate) type Kept = (Option<String>, Option<String>);
+/// What a completed key's row keeps for its replay besides the record.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Kept {
+    pub content_type: Option<String>,
+    /// JSON pairs
+    pub headers: Option<String>,
+    /// the body of an answer that is not text
+    pub body_bytes: Option<Vec<u8>>,
+}
+
+impl Kept {
+    /// As the `complete` statement binds it.
+    pub(crate) fn as_args(&self) -> KeptArgs<'_> {
+        (self.content_type.as_deref(), self.headers.as_deref(), self.body_bytes.as_deref())
+    }
+}
+
+/// `content_type`, `headers` and `body_bytes`, as bound.
+pub(crate) type KeptArgs<'a> = (Option<&'a str>, Option<&'a str>, Option<&'a [u8]>);
+
+/// Nothing kept besides the record (the engine's answers).
+pub(crate) const NOTHING_KEPT: KeptArgs<'static> = (None, None, None);
 
 /// A key as the statements bind it: client, endpoint, key.
 pub(crate) type Who<'a> = [&'a str; 3];
@@ -67,7 +88,8 @@ pub struct KeyTable {
     /// `$4` fingerprint, `$5` token, `$6` created_at, `$7` lease_until;
     /// inserts the claim unless the key exists.
     pub insert_claim: String,
-    /// The key's record (`RECORD_COLUMNS`), then `content_type`, `headers`.
+    /// The key's record (`RECORD_COLUMNS`), then `content_type`, `headers`,
+    /// `body_bytes`.
     pub read: String,
     /// [`KeyTable::read`], the row locked without waiting (PostgreSQL).
     pub read_nowait: String,
@@ -75,8 +97,8 @@ pub struct KeyTable {
     /// are still the version seen.
     pub replace_claim: String,
     /// `$4` status, `$5` reason, `$6` body, `$7` transfer_id, `$8`
-    /// completed_at, `$10` content_type, `$11` headers; only if `$9` token
-    /// holds it in progress.
+    /// completed_at, `$10` content_type, `$11` headers, `$12` body_bytes;
+    /// only if `$9` token holds it in progress.
     pub complete: String,
     /// Deletes the key if `$4` token holds it in progress.
     pub release: String,
@@ -103,20 +125,21 @@ impl KeyTable {
                  VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
                  ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING"
             ),
-            read: format!("SELECT {RECORD_COLUMNS}, content_type, headers FROM {t} WHERE {KEY}"),
+            read: format!("SELECT {RECORD_COLUMNS}, content_type, headers, body_bytes FROM {t} WHERE {KEY}"),
             read_nowait: format!(
-                "SELECT {RECORD_COLUMNS}, content_type, headers FROM {t} WHERE {KEY} FOR UPDATE NOWAIT"
+                "SELECT {RECORD_COLUMNS}, content_type, headers, body_bytes FROM {t} WHERE {KEY} FOR UPDATE NOWAIT"
             ),
             replace_claim: format!(
                 "UPDATE {t} SET fingerprint = $4, state = 'in_progress', token = $5,
                         created_at = $6, lease_until = $7, status = NULL, reason = NULL,
                         body = NULL, transfer_id = NULL, completed_at = NULL, content_type = NULL,
-                        headers = NULL
+                        headers = NULL, body_bytes = NULL
                  WHERE {KEY} AND token = $8 AND state = $9"
             ),
             complete: format!(
                 "UPDATE {t} SET state = 'completed', status = $4, reason = $5, body = $6,
-                        transfer_id = $7, completed_at = $8, content_type = $10, headers = $11
+                        transfer_id = $7, completed_at = $8, content_type = $10, headers = $11,
+                        body_bytes = $12
                  WHERE {KEY} AND state = 'in_progress' AND token = $9"
             ),
             release: format!("DELETE FROM {t} WHERE {KEY} AND state = 'in_progress' AND token = $4"),
@@ -165,7 +188,11 @@ impl KeyTable {
 
     /// Creates the table, without its index, if it is not there.
     pub fn create_table(&self, dialect: Dialect) -> String {
-        self.create_table_of(dialect, ",\n                 headers      text")
+        let more = format!(
+            ",\n                 headers      text,\n                 body_bytes   {}",
+            bytes(dialect)
+        );
+        self.create_table_of(dialect, &more)
     }
 
     /// The same, of the shape before `headers` (`more` empty), or with the
@@ -203,13 +230,22 @@ impl KeyTable {
     }
 }
 
+/// The type of a column of bytes.
+pub(crate) fn bytes(dialect: Dialect) -> &'static str {
+    match dialect {
+        Dialect::Sqlite => "BLOB",
+        Dialect::Postgres => "bytea",
+    }
+}
+
 /// The versioned steps that build a caller's key table `table` (the
 /// library's), in order; a database holds the first `n` of them once its
 /// versions table says `n`. Version 3 is the key table's one shape: the
 /// rows of versions 1 and 2, each committed with its answer, carried over
 /// as completed keys, and a claim left without one (an abandoned request
 /// whose transaction was committed by another) as a claim whose lease has
-/// run out, which the next request takes over. Version 4 adds `headers`.
+/// run out, which the next request takes over. Version 4 adds `headers`,
+/// version 5 `body_bytes`.
 pub(crate) fn migrations(table: &str, index: &str, dialect: Dialect) -> Vec<String> {
     let t = table;
     let next = KeyTable::new(&format!("{t}_v3"), dialect);
@@ -245,6 +281,7 @@ pub(crate) fn migrations(table: &str, index: &str, dialect: Dialect) -> Vec<Stri
             n = next.name,
         ),
         format!("ALTER TABLE {t} ADD COLUMN headers TEXT"),
+        format!("ALTER TABLE {t} ADD COLUMN body_bytes {}", bytes(dialect)),
     ]
 }
 

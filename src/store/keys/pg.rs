@@ -1,7 +1,7 @@
 //! The key table's statements run on a tokio-postgres client or
 //! transaction the caller lends, each typed (one round trip, no prepare).
 
-use super::{KeyTable, Who};
+use super::{Kept, KeptArgs, KeyTable, Who};
 use crate::clock::Timestamp;
 use crate::store::{Claim, KeyRecord, KeyRow, StoreError, Stored};
 use tokio_postgres::types::{ToSql, Type};
@@ -31,7 +31,12 @@ fn who_args<'a>(who: &'a Who<'a>) -> Vec<Arg<'a>> {
     who.iter().map(|w| (w as &(dyn ToSql + Sync), Type::TEXT)).collect()
 }
 
-/// The key's row (its record, then `content_type`), locked without
+/// What a key's row read by `read` or `read_nowait` keeps besides its record.
+pub(crate) fn kept(row: &Row) -> Kept {
+    Kept { content_type: row.get(9), headers: row.get(10), body_bytes: row.get(11) }
+}
+
+/// The key's row (its record, then what [`kept`] reads), locked without
 /// waiting: `Err` with `LOCK_NOT_AVAILABLE` when another transaction holds it.
 pub(crate) async fn read_nowait<C: GenericClient + Sync>(
     c: &C,
@@ -84,7 +89,7 @@ async fn write_claim<C: GenericClient + Sync>(
     Ok(c.execute_typed(sql, &args).await? == 1)
 }
 
-/// Completes the key with `answer` (of media type `content_type`) at `at`,
+/// Completes the key with `answer` (and what it keeps besides) at `at`,
 /// only if `token` still holds it in progress.
 pub(crate) async fn complete<C: GenericClient + Sync>(
     c: &C,
@@ -92,7 +97,7 @@ pub(crate) async fn complete<C: GenericClient + Sync>(
     who: Who<'_>,
     token: &str,
     answer: &Stored,
-    (content_type, headers): (Option<&str>, Option<&str>),
+    (content_type, headers, body_bytes): KeptArgs<'_>,
     at: Timestamp,
 ) -> Result<bool, tokio_postgres::Error> {
     let (status, at) = (i32::from(answer.status), at.to_string());
@@ -107,6 +112,7 @@ pub(crate) async fn complete<C: GenericClient + Sync>(
         (&token, Type::TEXT),
         (&content_type, Type::TEXT),
         (&headers, Type::TEXT),
+        (&body_bytes, Type::BYTEA),
     ]);
     Ok(c.execute_typed(&t.complete, &args).await? == 1)
 }

@@ -1,7 +1,7 @@
 //! The key table's statements run on a SQLite connection the caller lends,
 //! inside the write transaction the caller holds (`BEGIN IMMEDIATE`).
 
-use super::{Kept, KeyTable, Who};
+use super::{Kept, KeptArgs, KeyTable, Who};
 use crate::clock::Timestamp;
 use crate::store::{Claim, KeyRecord, KeyRow, Stored};
 use rusqlite::{Connection, OptionalExtension, Row, ToSql};
@@ -23,9 +23,12 @@ pub(crate) fn record(r: &Row, at: usize) -> rusqlite::Result<KeyRecord> {
     row.decode().map_err(|e| rusqlite::Error::InvalidColumnName(format!("corrupt key row: {e}")))
 }
 
-/// The key's record and its answer's media type, if the key exists.
+/// The key's record and what its answer keeps besides, if the key exists.
 pub(crate) fn read(conn: &Connection, t: &KeyTable, who: Who) -> rusqlite::Result<Option<(KeyRecord, Kept)>> {
-    conn.prepare_cached(&t.read)?.query_row(who, |r| Ok((record(r, 0)?, (r.get(9)?, r.get(10)?)))).optional()
+    let kept = |r: &Row| -> rusqlite::Result<Kept> {
+        Ok(Kept { content_type: r.get(9)?, headers: r.get(10)?, body_bytes: r.get(11)? })
+    };
+    conn.prepare_cached(&t.read)?.query_row(who, |r| Ok((record(r, 0)?, kept(r)?))).optional()
 }
 
 /// Inserts `claim` unless the key exists (`false`: it does).
@@ -63,7 +66,7 @@ fn write_claim(
     Ok(conn.prepare_cached(sql)?.execute(args.as_slice())? == 1)
 }
 
-/// Completes the key with `answer` (of media type `content_type`) at `at`,
+/// Completes the key with `answer` (and what it keeps besides) at `at`,
 /// only if `token` still holds it in progress.
 pub(crate) fn complete(
     conn: &Connection,
@@ -71,7 +74,7 @@ pub(crate) fn complete(
     who: Who,
     token: &str,
     answer: &Stored,
-    (content_type, headers): (Option<&str>, Option<&str>),
+    (content_type, headers, body_bytes): KeptArgs<'_>,
     at: Timestamp,
 ) -> rusqlite::Result<bool> {
     let reason = answer.reason.as_ref().map(ToString::to_string);
@@ -87,6 +90,7 @@ pub(crate) fn complete(
         token,
         content_type,
         headers,
+        body_bytes,
     ])?;
     Ok(done == 1)
 }

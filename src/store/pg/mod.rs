@@ -38,7 +38,7 @@ use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::reason::Reason;
 use crate::request::{AcctId, MAX_EXACT_INT, PAYOUTS, ScopedKey};
-use crate::store::keys::{pg as key_sql, who};
+use crate::store::keys::{NOTHING_KEPT, pg as key_sql, who};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
@@ -359,7 +359,7 @@ impl Tx for PgTx<'_> {
         at: Timestamp,
     ) -> Result<bool, StoreError> {
         // the engine's answers are JSON: no media type of their own
-        let complete = |c| key_sql::complete(c, keys(), who(key), token, response, (None, None), at);
+        let complete = |c| key_sql::complete(c, keys(), who(key), token, response, NOTHING_KEPT, at);
         self.client.run(complete).map_err(pg)
     }
 

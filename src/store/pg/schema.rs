@@ -4,13 +4,13 @@
 use super::*;
 
 /// The comment that marks `idem_key` as this schema version.
-/// Version 2 added `content_type` and version 3 `headers`, the key table's
-/// one shape (`store::keys`); a table of an older version is upgraded on
-/// connect.
-pub(super) const SCHEMA_MARK: &str = "idem schema 3";
+/// Version 2 added `content_type`, version 3 `headers` and version 4
+/// `body_bytes`, the key table's one shape (`store::keys`); a table of an
+/// older version is upgraded on connect.
+pub(super) const SCHEMA_MARK: &str = "idem schema 4";
 
 /// The marks of the versions a connection upgrades.
-const OLDER_MARKS: [&str; 2] = ["idem schema 1", "idem schema 2"];
+const OLDER_MARKS: [&str; 3] = ["idem schema 1", "idem schema 2", "idem schema 3"];
 
 /// Any constant: serialises schema creation across racing first calls.
 pub(super) const SCHEMA_LOCK: i64 = 0x1de3_5c4e_3a00_0001;
@@ -119,7 +119,8 @@ pub(super) fn create_schema(client: &mut Client, shape: &Shape) -> Result<(), St
     let upgrade = match mark.as_deref() {
         Some(SCHEMA_MARK) => return Ok(()), // another first call got here first
         Some(old) if OLDER_MARKS.contains(&old) => {
-            "ALTER TABLE idem_key ADD COLUMN IF NOT EXISTS content_type text, ADD COLUMN IF NOT EXISTS headers text;"
+            "ALTER TABLE idem_key ADD COLUMN IF NOT EXISTS content_type text, ADD COLUMN IF NOT EXISTS headers text,
+               ADD COLUMN IF NOT EXISTS body_bytes bytea;"
         }
         Some(other) if !other.is_empty() => {
             return Err(StoreError::Schema(format!(

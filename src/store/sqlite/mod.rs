@@ -290,7 +290,7 @@ impl Drop for SqliteTx<'_> {
 }
 
 use super::keys::sqlite::{self as key_sql, record as record_at};
-use super::keys::who;
+use super::keys::{NOTHING_KEPT, who};
 
 impl Tx for SqliteTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
@@ -325,7 +325,7 @@ impl Tx for SqliteTx<'_> {
         at: Timestamp,
     ) -> Result<bool, StoreError> {
         // the engine's answers are JSON: no media type of their own
-        key_sql::complete(self.conn, keys(), who(key), token, response, (None, None), at).map_err(backend)
+        key_sql::complete(self.conn, keys(), who(key), token, response, NOTHING_KEPT, at).map_err(backend)
     }
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {

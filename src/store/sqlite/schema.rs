@@ -5,10 +5,10 @@
 use super::*;
 
 /// Bumped whenever the tables below change shape.
-/// Version 2 added `idem_key.content_type` and version 3 `idem_key.headers`,
-/// the key table's one shape (`store::keys`); a file of an older version is
-/// upgraded on open.
-pub const SCHEMA_VERSION: i64 = 3;
+/// Version 2 added `idem_key.content_type`, version 3 `idem_key.headers` and
+/// version 4 `idem_key.body_bytes`, the key table's one shape
+/// (`store::keys`); a file of an older version is upgraded on open.
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// The engine's tables besides the key table, whose shape is `store::keys`'s.
 pub(super) const SCHEMA: &str = "
@@ -102,9 +102,9 @@ pub(super) fn create_schema(conn: &Connection) -> Result<(), StoreError> {
             conn.execute_batch(&keys().create("idem_key_created_at", Dialect::Sqlite)).map_err(backend)?;
             // a table of an older version, or the file's own of the engine's shape
             let have = columns(conn, "idem_key")?;
-            for added in ["content_type", "headers"] {
+            for (added, kind) in [("content_type", "TEXT"), ("headers", "TEXT"), ("body_bytes", "BLOB")] {
                 if !have.iter().any(|c| c == added) {
-                    let add = format!("ALTER TABLE idem_key ADD COLUMN {added} TEXT");
+                    let add = format!("ALTER TABLE idem_key ADD COLUMN {added} {kind}");
                     conn.execute_batch(&add).map_err(backend)?;
                 }
             }
