@@ -102,6 +102,9 @@ pub struct Idempotency {
     /// `Content-Type`, each value as the handler set it. Default:
     /// `Location` (a created resource's address).
     pub replayed_headers: Vec<HeaderName>,
+    /// Which statuses of the handler's answers are stored with the key
+    /// (and replayed), besides those marked [`business`]: 2xx by default.
+    keeps: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
 }
 
 impl Idempotency {
@@ -121,6 +124,24 @@ impl Idempotency {
     /// ```
     pub fn who_from_parts(mut self, who: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
         self.who = Arc::new(who);
+        self
+    }
+
+    /// The same state, storing the handler's answers whose status `keep`
+    /// accepts (and those marked [`business`]); the default keeps 2xx. An
+    /// answer not kept rolls back with the claim, and the key stays free.
+    ///
+    /// ```no_run
+    /// # use idem::embed::{Keys, layer::Idempotency};
+    /// # async fn setup() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// // a 4xx refusal is an answer too: its retry gets the same refusal
+    /// let idem = Idempotency::connect("shop.db", Keys::new("app_")?, 1, |_| Some("c1".into()))
+    ///     .await?
+    ///     .keep_when(|status| status.is_success() || status.is_client_error());
+    /// # Ok(()) }
+    /// ```
+    pub fn keep_when(mut self, keep: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.keeps = Arc::new(keep);
         self
     }
 
@@ -284,7 +305,7 @@ async fn run<Fut: std::future::Future<Output = Response>>(
     let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
         request.extensions_mut().insert(slot.0.clone());
         let (head, body) = next(request).await.into_parts();
-        let kept = head.status.is_success() || head.extensions.get::<Business>().is_some();
+        let kept = (idem.keeps)(head.status) || head.extensions.get::<Business>().is_some();
         let Ok(bytes) = to_bytes(body, usize::MAX).await else {
             let why = "The answer could not be read.";
             return Err(Stop::Work(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", why)));

@@ -184,6 +184,50 @@ fn an_answer_that_is_not_text_is_replayed_byte_for_byte() {
     });
 }
 
+/// Which statuses are stored is the team's to say: by default a 404 the
+/// handler answers is not kept (its writes roll back, the retry runs it
+/// again); with `keep_when` accepting 4xx it is kept with its writes, and
+/// the retry replays it without running the handler.
+#[test]
+fn the_statuses_kept_are_the_teams_to_choose() {
+    use tower::ServiceExt;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let runs = runtime.block_on(async {
+        let mut runs = Vec::new();
+        for (n, four_xx) in [(0, false), (1, true)] {
+            let db = dir.path().join(format!("keep{n}.db")).display().to_string();
+            let idem = Idempotency::connect(&db, Keys::new("keep_").unwrap(), 1, |_| Some("c1".into()))
+                .await
+                .unwrap();
+            let idem = match four_xx {
+                true => idem.keep_when(|s| s.is_success() || s.is_client_error()),
+                false => idem,
+            };
+            let count = Arc::new(AtomicU64::new(0));
+            let counted = count.clone();
+            let handler = move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { (StatusCode::NOT_FOUND, r#"{"reason":"no_such_item"}"#).into_response() }
+            };
+            let app = Router::new()
+                .route("/orders", post(handler))
+                .route_layer(from_fn_with_state(idem, idempotent));
+            for _ in 0..2 {
+                let request = axum::http::Request::post("/orders")
+                    .header("idempotency-key", "\"k1\"")
+                    .body(axum::body::Body::from(r#"{"item":"tea"}"#))
+                    .unwrap();
+                let response = app.clone().oneshot(request).await.unwrap();
+                assert_eq!(response.status(), StatusCode::NOT_FOUND);
+            }
+            runs.push(count.load(Ordering::SeqCst));
+        }
+        runs
+    });
+    assert_eq!(runs, [2, 1], "2xx only: the 404 ran twice; 4xx kept: once, then replayed");
+}
+
 /// The layer as a `tower::Layer`: on an axum route, and around a plain
 /// `tower::Service`, the same claim, replay and refusal as the `from_fn`
 /// middleware; the handler reads the key it runs under and derives the key

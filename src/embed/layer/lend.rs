@@ -303,6 +303,7 @@ impl Idempotency {
             max_body: 64 * 1024,
             max_wait: Duration::from_secs(2),
             replayed_headers: vec![header::LOCATION],
+            keeps: Arc::new(|status| status.is_success()),
         }
     }
 }
