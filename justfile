@@ -40,6 +40,17 @@ bench-serve:
 bench-arrival:
     cargo bench --bench arrival
 
+# Latency at a fixed arrival rate on PostgreSQL across a 1 ms round trip; then on
+# tools/pg-ha's synchronous three-node cluster against one node, in the same run.
+bench-arrival-pg:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    base=$(tools/pg-local start)
+    IDEM_BENCH_PG="$base" cargo bench --bench arrival
+    ha=$(tools/pg-ha start)
+    tools/pg-ha wait-settled 120 >/dev/null
+    IDEM_BENCH_PG="$base" IDEM_BENCH_HA="$ha" cargo bench --bench arrival
+
 # The same on PostgreSQL too (a local cluster, an empty database), beside pgbench.
 bench-serve-pg:
     #!/usr/bin/env bash
