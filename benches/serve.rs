@@ -291,7 +291,9 @@ fn growth(dir: &Path, keys: usize) -> (f64, f64) {
         conn.execute_batch("BEGIN").unwrap();
         let mut insert = conn
             .prepare(
-                "INSERT INTO idem_key VALUES ('c', '/v1/transfers', ?1, 'fp', 'completed', 't', ?2, ?2, 201, NULL, '{}', NULL, ?2)",
+                "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at,
+                                       lease_until, status, reason, body, transfer_id, completed_at)
+                 VALUES ('c', '/v1/transfers', ?1, 'fp', 'completed', 't', ?2, ?2, 201, NULL, '{}', NULL, ?2)",
             )
             .unwrap();
         for i in 0..keys {
