@@ -111,13 +111,10 @@ impl<C: GenericClient + Sync> KeySteps for OnPg<'_, C> {
         if claimed {
             return Ok(None);
         }
-        // the primary key says the key exists: its committed row decides,
-        // locked without waiting (a racer taking it over is in flight)
-        let Some(row) = key_sql::read_nowait(c, t, who).await.map_err(failed)? else {
-            return Err(StoreError::Busy); // purged meanwhile: in flight, retry
-        };
-        self.kept = key_sql::kept(&row);
-        key_sql::record(&row, 0).map(Some)
+        // locked without waiting: a racer taking it over is in flight
+        let row = key_sql::read_nowait(c, t, who).await.map_err(failed)?;
+        let row = row.map(|row| key_sql::record(&row, 0).map(|record| (record, key_sql::kept(&row))));
+        keys::found(row.transpose()?, &mut self.kept)
     }
 
     async fn replace_claim(

@@ -85,14 +85,7 @@ impl<C: Deref<Target = Connection>> KeySteps for OnSqlite<'_, C> {
         if key_sql::insert_claim(self.conn, self.table, who, claim).map_err(failed)? {
             return Ok(None);
         }
-        // the primary key says the key exists: its committed row decides
-        match key_sql::read(self.conn, self.table, who).map_err(failed)? {
-            Some((existing, kept)) => {
-                self.kept = kept;
-                Ok(Some(existing))
-            }
-            None => Err(StoreError::Busy), // purged meanwhile: in flight, retry
-        }
+        keys::found(key_sql::read(self.conn, self.table, who).map_err(failed)?, &mut self.kept)
     }
 
     async fn replace_claim(

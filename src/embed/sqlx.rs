@@ -161,14 +161,8 @@ macro_rules! on_sqlx {
                 if claimed {
                     return Ok(None);
                 }
-                // the primary key says the key exists: its committed row decides
-                match self.read(&Self::read_sql(self.table).to_owned(), key).await? {
-                    Some((existing, kept)) => {
-                        self.kept = kept;
-                        Ok(Some(existing))
-                    }
-                    None => Err(StoreError::Busy), // purged meanwhile: in flight, retry
-                }
+                let row = self.read(&Self::read_sql(self.table).to_owned(), key).await?;
+                keys::found(row, &mut self.kept)
             }
 
             async fn replace_claim(

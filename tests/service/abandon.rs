@@ -92,6 +92,17 @@ fn sqlx_sqlite_an_abandonment_storm_pays_every_key_once_and_strands_none() {
 
 #[test]
 fn sqlx_postgres_an_abandonment_storm_pays_every_key_once_and_strands_none() {
+    storm_on_postgres(true);
+}
+
+#[test]
+fn postgres_an_abandonment_storm_pays_every_key_once_and_strands_none() {
+    storm_on_postgres(false);
+}
+
+/// The storm on PostgreSQL, through the layer on connections of its own
+/// or on the application's sqlx pool.
+fn storm_on_postgres(on_sqlx: bool) {
     let Some(server) = pg::server() else { return };
     let spec = server.fresh_schema(false);
     pg::execute(&spec, &SCHEMA.replace("{serial}", "BIGSERIAL PRIMARY KEY"));
@@ -100,30 +111,18 @@ fn sqlx_postgres_an_abandonment_storm_pays_every_key_once_and_strands_none() {
     }
     let runtime = runtime();
     let moves = runtime.block_on(async {
-        let options = pg::sqlx_options(&spec);
-        let pool =
-            sqlx::postgres::PgPoolOptions::new().max_connections(8).connect_with(options).await.unwrap();
-        let idem = Idempotency::on_sqlx_postgres(pool, Keys::new("storm_").unwrap(), client).await.unwrap();
+        let keys = Keys::new("storm_").unwrap();
+        let idem = match on_sqlx {
+            true => {
+                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(8);
+                let pool = pool.connect_with(pg::sqlx_options(&spec)).await.unwrap();
+                Idempotency::on_sqlx_postgres(pool, keys, client).await.unwrap()
+            }
+            false => Idempotency::connect(&spec, keys, 8, client).await.unwrap(),
+        };
         let address = serve_on(idem).await;
         tokio::task::spawn_blocking(move || storm(&Target::layer(address))).await.unwrap()
     });
-    let mut c = pg::client(&spec);
-    let rows = c.query("SELECT key, id, cents FROM moves", &[]).unwrap();
-    let rows = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
-    let total: i64 = c.query_one("SELECT sum(cents)::bigint FROM wallet", &[]).unwrap().get(0);
-    judge(moves, rows, total, WALLETS * OPENING, "move");
-}
-
-#[test]
-fn postgres_an_abandonment_storm_pays_every_key_once_and_strands_none() {
-    let Some(server) = pg::server() else { return };
-    let spec = server.fresh_schema(false);
-    pg::execute(&spec, &SCHEMA.replace("{serial}", "BIGSERIAL PRIMARY KEY"));
-    for w in 0..WALLETS {
-        pg::execute(&spec, &format!("INSERT INTO wallet VALUES ({w}, {OPENING})"));
-    }
-    let runtime = runtime();
-    let moves = storm(&Target::layer(runtime.block_on(serve(&spec))));
     let mut c = pg::client(&spec);
     let rows = c.query("SELECT key, id, cents FROM moves", &[]).unwrap();
     let rows = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();

@@ -101,7 +101,24 @@ async fn trips(app: &Router, hop: &Hop, tag: &str) -> f64 {
 
 #[test]
 fn the_layer_costs_at_most_two_round_trips_over_the_bare_handler_on_postgres() {
-    let Some(server) = pg::server() else { return };
+    let (bare_trips, layer_trips) = counted(false);
+    eprintln!("round trips a request: bare handler {bare_trips:.2}, through the layer {layer_trips:.2}");
+    assert!(layer_trips <= bare_trips + 2.0, "the layer: {layer_trips:.2} round trips, bare {bare_trips:.2}");
+}
+
+#[test]
+fn on_a_sqlx_pool_the_layer_costs_three_round_trips_over_the_bare_handler() {
+    let (bare_trips, layer_trips) = counted(true);
+    eprintln!(
+        "round trips a request on sqlx: bare handler {bare_trips:.2}, through the layer {layer_trips:.2}"
+    );
+    assert!(layer_trips <= bare_trips + 3.0, "the layer: {layer_trips:.2} round trips, bare {bare_trips:.2}");
+}
+
+/// Round trips a request, bare and through the layer, on tokio-postgres or
+/// (`on_sqlx`) on sqlx pools; both 0 without a PostgreSQL to run on.
+fn counted(on_sqlx: bool) -> (f64, f64) {
+    let Some(server) = pg::server() else { return (0.0, 0.0) };
     let spec = server.fresh_schema(false);
     pg::execute(
         &spec,
@@ -111,48 +128,25 @@ fn the_layer_costs_at_most_two_round_trips_over_the_bare_handler_on_postgres() {
     );
     // one thread: what one request sends is written before the hop reads it
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let (bare_trips, layer_trips) = runtime.block_on(async {
+    runtime.block_on(async {
         let (hop, through) = Hop::to_postgres(&spec, Duration::ZERO).unwrap();
-        let (client, connection) = tokio_postgres::connect(&through, tokio_postgres::NoTls).await.unwrap();
-        tokio::spawn(connection);
-        let bare_app = Router::new().route("/pay", post(bare)).with_state(Arc::new(client));
         let who = |h: &axum::http::HeaderMap| h.get("x-client").map(|_| "shop".to_owned());
-        let idem = Idempotency::connect(&through, Keys::new("trips_").unwrap(), 1, who).await.unwrap();
-        let layer_app =
-            Router::new().route("/pay", post(layered)).route_layer(from_fn_with_state(idem, idempotent));
-        (trips(&bare_app, &hop, "bare").await, trips(&layer_app, &hop, "layer").await)
-    });
-    eprintln!("round trips a request: bare handler {bare_trips:.2}, through the layer {layer_trips:.2}");
-    assert!(layer_trips <= bare_trips + 2.0, "the layer: {layer_trips:.2} round trips, bare {bare_trips:.2}");
-}
-
-#[test]
-fn on_a_sqlx_pool_the_layer_costs_three_round_trips_over_the_bare_handler() {
-    let Some(server) = pg::server() else { return };
-    let spec = server.fresh_schema(false);
-    pg::execute(
-        &spec,
-        "CREATE TABLE wallet (id BIGINT PRIMARY KEY, cents BIGINT NOT NULL);
-         INSERT INTO wallet VALUES (1, 1000000000);
-         CREATE TABLE moves (id BIGSERIAL PRIMARY KEY, cents BIGINT NOT NULL)",
-    );
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let (bare_trips, layer_trips) = runtime.block_on(async {
-        let (hop, through) = Hop::to_postgres(&spec, Duration::ZERO).unwrap();
-        let pool = || {
-            sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(pg::sqlx_options(&through))
+        let keys = Keys::new("trips_").unwrap();
+        let (bare_app, idem) = if on_sqlx {
+            let options = pg::sqlx_options(&through);
+            let pool =
+                || sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options.clone());
+            let bare_app = Router::new().route("/pay", post(bare_sqlx)).with_state(pool().await.unwrap());
+            (bare_app, Idempotency::on_sqlx_postgres(pool().await.unwrap(), keys, who).await.unwrap())
+        } else {
+            let (client, connection) =
+                tokio_postgres::connect(&through, tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(connection);
+            let bare_app = Router::new().route("/pay", post(bare)).with_state(Arc::new(client));
+            (bare_app, Idempotency::connect(&through, keys, 1, who).await.unwrap())
         };
-        let bare_app = Router::new().route("/pay", post(bare_sqlx)).with_state(pool().await.unwrap());
-        let who = |h: &axum::http::HeaderMap| h.get("x-client").map(|_| "shop".to_owned());
-        let idem = Idempotency::on_sqlx_postgres(pool().await.unwrap(), Keys::new("trips_").unwrap(), who)
-            .await
-            .unwrap();
         let layer_app =
             Router::new().route("/pay", post(layered)).route_layer(from_fn_with_state(idem, idempotent));
         (trips(&bare_app, &hop, "bare").await, trips(&layer_app, &hop, "layer").await)
-    });
-    eprintln!(
-        "round trips a request on sqlx: bare handler {bare_trips:.2}, through the layer {layer_trips:.2}"
-    );
-    assert!(layer_trips <= bare_trips + 3.0, "the layer: {layer_trips:.2} round trips, bare {bare_trips:.2}");
+    })
 }

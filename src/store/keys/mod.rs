@@ -45,6 +45,19 @@ impl Kept {
     }
 }
 
+/// What a claim that found its key already there meets (the primary key
+/// said so): the key's committed row decides, and what it keeps besides
+/// its record goes to `kept`; a row gone meanwhile (purged) is a key in
+/// flight, to retry.
+pub(crate) fn found(
+    row: Option<(crate::store::KeyRecord, Kept)>,
+    kept: &mut Kept,
+) -> Result<Option<crate::store::KeyRecord>, crate::store::StoreError> {
+    let (record, keeps) = row.ok_or(crate::store::StoreError::Busy)?;
+    *kept = keeps;
+    Ok(Some(record))
+}
+
 /// `content_type`, `headers` and `body_bytes`, as bound.
 pub(crate) type KeptArgs<'a> = (Option<&'a str>, Option<&'a str>, Option<&'a [u8]>);
 
