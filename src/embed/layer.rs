@@ -1,8 +1,10 @@
 //! The `Idempotency-Key` middleware for axum (feature `axum`), on
-//! PostgreSQL or SQLite: the key's claim, the handler's writes and the
-//! stored answer commit in one transaction, which the handler reaches
-//! through the [`Tx`] extractor ([`Tx::client`] on PostgreSQL,
-//! [`Tx::sqlite`] on SQLite). It is [`idempotent`] for axum's
+//! PostgreSQL or SQLite, on connections of its own or the application's
+//! (a deadpool-postgres pool, a sqlx pool): the key's claim, the handler's
+//! writes and the stored answer commit in one transaction, which the
+//! handler reaches through the [`Tx`] extractor (`Tx::client` on
+//! tokio-postgres, `Tx::sqlite` on rusqlite, `Tx::sqlx_postgres` and
+//! `Tx::sqlx_sqlite` on sqlx). It is [`idempotent`] for axum's
 //! `from_fn_with_state`, and [`IdempotencyLayer`] as a `tower::Layer`; the
 //! handler reads the key it runs under as `Extension<`[`IdemKey`]`>`.
 //!
@@ -40,13 +42,14 @@
 //! whole path under `Router::nest`). A replay is the
 //! stored status and body with `Idempotent-Replayed: true`.
 //!
-//! Which answers are stored: 2xx, and any response the handler marks as a
-//! business answer with [`business`] (a refusal such as insufficient funds:
-//! its retry gets the same refusal). Anything else (a 400 for a malformed
+//! Which answers are stored: 2xx (or what [`Idempotency::keep_when`] says),
+//! and any response the handler marks as a business answer with
+//! [`business`] (a refusal such as insufficient funds: its retry gets the
+//! same refusal), their bodies as they were, text or not. Anything else (a 400 for a malformed
 //! request, a 5xx) rolls back the handler's writes with the claim, and the
 //! key stays free for the corrected request.
 
-use super::{Answer, Keys, Reply, Scope, Stop};
+use super::{Answer, Keys, Reply, Scope, Stop, gone};
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
 use crate::store::keys::Kept;
@@ -166,11 +169,6 @@ impl Idempotency {
 /// (`protocol::conduct`): each step takes the transaction from the slot
 /// the handler reaches it through, and puts it back.
 struct OnSlot(Tx);
-
-/// The transaction was taken from its slot: nothing is left to claim in.
-fn gone() -> StoreError {
-    StoreError::Backend("the request's transaction was lost".into())
-}
 
 impl KeySteps for OnSlot {
     async fn claim(

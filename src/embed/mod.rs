@@ -209,6 +209,12 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
 
 impl<E: fmt::Debug + fmt::Display> std::error::Error for Error<E> {}
 
+/// The request's transaction was let go of (committed, rolled back or
+/// lost): nothing is left to run a key's step in.
+fn gone() -> StoreError {
+    StoreError::Backend("the request's transaction was lost".into())
+}
+
 /// Why a run under a key stopped short of an answer: the store (a key
 /// in flight is [`StoreError::Busy`]), or the caller's work.
 enum Stop<E> {

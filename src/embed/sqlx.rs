@@ -12,17 +12,12 @@
 //! the completion and `COMMIT`: five round trips on PostgreSQL, four on
 //! SQLite, where tokio-postgres sends them as two.
 
-use super::{Answer, Keys};
+use super::{Answer, Keys, gone};
 use crate::clock::Timestamp;
 use crate::request::{AcctId, ScopedKey};
 use crate::store::keys::{self, Kept, KeyTable};
 use crate::store::{Claim, Failure, KeyRecord, KeyRow, KeySteps, StoreError};
 use sqlx::{AssertSqlSafe, Transaction};
-
-/// The transaction was let go of: nothing is left to run in.
-fn gone() -> StoreError {
-    StoreError::Backend("the request's transaction was lost".into())
-}
 
 /// A lock wait past its bound is the key in flight; anything else failed.
 fn failed(e: sqlx::Error) -> StoreError {

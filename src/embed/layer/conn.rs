@@ -140,11 +140,6 @@ impl Drop for Held {
     }
 }
 
-/// The transaction was let go of: nothing is left to claim in.
-fn gone() -> StoreError {
-    StoreError::Backend("the request's transaction was lost".into())
-}
-
 /// Runs `$body` with `$on`, the key steps of `$held`'s connection (the
 /// transaction begun by the claim when `$begin`), and gives back what the
 /// claim found of the key's row.
@@ -159,7 +154,7 @@ macro_rules! on_conn {
                 (done, $on.kept)
             }
             #[cfg(feature = "postgres")]
-            Conn::Pg(None) => (Err(gone()), Kept::default()),
+            Conn::Pg(None) => (Err(crate::embed::gone()), Kept::default()),
             #[cfg(feature = "sqlite")]
             Conn::Sqlite(c) => {
                 let mut $on = OnSqlite::new(c, &keys.sqlite, $begin);
