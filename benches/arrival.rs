@@ -252,13 +252,11 @@ fn main() {
         measure("SQLite", "sqlite", &db, &db, &[]);
     }
     let Some(pg) = pg else { return };
-    // the server's pool is the bench's 64 (benches/support)
-    let pool: [&str; 0] = [];
     if let Some(ha) = ha {
         let one = fresh_schema(&pg, "arrival_single");
-        let single = measure("PostgreSQL, one node", "pg-single", &one, &one, &pool);
+        let single = measure("PostgreSQL, one node", "pg-single", &one, &one, &[]);
         let three = fresh_schema(&ha, "arrival_ha");
-        let cluster = measure("PostgreSQL, three nodes, synchronous", "pg-ha", &three, &three, &pool);
+        let cluster = measure("PostgreSQL, three nodes, synchronous", "pg-ha", &three, &three, &[]);
         println!(
             "\ncluster / one node, saturation: {:.2}x ({cluster:.0} / {single:.0} new transfers/s)",
             cluster / single
@@ -272,5 +270,5 @@ fn main() {
         idem::outside::hop::Hop::to_postgres(&direct, Duration::from_secs_f64(round_trip / 1000.0))
             .expect("a hop to PostgreSQL");
     let name = format!("PostgreSQL across a {round_trip} ms round trip");
-    measure(&name, "pg-hop", &through, &direct, &pool);
+    measure(&name, "pg-hop", &through, &direct, &[]);
 }

@@ -152,7 +152,7 @@ impl Idempotency {
     /// past [`Idempotency::max_wait`], 503 `unavailable` if the database
     /// failed.
     async fn connection(&self) -> Result<conn::Conn, Response> {
-        match tokio::time::timeout(self.max_wait, self.store.connection(&self.keys)).await {
+        match tokio::time::timeout(self.max_wait, self.store.connection()).await {
             Ok(Some(conn)) => Ok(conn),
             Ok(None) => Err(unavailable()),
             Err(_) => {

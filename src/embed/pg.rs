@@ -58,7 +58,12 @@ impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
     /// whether both went through. Had the completion failed, PostgreSQL
     /// turns the `COMMIT` of the failed transaction into a rollback.
     #[cfg(feature = "axum")]
-    pub(super) async fn complete_and_commit(&self, key: &ScopedKey, token: &str, answer: &Answer) -> bool {
+    pub(super) async fn complete_and_commit(
+        &mut self,
+        key: &ScopedKey,
+        token: &str,
+        answer: &Answer,
+    ) -> bool {
         let (done, committed) =
             tokio::join!(self.complete(key, token, answer), self.c.batch_execute("COMMIT"));
         done.is_ok() && committed.is_ok()
@@ -73,9 +78,7 @@ impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
     ) -> Result<(), StoreError> {
         let (stored, kept) = answer.stored();
         let who = keys::who(key);
-        match key_sql::complete(self.c, self.table, who, token, &stored, kept.as_args(), Timestamp::now())
-            .await
-        {
+        match key_sql::complete(self.c, self.table, who, token, &stored, &kept, Timestamp::now()).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
             Err(e) => Err(failed(e)),

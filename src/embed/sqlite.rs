@@ -47,8 +47,7 @@ impl<'c, C: Deref<Target = Connection>> OnSqlite<'c, C> {
     pub(super) fn complete(&self, key: &ScopedKey, token: &str, answer: &Answer) -> Result<(), StoreError> {
         let (stored, kept) = answer.stored();
         let who = keys::who(key);
-        match key_sql::complete(self.conn, self.table, who, token, &stored, kept.as_args(), Timestamp::now())
-        {
+        match key_sql::complete(self.conn, self.table, who, token, &stored, &kept, Timestamp::now()) {
             Ok(true) => Ok(()),
             Ok(false) => Err(StoreError::Backend("the key's claim was gone at completion".into())),
             Err(e) => Err(failed(e)),

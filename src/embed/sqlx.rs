@@ -15,7 +15,7 @@
 use super::{Answer, Keys, gone};
 use crate::clock::Timestamp;
 use crate::request::{AcctId, ScopedKey};
-use crate::store::keys::{self, Kept, KeyTable};
+use crate::store::keys::{self, Kept, KeyTable, Versions};
 use crate::store::{Claim, Failure, KeyRecord, KeyRow, KeySteps, StoreError};
 use sqlx::{AssertSqlSafe, Transaction};
 
@@ -150,13 +150,14 @@ macro_rules! on_sqlx {
                 claim: &Claim,
                 _: Option<[&AcctId; 2]>,
             ) -> Result<Option<KeyRecord>, StoreError> {
-                let insert = self.table.insert_claim.clone();
-                let claimed = self.write_claim(&insert, key, claim, None).await?;
+                // the table is the caller's, borrowed apart from `self`
+                let table = self.table;
+                let claimed = self.write_claim(&table.insert_claim, key, claim, None).await?;
                 Self::after_claim(self.tx.as_deref_mut().ok_or_else(gone)?).await?;
                 if claimed {
                     return Ok(None);
                 }
-                let row = self.read(&Self::read_sql(self.table).to_owned(), key).await?;
+                let row = self.read(Self::read_sql(table), key).await?;
                 keys::found(row, &mut self.kept)
             }
 
@@ -166,8 +167,8 @@ macro_rules! on_sqlx {
                 seen: &KeyRecord,
                 claim: &Claim,
             ) -> Result<bool, StoreError> {
-                let replace = self.table.replace_claim.clone();
-                self.write_claim(&replace, key, claim, Some(seen)).await
+                let table = self.table;
+                self.write_claim(&table.replace_claim, key, claim, Some(seen)).await
             }
 
             /// Nothing to delete: the claim goes with the transaction's
@@ -187,7 +188,7 @@ pub(crate) use pg::OnSqlxPg;
 #[cfg(feature = "sqlx-postgres")]
 mod pg {
     use super::*;
-    use crate::store::keys::WAIT_AS_BEFORE;
+    use crate::store::keys::{MIGRATION_LOCK, WAIT_AS_BEFORE};
     use sqlx::PgConnection;
 
     on_sqlx!(sqlx::Postgres, OnSqlxPg);
@@ -197,21 +198,26 @@ mod pg {
             &keys.pg
         }
 
-        /// A transaction on a connection of `pool`, begun with the claim's
-        /// lock wait: a racer's uncommitted claim of the key is waited on
+        /// What begins a request's transaction: `BEGIN` and the claim's lock
+        /// wait, so that a racer's uncommitted claim of the key is waited on
         /// for `keys`' wait at most (the transaction's own wait kept, to be
         /// put back for the work). The wait is a number of ours, written
-        /// into the text: one round trip.
-        pub(crate) async fn begin(
-            pool: &sqlx::PgPool,
-            keys: &Keys,
-        ) -> Result<Transaction<'static, sqlx::Postgres>, sqlx::Error> {
-            let begin = format!(
+        /// into the text once: one round trip, no parameter.
+        pub(crate) fn begin_sql(keys: &Keys) -> std::sync::Arc<str> {
+            format!(
                 "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true); \
                  SELECT set_config('lock_timeout', '{}ms', true)",
                 keys.wait.as_millis().max(1)
-            );
-            pool.begin_with(AssertSqlSafe(begin)).await
+            )
+            .into()
+        }
+
+        /// A transaction on a connection of `pool`, begun by `begin` ([`Self::begin_sql`]).
+        pub(crate) async fn begin(
+            pool: &sqlx::PgPool,
+            begin: &std::sync::Arc<str>,
+        ) -> Result<Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+            pool.begin_with(AssertSqlSafe(begin.clone())).await
         }
 
         async fn after_claim(conn: &mut PgConnection) -> Result<(), StoreError> {
@@ -226,23 +232,20 @@ mod pg {
 
     impl Keys {
         /// Creates or upgrades the key table through `pool`; the layer's
-        /// [`on_sqlx_postgres`](crate::embed::layer::Idempotency::on_sqlx_postgres)
-        /// runs it at start-up. Concurrent start-ups are serialised by an
+        /// `Idempotency::on_sqlx_postgres` (feature `axum`) runs it at
+        /// start-up. Concurrent start-ups are serialised by an
         /// advisory lock.
         pub async fn migrate_sqlx_postgres(&self, pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
             use sqlx::Row;
-            let mut tx = pool.begin().await?;
-            sqlx::raw_sql("SELECT pg_advisory_xact_lock(7262617)").execute(&mut *tx).await?;
-            let versions = &self.versions;
-            let create = format!("CREATE TABLE IF NOT EXISTS {versions} (version INTEGER NOT NULL)");
-            sqlx::raw_sql(AssertSqlSafe(create)).execute(&mut *tx).await?;
-            let at = format!("SELECT coalesce(max(version), 0) FROM {versions}");
-            let at: i32 = sqlx::query(AssertSqlSafe(at)).fetch_one(&mut *tx).await?.try_get(0)?;
+            let (mut tx, versions) = (pool.begin().await?, Versions(&self.versions));
+            sqlx::raw_sql(MIGRATION_LOCK).execute(&mut *tx).await?;
+            sqlx::raw_sql(AssertSqlSafe(versions.create())).execute(&mut *tx).await?;
+            let at: i32 =
+                sqlx::query(AssertSqlSafe(versions.reached())).fetch_one(&mut *tx).await?.try_get(0)?;
             let steps = self.migrations(crate::store::Dialect::Postgres);
             for (n, step) in steps.iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX)) {
                 sqlx::raw_sql(AssertSqlSafe(&**step)).execute(&mut *tx).await?;
-                let record = format!("INSERT INTO {versions} (version) VALUES ({})", n + 1);
-                sqlx::raw_sql(AssertSqlSafe(record)).execute(&mut *tx).await?;
+                sqlx::raw_sql(AssertSqlSafe(versions.record(n + 1))).execute(&mut *tx).await?;
             }
             tx.commit().await
         }
@@ -289,30 +292,27 @@ mod lite {
 
     impl Keys {
         /// Creates or upgrades the key table through `pool`, each step in a
-        /// write transaction of its own with its version; the layer's
-        /// [`on_sqlx_sqlite`](crate::embed::layer::Idempotency::on_sqlx_sqlite)
-        /// runs it at start-up.
+        /// write transaction of its own with its version (sqlx's: one that
+        /// fails, or whose future is dropped, rolls back); the layer's
+        /// `Idempotency::on_sqlx_sqlite` (feature `axum`) runs it at
+        /// start-up.
         pub async fn migrate_sqlx_sqlite(&self, pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
             use sqlx::Row;
-            let versions = &self.versions;
-            let create = format!("CREATE TABLE IF NOT EXISTS {versions} (version INTEGER NOT NULL)");
-            sqlx::raw_sql(AssertSqlSafe(create)).execute(pool).await?;
+            let versions = Versions(&self.versions);
+            sqlx::raw_sql(AssertSqlSafe(versions.create())).execute(pool).await?;
             let steps = self.migrations(crate::store::Dialect::Sqlite);
             loop {
-                let mut conn = pool.acquire().await?;
-                sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut *conn).await?;
-                let at = format!("SELECT coalesce(max(version), 0) FROM {versions}");
-                let at: i64 = sqlx::query(AssertSqlSafe(at)).fetch_one(&mut *conn).await?.try_get(0)?;
-                let Some(step) = usize::try_from(at).ok().and_then(|at| steps.get(at)) else {
-                    sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
-                    return Ok(());
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                let at: i64 =
+                    sqlx::query(AssertSqlSafe(versions.reached())).fetch_one(&mut *tx).await?.try_get(0)?;
+                let Some((at, step)) = usize::try_from(at).ok().and_then(|at| Some((at, steps.get(at)?)))
+                else {
+                    return tx.commit().await;
                 };
-                let record = format!("{step}; INSERT INTO {versions} (version) VALUES ({})", at + 1);
-                if let Err(e) = sqlx::raw_sql(AssertSqlSafe(record)).execute(&mut *conn).await {
-                    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
-                    return Err(e);
-                }
-                sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+                sqlx::raw_sql(AssertSqlSafe(format!("{step}; {}", versions.record(at + 1))))
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
             }
         }
 

@@ -65,6 +65,14 @@ fn send_body(address: SocketAddr, target: &str, key: &str, body: &[u8]) -> Http 
     exchange(address, &request).unwrap()
 }
 
+/// `POST /orders` under `key`, for a router driven in process.
+fn order(key: &str) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::post("/orders")
+        .header("idempotency-key", format!("\"{key}\""))
+        .body(axum::body::Body::from(r#"{"item":"tea"}"#))
+        .unwrap()
+}
+
 fn replayed(h: &Http) -> bool {
     h.headers.iter().any(|(name, value)| name.eq_ignore_ascii_case("idempotent-replayed") && value == "true")
 }
@@ -167,11 +175,7 @@ fn an_answer_that_is_not_text_is_replayed_byte_for_byte() {
                 .route_layer(from_fn_with_state(idem, idempotent));
             let mut heard = Vec::new();
             for _ in 0..2 {
-                let request = axum::http::Request::post("/orders")
-                    .header("idempotency-key", "\"k1\"")
-                    .body(axum::body::Body::from(r#"{"item":"tea"}"#))
-                    .unwrap();
-                let response = app.clone().oneshot(request).await.unwrap();
+                let response = app.clone().oneshot(order("k1")).await.unwrap();
                 let replay = response.headers().get("idempotent-replayed").is_some();
                 let status = response.status().as_u16();
                 let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
@@ -214,11 +218,7 @@ fn the_statuses_kept_are_the_teams_to_choose() {
                 .route("/orders", post(handler))
                 .route_layer(from_fn_with_state(idem, idempotent));
             for _ in 0..2 {
-                let request = axum::http::Request::post("/orders")
-                    .header("idempotency-key", "\"k1\"")
-                    .body(axum::body::Body::from(r#"{"item":"tea"}"#))
-                    .unwrap();
-                let response = app.clone().oneshot(request).await.unwrap();
+                let response = app.clone().oneshot(order("k1")).await.unwrap();
                 assert_eq!(response.status(), StatusCode::NOT_FOUND);
             }
             runs.push(count.load(Ordering::SeqCst));

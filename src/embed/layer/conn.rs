@@ -54,8 +54,9 @@ pub(super) enum Store {
     Pg(Arc<Lender>),
     #[cfg(feature = "sqlite")]
     Sqlite(Arc<Mutex<rusqlite::Connection>>),
+    /// The pool, and what begins a request's transaction on it.
     #[cfg(feature = "sqlx-postgres")]
-    SqlxPg(sqlx::PgPool),
+    SqlxPg(sqlx::PgPool, Arc<str>),
     /// The pool, and the layer's line for SQLite's one writer: requests
     /// wait in it in turn (SQLite's own busy wait lets a waiter lose to
     /// later ones, past any bound, while a slow handler holds the lock).
@@ -66,15 +67,14 @@ pub(super) enum Store {
 impl Store {
     /// A connection (on sqlx, its transaction begun), or `None` if the
     /// database failed.
-    #[cfg_attr(not(feature = "sqlx-postgres"), allow(unused_variables))]
-    pub(super) async fn connection(&self, keys: &Keys) -> Option<Conn> {
+    pub(super) async fn connection(&self) -> Option<Conn> {
         Some(match self {
             #[cfg(feature = "postgres")]
             Store::Pg(lend) => Conn::Pg(Some(lend().await?)),
             #[cfg(feature = "sqlite")]
             Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
             #[cfg(feature = "sqlx-postgres")]
-            Store::SqlxPg(pool) => Conn::SqlxPg(Some(OnSqlxPg::begin(pool, keys).await.ok()?)),
+            Store::SqlxPg(pool, begin) => Conn::SqlxPg(Some(OnSqlxPg::begin(pool, begin).await.ok()?)),
             #[cfg(feature = "sqlx-sqlite")]
             Store::SqlxLite(pool, line) => {
                 let turn = line.clone().lock_owned().await;
@@ -198,11 +198,7 @@ impl Held {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
-        let kept = std::mem::take(&mut self.kept);
-        let replaced;
-        (replaced, _) = on_conn!(self, false, |on| on.replace_claim(key, seen, claim).await);
-        self.kept = kept;
-        replaced
+        on_conn!(self, false, |on| on.replace_claim(key, seen, claim).await).0
     }
 
     /// Stores `answer` with the key `token` claimed and commits (in one
@@ -214,11 +210,8 @@ impl Held {
         token: &str,
         answer: &Answer,
     ) -> bool {
-        let kept = std::mem::take(&mut self.kept);
-        #[allow(unused_mut)] // the tokio-postgres and rusqlite steps complete on `&self`
         let (committed, _) =
             on_conn!(self, false, |on| Ok::<_, StoreError>(on.complete_and_commit(key, token, answer).await));
-        self.kept = kept;
         self.open = !matches!(committed, Ok(true));
         !self.open
     }

@@ -77,7 +77,8 @@ impl Idempotency {
     /// SQLite file. Builds the key table if it is not there. `who` names the
     /// client of a request from its headers, as the service authenticates it.
     /// To lend the application's own connections instead, see
-    /// [`Idempotency::on_postgres`] and [`Idempotency::on_sqlite`].
+    /// `Idempotency::on_postgres`, `on_deadpool`, `on_sqlite` and the
+    /// `on_sqlx_*` pair (each built with its store's feature).
     // on SQLite alone, `connections` has nothing to bound: one connection
     #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub async fn connect(
@@ -232,11 +233,12 @@ impl Idempotency {
         who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
     ) -> Result<Idempotency, BoxError> {
         keys.migrate_sqlx_postgres(&pool).await?;
-        Ok(Idempotency::with(Store::SqlxPg(pool), keys, who))
+        let begin = crate::embed::sqlx::OnSqlxPg::begin_sql(&keys);
+        Ok(Idempotency::with(Store::SqlxPg(pool, begin), keys, who))
     }
 
     /// The middleware's state on the application's own sqlx `SqlitePool`
-    /// (as for [`Idempotency::on_sqlx_postgres`]; the handler reaches its
+    /// (as `Idempotency::on_sqlx_postgres` does on PostgreSQL; the handler reaches its
     /// connection with [`Tx::sqlx_sqlite`](super::Tx::sqlx_sqlite)). Each
     /// request's transaction is `BEGIN IMMEDIATE`, SQLite's one writer: the
     /// layer's requests wait for it in turn, up to

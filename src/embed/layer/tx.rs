@@ -11,9 +11,10 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 /// The handler's way into the open transaction: its writes commit with the
 /// key and the answer, or roll back with them. Ask it for the store the
-/// layer runs on: [`Tx::client`] (tokio-postgres), [`Tx::sqlite`]
-/// (rusqlite), [`Tx::sqlx_postgres`], [`Tx::sqlx_sqlite`]; each is `None`
-/// on another store. Run the handler's statements on what it gives, never
+/// layer runs on: `Tx::client` (tokio-postgres), `Tx::sqlite` (rusqlite),
+/// `Tx::sqlx_postgres`, `Tx::sqlx_sqlite` (each built with its store's
+/// feature; not links, which a build without one would break); each is
+/// `None` on another store. Run the handler's statements on what it gives, never
 /// `COMMIT` or `ROLLBACK`: the layer does.
 #[derive(Clone)]
 pub struct Tx(pub(super) Arc<Mutex<Option<Held>>>);
@@ -83,7 +84,7 @@ hold!(
 hold_mut!("sqlx-postgres", TxSqlxPg, sqlx::PgConnection, Conn::SqlxPg(Some(tx)) => tx);
 hold!(
     /// A locked hold on the open transaction's sqlx connection
-    /// ([`Tx::sqlx_sqlite`]), as [`TxSqlxPg`] is on PostgreSQL.
+    /// ([`Tx::sqlx_sqlite`]), as `TxSqlxPg` is on PostgreSQL.
     "sqlx-sqlite", TxSqlxLite, sqlx_sqlite, sqlx::SqliteConnection, Conn::SqlxLite(Some(_), _), Conn::SqlxLite(Some(c), _) => c
 );
 hold_mut!("sqlx-sqlite", TxSqlxLite, sqlx::SqliteConnection, Conn::SqlxLite(Some(tx), _) => tx);

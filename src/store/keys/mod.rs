@@ -38,13 +38,6 @@ pub(crate) struct Kept {
     pub body_bytes: Option<Vec<u8>>,
 }
 
-impl Kept {
-    /// As the `complete` statement binds it.
-    pub(crate) fn as_args(&self) -> KeptArgs<'_> {
-        (self.content_type.as_deref(), self.headers.as_deref(), self.body_bytes.as_deref())
-    }
-}
-
 /// What a claim that found its key already there meets (the primary key
 /// said so): the key's committed row decides, and what it keeps besides
 /// its record goes to `kept`; a row gone meanwhile (purged) is a key in
@@ -58,11 +51,8 @@ pub(crate) fn found(
     Ok(Some(record))
 }
 
-/// `content_type`, `headers` and `body_bytes`, as bound.
-pub(crate) type KeptArgs<'a> = (Option<&'a str>, Option<&'a str>, Option<&'a [u8]>);
-
 /// Nothing kept besides the record (the engine's answers).
-pub(crate) const NOTHING_KEPT: KeptArgs<'static> = (None, None, None);
+pub(crate) const NOTHING_KEPT: &Kept = &Kept { content_type: None, headers: None, body_bytes: None };
 
 /// A key as the statements bind it: client, endpoint, key.
 pub(crate) type Who<'a> = [&'a str; 3];
@@ -242,6 +232,31 @@ impl KeyTable {
         )
     }
 }
+
+/// A versions table (the library's `{prefix}idem_schema`): the statements
+/// every store's migration runs on it, written once.
+pub(crate) struct Versions<'a>(pub &'a str);
+
+impl Versions<'_> {
+    /// Creates it if it is not there.
+    pub(crate) fn create(&self) -> String {
+        format!("CREATE TABLE IF NOT EXISTS {} (version INTEGER NOT NULL)", self.0)
+    }
+
+    /// The version reached (0 for none).
+    pub(crate) fn reached(&self) -> String {
+        format!("SELECT coalesce(max(version), 0) FROM {}", self.0)
+    }
+
+    /// Records version `n` as reached.
+    pub(crate) fn record(&self, n: usize) -> String {
+        format!("INSERT INTO {} (version) VALUES ({n})", self.0)
+    }
+}
+
+/// Serialises concurrent migrations on PostgreSQL: one advisory lock for
+/// every idem table in the database (migrations are rare).
+pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(7262617)";
 
 /// The type of a column of bytes.
 pub(crate) fn bytes(dialect: Dialect) -> &'static str {

@@ -1,7 +1,7 @@
 //! The key table's statements run on a tokio-postgres client or
 //! transaction the caller lends, each typed (one round trip, no prepare).
 
-use super::{Kept, KeptArgs, KeyTable, Who};
+use super::{Kept, KeyTable, Who};
 use crate::clock::Timestamp;
 use crate::store::{Claim, KeyRecord, KeyRow, StoreError, Stored};
 use tokio_postgres::types::{ToSql, Type};
@@ -97,7 +97,7 @@ pub(crate) async fn complete<C: GenericClient + Sync>(
     who: Who<'_>,
     token: &str,
     answer: &Stored,
-    (content_type, headers, body_bytes): KeptArgs<'_>,
+    kept: &Kept,
     at: Timestamp,
 ) -> Result<bool, tokio_postgres::Error> {
     let (status, at) = (i32::from(answer.status), at.to_string());
@@ -110,9 +110,9 @@ pub(crate) async fn complete<C: GenericClient + Sync>(
         (&answer.transfer_id, Type::INT8),
         (&at, Type::TEXT),
         (&token, Type::TEXT),
-        (&content_type, Type::TEXT),
-        (&headers, Type::TEXT),
-        (&body_bytes, Type::BYTEA),
+        (&kept.content_type, Type::TEXT),
+        (&kept.headers, Type::TEXT),
+        (&kept.body_bytes, Type::BYTEA),
     ]);
     Ok(c.execute_typed(&t.complete, &args).await? == 1)
 }
@@ -141,15 +141,13 @@ pub(crate) async fn migrate(
     versions: &str,
     steps: &[String],
 ) -> Result<(), tokio_postgres::Error> {
-    let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock(7262617)", &[]).await?;
-    tx.batch_execute(&format!("CREATE TABLE IF NOT EXISTS {versions} (version INTEGER NOT NULL)")).await?;
-    let at: i32 =
-        tx.query_one(&format!("SELECT coalesce(max(version), 0) FROM {versions}"), &[]).await?.get(0);
+    let (tx, versions) = (client.transaction().await?, super::Versions(versions));
+    tx.batch_execute(super::MIGRATION_LOCK).await?;
+    tx.batch_execute(&versions.create()).await?;
+    let at: i32 = tx.query_one(&versions.reached(), &[]).await?.get(0);
     for (n, step) in steps.iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX)) {
         tx.batch_execute(step).await?;
-        let version = i32::try_from(n + 1).unwrap_or(i32::MAX);
-        tx.execute(&format!("INSERT INTO {versions} (version) VALUES ($1)"), &[&version]).await?;
+        tx.batch_execute(&versions.record(n + 1)).await?;
     }
     tx.commit().await
 }

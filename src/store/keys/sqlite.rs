@@ -1,7 +1,7 @@
 //! The key table's statements run on a SQLite connection the caller lends,
 //! inside the write transaction the caller holds (`BEGIN IMMEDIATE`).
 
-use super::{Kept, KeptArgs, KeyTable, Who};
+use super::{Kept, KeyTable, Who};
 use crate::clock::Timestamp;
 use crate::store::{Claim, KeyRecord, KeyRow, Stored};
 use rusqlite::{Connection, OptionalExtension, Row, ToSql};
@@ -74,7 +74,7 @@ pub(crate) fn complete(
     who: Who,
     token: &str,
     answer: &Stored,
-    (content_type, headers, body_bytes): KeptArgs<'_>,
+    kept: &Kept,
     at: Timestamp,
 ) -> rusqlite::Result<bool> {
     let reason = answer.reason.as_ref().map(ToString::to_string);
@@ -88,9 +88,9 @@ pub(crate) fn complete(
         answer.transfer_id,
         at.to_string(),
         token,
-        content_type,
-        headers,
-        body_bytes,
+        kept.content_type,
+        kept.headers,
+        kept.body_bytes,
     ])?;
     Ok(done == 1)
 }
@@ -116,14 +116,12 @@ pub(crate) fn purge(
 /// Runs the steps of `steps` that the table `versions` does not record yet,
 /// each in a write transaction of its own with its version.
 pub(crate) fn migrate(conn: &Connection, versions: &str, steps: &[String]) -> rusqlite::Result<()> {
-    conn.execute_batch(&format!("CREATE TABLE IF NOT EXISTS {versions} (version INTEGER NOT NULL)"))?;
-    let at: i64 =
-        conn.query_row(&format!("SELECT coalesce(max(version), 0) FROM {versions}"), [], |r| r.get(0))?;
+    let versions = super::Versions(versions);
+    conn.execute_batch(&versions.create())?;
+    let at: i64 = conn.query_row(&versions.reached(), [], |r| r.get(0))?;
     for (n, step) in steps.iter().enumerate().skip(usize::try_from(at).unwrap_or(usize::MAX)) {
-        let done = conn.execute_batch(&format!(
-            "BEGIN IMMEDIATE; {step}; INSERT INTO {versions} (version) VALUES ({}); COMMIT;",
-            n + 1
-        ));
+        let done =
+            conn.execute_batch(&format!("BEGIN IMMEDIATE; {step}; {}; COMMIT;", versions.record(n + 1)));
         if done.is_err() && !conn.is_autocommit() {
             // a step that failed leaves its transaction open: end it
             let _ = conn.execute_batch("ROLLBACK");
