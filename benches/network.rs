@@ -79,12 +79,15 @@ struct Run {
     /// server per transfer.
     cpu_us: Option<f64>,
     sends: Option<f64>,
+    /// idem with batching: the mean claims and executions a batch carried.
+    batch: Option<(f64, f64)>,
 }
 
 /// `idem serve` through the hop: 64 connections post new transfers.
 fn idem(bin: &str, conninfo: &str, hop: &Hop, spread: Spread, dir: &std::path::Path) -> Run {
     let db = idem::store::Db::parse(conninfo);
-    let server = Server::start_bin(bin, conninfo, dir, &[]);
+    let extra = std::env::var("IDEM_BENCH_SERVE_ARGS").unwrap_or_default();
+    let server = Server::start_bin(bin, conninfo, dir, &extra.split_whitespace().collect::<Vec<_>>());
     // after the start: the server makes its tables
     let before = idem::store::bank::ledger(&db).unwrap().0.len();
     let barrier = Arc::new(Barrier::new(CLIENTS + 1));
@@ -130,6 +133,16 @@ fn idem(bin: &str, conninfo: &str, hop: &Hop, spread: Spread, dir: &std::path::P
     let elapsed = started.elapsed();
     let cpu = server.cpu("").0 - cpu_before;
     let sends = hop.to_server.load(Ordering::Relaxed) - sends_before;
+    // over the whole server's life: the start's few requests are noise
+    let mean = |kind: &str| {
+        let carried = metric(&server.address, &format!("idem_pg_batched_total{{kind=\"{kind}\"}}"))?;
+        Some(carried / metric(&server.address, &format!("idem_pg_batches_total{{kind=\"{kind}\"}}"))?)
+    };
+    let batch = mean("claim").zip(mean("execution"));
+    if std::env::var_os("IDEM_BENCH_LANES").is_some() {
+        let busy = |kind: &str| metric(&server.address, &format!("idem_pg_batch_seconds_total{{kind=\"{kind}\"}}"));
+        eprintln!("lanes out: claims {:?} s, executions {:?} s, over {elapsed:?}", busy("claim"), busy("execution"));
+    }
     drop(server);
     assert_eq!(other, 0, "answers other than a fresh 201");
     let (transfers, balances) = idem::store::bank::ledger(&db).unwrap();
@@ -142,6 +155,7 @@ fn idem(bin: &str, conninfo: &str, hop: &Hop, spread: Spread, dir: &std::path::P
         p99_ms: percentile(&latencies, 0.99),
         cpu_us: Some(cpu.as_secs_f64() * 1e6 / fresh.max(1) as f64),
         sends: Some(sends as f64 / fresh.max(1) as f64),
+        batch,
     }
 }
 
@@ -222,6 +236,7 @@ fn limit(conninfo: &str, spread: Spread, dir: &std::path::Path) -> Run {
         p99_ms: percentile(&latencies, 0.99),
         cpu_us: None,
         sends: None,
+        batch: None,
     }
 }
 
@@ -255,8 +270,8 @@ fn main() {
 
     println!("idem serve on PostgreSQL across a delayed hop, {CLIENTS} connections, {:?} a run", seconds());
     println!(
-        "\n| round trip (set / measured) | accounts | idem new/s | p50 / p99 ms | limit tps | p50 / p99 ms | idem / limit | idem CPU µs per transfer | idem sends per transfer |\n\
-         |---|---|---:|---|---:|---|---:|---:|---:|"
+        "\n| round trip (set / measured) | accounts | idem new/s | p50 / p99 ms | limit tps | p50 / p99 ms | idem / limit | idem CPU µs per transfer | idem sends per transfer | mean batch (claims / executions) |\n\
+         |---|---|---:|---|---:|---|---:|---:|---:|---|"
     );
     let round_trips: Vec<f64> = match std::env::var("IDEM_BENCH_ROUND_TRIPS") {
         Ok(list) => list.split(',').filter_map(|ms| ms.trim().parse().ok()).collect(),
@@ -269,7 +284,7 @@ fn main() {
             let ours = idem(&bin, &conninfo, &hop, spread, dir.path());
             let bound = limit(&conninfo, spread, dir.path());
             println!(
-                "| {rtt_ms} ms / {measured:.2} ms | {} | {:.0} | {:.1} / {:.1} | {:.0} | {:.1} / {:.1} | {:.2}× | {:.0} | {:.1} |",
+                "| {rtt_ms} ms / {measured:.2} ms | {} | {:.0} | {:.1} / {:.1} | {:.0} | {:.1} / {:.1} | {:.2}× | {:.0} | {:.1} | {} |",
                 spread.name(),
                 ours.per_second,
                 ours.p50_ms,
@@ -280,6 +295,7 @@ fn main() {
                 ours.per_second / bound.per_second,
                 ours.cpu_us.unwrap_or(0.0),
                 ours.sends.unwrap_or(0.0),
+                ours.batch.map_or("none".into(), |(c, x)| format!("{c:.1} / {x:.1}")),
             );
         }
     }

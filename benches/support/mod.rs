@@ -150,6 +150,16 @@ impl Conn {
     }
 }
 
+/// The value of the metric line that starts with `name` (labels included)
+/// on `address`'s `/metrics`, if it has one.
+pub fn metric(address: &str, name: &str) -> Option<f64> {
+    let mut stream = TcpStream::connect(address).ok()?;
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n").ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// The `p` quantile of `sorted` microseconds, in milliseconds.
 pub fn percentile(sorted: &[u32], p: f64) -> f64 {
     sorted.get(((sorted.len() as f64 - 1.0) * p) as usize).map_or(0.0, |v| f64::from(*v) / 1000.0)

@@ -143,7 +143,7 @@ impl Metrics {
 
     /// The Prometheus text exposition; `log_dropped` is the log's count of
     /// lines dropped.
-    pub fn render(&self, log_dropped: u64) -> String {
+    pub fn render(&self, log_dropped: u64, batches: Option<[[u64; 3]; 2]>) -> String {
         let mut out = String::new();
         out.push_str("# HELP idem_requests_total HTTP requests answered, by route and status.\n");
         out.push_str("# TYPE idem_requests_total counter\n");
@@ -190,6 +190,38 @@ impl Metrics {
         );
         self.render_payouts(&mut out);
         self.render_client_events(&mut out);
+        if let Some(batches) = batches {
+            render_batches(&mut out, batches);
+        }
         out
     }
+}
+
+/// PostgreSQL's batches (`--group-max` above 1): claims' and executions'
+/// `[batches, requests carried, microseconds out]`. Carried over batches is
+/// the mean batch; seconds out over the run's seconds, the lanes' use.
+fn render_batches(out: &mut String, batches: [[u64; 3]; 2]) {
+    let [claims, executions] = batches;
+    let _ = write!(
+        out,
+        "# HELP idem_pg_batches_total Batches sent to PostgreSQL, by kind.\n\
+         # TYPE idem_pg_batches_total counter\n\
+         idem_pg_batches_total{{kind=\"claim\"}} {}\n\
+         idem_pg_batches_total{{kind=\"execution\"}} {}\n\
+         # HELP idem_pg_batched_total Requests' statements the batches carried, by kind.\n\
+         # TYPE idem_pg_batched_total counter\n\
+         idem_pg_batched_total{{kind=\"claim\"}} {}\n\
+         idem_pg_batched_total{{kind=\"execution\"}} {}\n\
+         # HELP idem_pg_batch_seconds_total Time the batches were out (a connection, the round trip, the \
+         database's work), summed over the lanes.\n\
+         # TYPE idem_pg_batch_seconds_total counter\n\
+         idem_pg_batch_seconds_total{{kind=\"claim\"}} {}\n\
+         idem_pg_batch_seconds_total{{kind=\"execution\"}} {}\n",
+        claims[0],
+        executions[0],
+        claims[1],
+        executions[1],
+        claims[2] as f64 / 1e6,
+        executions[2] as f64 / 1e6,
+    );
 }

@@ -344,7 +344,7 @@ impl Service {
         }
         keep_freed_memory();
         let stores =
-            crate::store::Workers::open(&options.db, options.pool, options.gateway.is_some(), policy)?;
+        crate::store::Workers::open(&options.db, options.pool, options.group_max > 1, options.gateway.is_some(), policy)?;
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
         let executor =

@@ -20,8 +20,12 @@ use crate::request::{AcctId, ScopedKey};
 use deadpool::managed;
 use std::future::Future;
 use std::time::Duration;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Row};
 use tokio_postgres::error::SqlState;
+
+mod batch;
+pub use batch::{Batched, Batcher};
+use batch::BatchSql;
 
 /// The pool the service takes a connection from for each transfer.
 #[derive(Clone)]
@@ -42,6 +46,11 @@ impl Pool {
         })
     }
 
+    /// The most connections it makes.
+    pub fn max_size(&self) -> usize {
+        self.0.status().max_size
+    }
+
     /// Whether every connection is taken and no more may be made.
     pub fn saturated(&self) -> bool {
         let status = self.0.status();
@@ -57,14 +66,23 @@ pub type Manager = Connector<Prepared>;
 pub struct Prepared {
     shape: Shape,
     policy: &'static Policy,
+    /// Whether the connections also run batches ([`Batcher`]).
+    batches: bool,
 }
 
 impl Manager {
     /// The connections of `store`'s database: `store` (synchronous, already
     /// connected) has made and checked the schema and knows its shape.
     pub fn new(spec: &str, store: &PgStore, policy: &'static Policy) -> Result<Manager, StoreError> {
-        let ready = Prepared { shape: store.shape().clone(), policy };
+        let ready = Prepared { shape: store.shape().clone(), policy, batches: false };
         Connector::with(spec, policy, ready)
+    }
+
+    /// The same, whose connections also run [`Batcher`]'s batches: each
+    /// makes the batch's function in its own temporary schema.
+    pub fn batching(mut self) -> Manager {
+        self.ready.batches = true;
+        self
     }
 
     /// A pool of at most `size` connections; a request waits for one at
@@ -86,7 +104,16 @@ impl Ready for Prepared {
         }
         let sql =
             Hot::of(prepared.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
-        Ok(PgConn { client, sql, shape: self.shape.clone(), ahead: None, broken: false, policy: self.policy })
+        let batch = match self.batches {
+            false => None,
+            true => {
+                client.batch_execute(&pg::execute_function_sql(&self.shape)).await?;
+                let claims = client.prepare(&pg::claim_batch_sql(&self.shape)).await?;
+                Some(BatchSql { claims, executions: client.prepare(pg::EXECUTE_BATCH).await? })
+            }
+        };
+        let shape = self.shape.clone();
+        Ok(PgConn { client, sql, batch, shape, ahead: None, broken: false, policy: self.policy })
     }
 
     fn usable(&self, conn: &PgConn) -> bool {
@@ -98,6 +125,8 @@ impl Ready for Prepared {
 pub struct PgConn {
     client: Client,
     sql: Hot,
+    /// With [`Manager::batching`]: the statements of a batch.
+    batch: Option<BatchSql>,
     shape: Shape,
     /// What the last claim read on its way, for the execution under it.
     ahead: Option<Ahead>,
@@ -137,25 +166,64 @@ async fn pause(backoff: &mut Backoff) -> Result<(), StoreError> {
     }
 }
 
+/// How a request's two statements, the claim and the execution, reach
+/// PostgreSQL: on the request's own connection ([`PgConn`]), or in a batch
+/// with other requests' ([`Batched`]). The steps around them, the same
+/// whichever way they travel, are written once over it.
+trait Route {
+    fn shape(&self) -> &Shape;
+    fn policy(&self) -> &'static Policy;
+    /// What the last claim read on its way, for the execution under it.
+    fn ahead(&mut self) -> &mut Option<Ahead>;
+    /// The claim statement's row.
+    async fn claim_row(&mut self, args: &ClaimArgs<'_>) -> Result<Row, StoreError>;
+    /// The execution statement's row.
+    async fn execute_row(&mut self, args: &PlanArgs<'_>) -> Result<Row, StoreError>;
+    /// A connection for the rest: re-reads, takeovers, releases.
+    async fn conn(&mut self) -> Result<&mut PgConn, StoreError>;
+}
+
+impl Route for PgConn {
+    fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    fn policy(&self) -> &'static Policy {
+        self.policy
+    }
+
+    fn ahead(&mut self) -> &mut Option<Ahead> {
+        &mut self.ahead
+    }
+
+    async fn claim_row(&mut self, args: &ClaimArgs<'_>) -> Result<Row, StoreError> {
+        deadline(&mut self.broken, self.client.query_one(&self.sql.claim, &args.params())).await
+    }
+
+    async fn execute_row(&mut self, args: &PlanArgs<'_>) -> Result<Row, StoreError> {
+        deadline(&mut self.broken, self.client.query_one(&self.sql.execute, &args.params())).await
+    }
+
+    async fn conn(&mut self) -> Result<&mut PgConn, StoreError> {
+        Ok(self)
+    }
+}
+
 impl PgConn {
-    /// One claim statement: `Ok(Err(accounts))` if the key is ours now.
-    async fn claim_once(
-        &mut self,
-        key: &ScopedKey,
-        claim: &Claim,
-        args: &ClaimArgs<'_>,
-    ) -> Result<Result<KeyRecord, [Option<super::Account>; 2]>, StoreError> {
-        let row = deadline(&mut self.broken, self.client.query_one(&self.sql.claim, &args.params())).await?;
-        match pg::claim_row(&row, &self.shape, claim)? {
-            ClaimRow::Mine(read) => Ok(Err(read)),
-            ClaimRow::Existing(rec) => Ok(Ok(rec)),
-            ClaimRow::Raced => {
-                let k: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-                    [&key.client_id, &key.endpoint, &key.idem_key];
-                let row = deadline(&mut self.broken, self.client.query_opt(&self.sql.read_key, &k)).await?;
-                row.as_ref().map(pg::record).transpose()?.map(Ok).ok_or(StoreError::Conflict)
-            }
-        }
+    /// The key, committed by a racer after the claim statement's snapshot.
+    async fn read_raced(&mut self, key: &ScopedKey) -> Result<KeyRecord, StoreError> {
+        let k: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&key.client_id, &key.endpoint, &key.idem_key];
+        let row = deadline(&mut self.broken, self.client.query_opt(&self.sql.read_key, &k)).await?;
+        row.as_ref().map(pg::record).transpose()?.ok_or(StoreError::Conflict)
+    }
+
+    /// What an execution decides on, read afresh (plain reads, no lock).
+    async fn read_seen(&mut self, x: &Execution<'_>) -> Result<Seen, StoreError> {
+        let ([src, dst], k) = (pg::seen_args(&self.shape, x), x.key);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&k.client_id, &k.endpoint, &k.idem_key, &src, &dst];
+        let read = self.client.query_one(&self.sql.seen, &params);
+        pg::seen_of(&deadline(&mut self.broken, read).await?, &self.shape)
     }
 
     /// One takeover: the row locked `NOWAIT`, then the compare-and-set.
@@ -184,76 +252,7 @@ impl PgConn {
         Ok(replaced == 1)
     }
 
-    /// One execution: decide on `seen` (or on a fresh plain read) and write
-    /// the plan in one statement.
-    async fn execute_once(
-        &mut self,
-        x: &Execution<'_>,
-        seen: Option<Seen>,
-        plan: &mut impl FnMut(&Seen) -> Plan,
-        crash: &mut impl FnMut() -> bool,
-    ) -> Result<Executed, StoreError> {
-        let seen = match seen {
-            Some(seen) => seen,
-            None => {
-                let ([src, dst], k) = (pg::seen_args(&self.shape, x), x.key);
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                    [&k.client_id, &k.endpoint, &k.idem_key, &src, &dst];
-                let read = self.client.query_one(&self.sql.seen, &params);
-                pg::seen_of(&deadline(&mut self.broken, read).await?, &self.shape)?
-            }
-        };
-        let planned = plan(&seen);
-        let Some(args) = PlanArgs::new(&self.shape, x, &planned) else { return Ok(Executed::Nothing) };
-        // nothing is written yet: a crash here leaves what one before the commit does
-        if crash() {
-            return Ok(Executed::Crashed);
-        }
-        let row =
-            deadline(&mut self.broken, self.client.query_one(&self.sql.execute, &args.params())).await?;
-        pg::plan_row(&row, &self.shape, &planned).map(Executed::Completed)
-    }
-}
-
-impl KeySteps for PgConn {
-    async fn claim(
-        &mut self,
-        key: &ScopedKey,
-        claim: &Claim,
-        accounts: Option<[&AcctId; 2]>,
-    ) -> Result<Option<KeyRecord>, StoreError> {
-        self.ahead = None;
-        let args = ClaimArgs::new(&self.shape, key, claim, accounts);
-        let mut backoff = Backoff::new(self.policy);
-        loop {
-            match self.claim_once(key, claim, &args).await {
-                Err(StoreError::Conflict) => pause(&mut backoff).await?,
-                Err(e) => return Err(e),
-                Ok(Ok(existing)) => return Ok(Some(existing)),
-                Ok(Err(read)) => {
-                    self.ahead = accounts.map(|ids| Ahead::new(key, claim, ids, read));
-                    return Ok(None);
-                }
-            }
-        }
-    }
-
-    async fn replace_claim(
-        &mut self,
-        key: &ScopedKey,
-        seen: &KeyRecord,
-        claim: &Claim,
-    ) -> Result<bool, StoreError> {
-        let mut backoff = Backoff::new(self.policy);
-        loop {
-            match self.replace_once(key, seen, claim).await {
-                Err(StoreError::Conflict) => pause(&mut backoff).await?,
-                other => return other,
-            }
-        }
-    }
-
-    async fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+    async fn release_once(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
             [&key.client_id, &key.endpoint, &key.idem_key, &token];
         let release = self.client.execute(&self.sql.release, &params);
@@ -261,20 +260,134 @@ impl KeySteps for PgConn {
     }
 }
 
-impl Steps for PgConn {
-    async fn execute(
-        &mut self,
-        x: Execution<'_>,
-        plan: &mut impl FnMut(&Seen) -> Plan,
-        crash: &mut impl FnMut() -> bool,
-    ) -> Result<Executed, StoreError> {
-        let mut seen = Ahead::for_execution(self.ahead.take(), &x);
-        let mut backoff = Backoff::new(self.policy);
-        loop {
-            match self.execute_once(&x, seen.take(), plan, crash).await {
-                Err(StoreError::Conflict) => pause(&mut backoff).await?,
-                other => return other,
+/// One claim statement: `Ok(Err(accounts))` if the key is ours now.
+async fn claim_once(
+    route: &mut impl Route,
+    key: &ScopedKey,
+    claim: &Claim,
+    args: &ClaimArgs<'_>,
+) -> Result<Result<KeyRecord, [Option<super::Account>; 2]>, StoreError> {
+    let row = route.claim_row(args).await?;
+    match pg::claim_row(&row, route.shape(), claim)? {
+        ClaimRow::Mine(read) => Ok(Err(read)),
+        ClaimRow::Existing(rec) => Ok(Ok(rec)),
+        ClaimRow::Raced => route.conn().await?.read_raced(key).await.map(Ok),
+    }
+}
+
+/// One execution: decide on `seen` (or on a fresh plain read) and write
+/// the plan in one statement.
+async fn execute_once(
+    route: &mut impl Route,
+    x: &Execution<'_>,
+    seen: Option<Seen>,
+    plan: &mut impl FnMut(&Seen) -> Plan,
+    crash: &mut impl FnMut() -> bool,
+) -> Result<Executed, StoreError> {
+    let seen = match seen {
+        Some(seen) => seen,
+        None => route.conn().await?.read_seen(x).await?,
+    };
+    let planned = plan(&seen);
+    let Some(args) = PlanArgs::new(route.shape(), x, &planned) else { return Ok(Executed::Nothing) };
+    // nothing is written yet: a crash here leaves what one before the commit does
+    if crash() {
+        return Ok(Executed::Crashed);
+    }
+    let row = route.execute_row(&args).await?;
+    pg::plan_row(&row, route.shape(), &planned).map(Executed::Completed)
+}
+
+async fn claim(
+    route: &mut impl Route,
+    key: &ScopedKey,
+    claim: &Claim,
+    accounts: Option<[&AcctId; 2]>,
+) -> Result<Option<KeyRecord>, StoreError> {
+    *route.ahead() = None;
+    let args = ClaimArgs::new(route.shape(), key, claim, accounts);
+    let mut backoff = Backoff::new(route.policy());
+    loop {
+        match claim_once(route, key, claim, &args).await {
+            Err(StoreError::Conflict) => pause(&mut backoff).await?,
+            Err(e) => return Err(e),
+            Ok(Ok(existing)) => return Ok(Some(existing)),
+            Ok(Err(read)) => {
+                *route.ahead() = accounts.map(|ids| Ahead::new(key, claim, ids, read));
+                return Ok(None);
             }
         }
     }
 }
+
+async fn replace_claim(
+    route: &mut impl Route,
+    key: &ScopedKey,
+    seen: &KeyRecord,
+    claim: &Claim,
+) -> Result<bool, StoreError> {
+    let mut backoff = Backoff::new(route.policy());
+    loop {
+        match route.conn().await?.replace_once(key, seen, claim).await {
+            Err(StoreError::Conflict) => pause(&mut backoff).await?,
+            other => return other,
+        }
+    }
+}
+
+async fn execute(
+    route: &mut impl Route,
+    x: Execution<'_>,
+    plan: &mut impl FnMut(&Seen) -> Plan,
+    crash: &mut impl FnMut() -> bool,
+) -> Result<Executed, StoreError> {
+    let mut seen = Ahead::for_execution(route.ahead().take(), &x);
+    let mut backoff = Backoff::new(route.policy());
+    loop {
+        match execute_once(route, &x, seen.take(), plan, crash).await {
+            Err(StoreError::Conflict) => pause(&mut backoff).await?,
+            other => return other,
+        }
+    }
+}
+
+/// The steps of [`Route`]s, each a thin call of the one version above.
+macro_rules! steps_of_route {
+    ($($t:ty),*) => {$(
+        impl KeySteps for $t {
+            async fn claim(
+                &mut self,
+                key: &ScopedKey,
+                claim: &Claim,
+                accounts: Option<[&AcctId; 2]>,
+            ) -> Result<Option<KeyRecord>, StoreError> {
+                self::claim(self, key, claim, accounts).await
+            }
+
+            async fn replace_claim(
+                &mut self,
+                key: &ScopedKey,
+                seen: &KeyRecord,
+                claim: &Claim,
+            ) -> Result<bool, StoreError> {
+                self::replace_claim(self, key, seen, claim).await
+            }
+
+            async fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+                self.conn().await?.release_once(key, token).await
+            }
+        }
+
+        impl Steps for $t {
+            async fn execute(
+                &mut self,
+                x: Execution<'_>,
+                plan: &mut impl FnMut(&Seen) -> Plan,
+                crash: &mut impl FnMut() -> bool,
+            ) -> Result<Executed, StoreError> {
+                self::execute(self, x, plan, crash).await
+            }
+        }
+    )*};
+}
+steps_of_route!(PgConn, Batched<'_>);

@@ -37,9 +37,16 @@ pub trait GroupTx: Store {
 
 impl Workers {
     /// Opens what `db` needs: a writer on SQLite (checked writable); on
-    /// PostgreSQL a pool of `pool` connections for transfers and, when
-    /// `payouts` are served, `pool` writers for them; and readers beside them.
-    pub fn open(db: &Db, pool: usize, payouts: bool, policy: &'static Policy) -> Result<Workers, StoreError> {
+    /// PostgreSQL a pool of `pool` connections for transfers (made to run
+    /// batches when `batches`) and, when `payouts` are served, `pool`
+    /// writers for them; and readers beside them.
+    pub fn open(
+        db: &Db,
+        pool: usize,
+        batches: bool,
+        payouts: bool,
+        policy: &'static Policy,
+    ) -> Result<Workers, StoreError> {
         match db {
             Db::Postgres(spec) => {
                 let connect = |n| {
@@ -49,7 +56,11 @@ impl Workers {
                 };
                 // the first reader has made and checked the schema the pool's connections use
                 let first = PgStore::connect(spec, policy)?;
-                let pool_of = Manager::new(spec, &first, policy)?.pool(pool)?;
+                let manager = Manager::new(spec, &first, policy)?;
+                let pool_of = match batches {
+                    true => manager.batching().pool(pool)?,
+                    false => manager.pool(pool)?,
+                };
                 let mut readers = connect(READERS - 1)?;
                 readers.insert(0, Box::new(first));
                 let writers = connect(if payouts { pool.max(1) } else { 0 })?;

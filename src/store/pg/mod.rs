@@ -43,6 +43,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
 
+mod batch;
 mod blocking;
 mod connect;
 mod payouts;
@@ -59,6 +60,7 @@ fn keys() -> &'static KeyTable {
     static KEYS: std::sync::OnceLock<KeyTable> = std::sync::OnceLock::new();
     KEYS.get_or_init(|| KeyTable::new("idem_key", Dialect::Postgres))
 }
+pub(in crate::store) use batch::*;
 pub(in crate::store) use statements::*;
 
 pub struct PgStore {

@@ -1,0 +1,266 @@
+//! Many requests' claims in one statement, and many executions in one
+//! call: the service's group commit on PostgreSQL (`pg_pool::batch` runs
+//! them). A batch is one transaction, so it costs one round trip, one
+//! backend wake-up and one WAL flush however many transfers it carries;
+//! what each transfer decides and writes is still its own.
+//!
+//! A claim's row is the single claim's row ([`claim_row`] reads it), one
+//! per request in the batch's order. An execution's row is the single
+//! execution's row ([`plan_row`] reads it): the function below runs every
+//! transfer of the batch in its order, each checking its own premises on
+//! the balances its batch-mates before it left (a hot pair's transfers
+//! apply one after the other within the call), and writing only if all of
+//! them hold. A refusal or a stale premise is that transfer's row; no
+//! transfer's outcome fails its batch-mates.
+
+use super::*;
+
+/// The claim of many keys: [`Hot::texts`]' claim over arrays, `$1..$9`
+/// each one column of the batch. The inserts go in key order, so two
+/// batches that share keys (a retry racing its original) take the keys'
+/// index locks in the same order and never wait on each other in a cycle;
+/// a key inserted is this attempt's only if the row holds its own token
+/// (a batch may carry one key twice).
+pub(in crate::store) fn claim_batch_sql(shape: &Shape) -> String {
+    let t = &shape.acct_type;
+    let record = KEY_COLUMNS.split(", ").map(|c| format!("k.{c}")).collect::<Vec<_>>().join(", ");
+    format!(
+        "WITH lazy AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
+              w AS MATERIALIZED (
+                SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                     $6::text[], $7::text[], $8::text[], $9::text[])
+                         WITH ORDINALITY AS w (c, e, k, fp, tok, cat, lu, s, d, n)),
+              mine AS (
+                INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
+                SELECT c, e, k, fp, 'in_progress', tok, cat, lu FROM w ORDER BY c, e, k
+                ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING
+                RETURNING token)
+         SELECT EXISTS (SELECT FROM mine WHERE mine.token = w.tok), {record},
+                s.acct_id::text, s.balance::text, d.acct_id::text, d.balance::text
+         FROM lazy CROSS JOIN w
+         LEFT JOIN idem_key k ON k.client_id = w.c AND k.endpoint = w.e AND k.idem_key = w.k
+         LEFT JOIN account s ON s.acct_id = w.s::text::{t}
+         LEFT JOIN account d ON d.acct_id = w.d::text::{t}
+         ORDER BY w.n"
+    )
+}
+
+/// The function that runs a batch of executions, made in the session's
+/// own temporary schema when a pool connection is made: nothing is left in
+/// the database, and each connection runs the version of its own binary.
+///
+/// It first locks every key the batch still holds (in key order), then
+/// every account it touches (in ascending order, as a single execution
+/// does), so batches side by side never wait on each other in a cycle.
+/// Then, transfer by transfer in the batch's order, [`execute_sql`]'s
+/// checks, and its writes only if they all hold: each transfer sees what
+/// the ones before it wrote.
+pub(in crate::store) fn execute_function_sql(shape: &Shape) -> String {
+    let t = &shape.acct_type;
+    let ok = "COALESCE(l.balance BETWEEN w.lo AND w.hi, false)";
+    format!(
+        "CREATE OR REPLACE FUNCTION pg_temp.idem_execute(
+           p_c text[], p_e text[], p_k text[], p_tok text[], p_src text[], p_dst text[],
+           p_s_on bool[], p_s_lo bigint[], p_s_hi bigint[], p_d_on bool[], p_d_lo bigint[], p_d_hi bigint[],
+           p_amount bigint[], p_currency text[], p_at text[], p_status int[], p_reason text[], p_body text[],
+           p_head text)
+         RETURNS TABLE (o_held bool, o_premises bool, o_inexact text, o_transfer bigint, o_done bigint)
+         LANGUAGE plpgsql AS $body$
+         DECLARE
+           i int;
+         BEGIN
+           PERFORM 1 FROM idem_key x
+             JOIN unnest(p_c, p_e, p_k, p_tok) AS w (c, e, k, tok)
+               ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
+            WHERE x.state = 'in_progress' AND x.token = w.tok
+            ORDER BY x.client_id, x.endpoint, x.idem_key
+            FOR UPDATE OF x;
+           PERFORM 1 FROM account a
+            WHERE a.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
+            ORDER BY a.acct_id
+            FOR UPDATE;
+           FOR i IN 1 .. coalesce(cardinality(p_k), 0) LOOP
+             o_held := EXISTS (
+               SELECT FROM idem_key x
+                WHERE x.client_id = p_c[i] AND x.endpoint = p_e[i] AND x.idem_key = p_k[i]
+                  AND x.state = 'in_progress' AND x.token = p_tok[i]);
+             SELECT coalesce(bool_and(CASE WHEN l.acct_id IS NULL THEN NOT w.present ELSE w.present AND {ok} END), false),
+                    string_agg(CASE WHEN l.acct_id IS NULL OR w.delta = 0 OR NOT {ok} THEN NULL
+                                    WHEN (l.balance + w.delta)::text::numeric <> l.balance::text::numeric + w.delta
+                                    THEN l.acct_id::text END, ',')
+               INTO o_premises, o_inexact
+               FROM (VALUES (p_src[i]::{t}, p_s_on[i], p_s_lo[i], p_s_hi[i], -p_amount[i]),
+                            (p_dst[i]::{t}, p_d_on[i], p_d_lo[i], p_d_hi[i], p_amount[i]))
+                    AS w (id, present, lo, hi, delta)
+               LEFT JOIN account l ON l.acct_id = w.id;
+             o_transfer := NULL;
+             o_done := 0;
+             IF o_held AND o_premises AND o_inexact IS NULL THEN
+               IF p_amount[i] > 0 THEN
+                 UPDATE account a SET balance = a.balance - p_amount[i] WHERE a.acct_id = p_src[i]::{t};
+                 UPDATE account a SET balance = a.balance + p_amount[i] WHERE a.acct_id = p_dst[i]::{t};
+                 INSERT INTO transfer AS x (src, dst, amount, currency, created_at)
+                 VALUES (p_src[i]::{t}, p_dst[i]::{t}, p_amount[i], p_currency[i], p_at[i])
+                 RETURNING x.transfer_id INTO o_transfer;
+               END IF;
+               UPDATE idem_key x SET state = 'completed', status = p_status[i], reason = p_reason[i],
+                      body = CASE WHEN p_amount[i] > 0 THEN p_head || o_transfer || p_body[i] ELSE p_body[i] END,
+                      transfer_id = o_transfer, completed_at = p_at[i]
+                WHERE x.client_id = p_c[i] AND x.endpoint = p_e[i] AND x.idem_key = p_k[i]
+                  AND x.state = 'in_progress' AND x.token = p_tok[i];
+               GET DIAGNOSTICS o_done = ROW_COUNT;
+             END IF;
+             RETURN NEXT;
+           END LOOP;
+         END
+         $body$"
+    )
+}
+
+/// The call of [`execute_function_sql`]'s function; each row reads as the
+/// single execution's.
+pub(in crate::store) const EXECUTE_BATCH: &str = "SELECT o_held, o_premises, o_inexact, o_transfer, o_done
+     FROM pg_temp.idem_execute($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+       $7::bool[], $8::bigint[], $9::bigint[], $10::bool[], $11::bigint[], $12::bigint[],
+       $13::bigint[], $14::text[], $15::text[], $16::int[], $17::text[], $18::text[], $19::text)";
+
+/// One request's claim, owned, to travel to the task that sends its batch.
+pub(in crate::store) struct ClaimItem {
+    text: [String; 7],
+    accounts: [Option<String>; 2],
+}
+
+impl ClaimArgs<'_> {
+    pub(in crate::store) fn item(&self) -> ClaimItem {
+        let (k, c) = (self.key, self.claim);
+        let text = [&k.client_id, &k.endpoint, &k.idem_key, &c.fingerprint, &c.token, &self.created_at, &self.lease_until]
+            .map(String::clone);
+        ClaimItem { text, accounts: self.accounts.clone() }
+    }
+}
+
+/// A batch of claims as [`claim_batch_sql`] binds it, a column each.
+pub(in crate::store) struct Claims {
+    text: [Vec<String>; 7],
+    accounts: [Vec<Option<String>>; 2],
+}
+
+impl Claims {
+    pub(in crate::store) fn of(items: Vec<ClaimItem>) -> Claims {
+        let mut claims = Claims { text: Default::default(), accounts: Default::default() };
+        for item in items {
+            for (column, value) in claims.text.iter_mut().zip(item.text) {
+                column.push(value);
+            }
+            for (column, value) in claims.accounts.iter_mut().zip(item.accounts) {
+                column.push(value);
+            }
+        }
+        claims
+    }
+
+    pub(in crate::store) fn params(&self) -> [&(dyn ToSql + Sync); 9] {
+        let [c, e, k, fp, tok, cat, lu] = &self.text;
+        let [s, d] = &self.accounts;
+        [c, e, k, fp, tok, cat, lu, s, d]
+    }
+}
+
+/// One request's execution, owned, to travel to the task that sends its
+/// batch: the single execution's arguments ([`PlanArgs`]).
+pub(in crate::store) struct PlanItem {
+    key: [String; 4],
+    accounts: [Option<String>; 2],
+    bounds: [(bool, i64, i64); 2],
+    amount: i64,
+    currency: String,
+    at: String,
+    status: i32,
+    reason: Option<String>,
+    body: String,
+}
+
+impl PlanArgs<'_> {
+    pub(in crate::store) fn item(&self) -> PlanItem {
+        let k = self.x.key;
+        PlanItem {
+            key: [&k.client_id, &k.endpoint, &k.idem_key, self.x.token].map(|s| s.to_owned()),
+            accounts: self.accounts.clone(),
+            bounds: self.bounds,
+            amount: self.amount,
+            currency: self.currency.to_owned(),
+            at: self.at.clone(),
+            status: self.status,
+            reason: self.reason.clone(),
+            body: self.body.to_owned(),
+        }
+    }
+}
+
+/// A batch of executions as [`EXECUTE_BATCH`] binds it, a column each.
+#[derive(Default)]
+pub(in crate::store) struct Plans {
+    key: [Vec<String>; 4],
+    accounts: [Vec<Option<String>>; 2],
+    on: [Vec<bool>; 2],
+    lo: [Vec<i64>; 2],
+    hi: [Vec<i64>; 2],
+    amount: Vec<i64>,
+    currency: Vec<String>,
+    at: Vec<String>,
+    status: Vec<i32>,
+    reason: Vec<Option<String>>,
+    body: Vec<String>,
+}
+
+impl Plans {
+    pub(in crate::store) fn of(items: Vec<PlanItem>) -> Plans {
+        let mut plans = Plans::default();
+        for item in items {
+            for (column, value) in plans.key.iter_mut().zip(item.key) {
+                column.push(value);
+            }
+            for (column, value) in plans.accounts.iter_mut().zip(item.accounts) {
+                column.push(value);
+            }
+            for (i, (on, lo, hi)) in item.bounds.into_iter().enumerate() {
+                plans.on[i].push(on);
+                plans.lo[i].push(lo);
+                plans.hi[i].push(hi);
+            }
+            plans.amount.push(item.amount);
+            plans.currency.push(item.currency);
+            plans.at.push(item.at);
+            plans.status.push(item.status);
+            plans.reason.push(item.reason);
+            plans.body.push(item.body);
+        }
+        plans
+    }
+
+    pub(in crate::store) fn params(&self) -> [&(dyn ToSql + Sync); 19] {
+        let [c, e, k, tok] = &self.key;
+        let [src, dst] = &self.accounts;
+        [
+            c,
+            e,
+            k,
+            tok,
+            src,
+            dst,
+            &self.on[0],
+            &self.lo[0],
+            &self.hi[0],
+            &self.on[1],
+            &self.lo[1],
+            &self.hi[1],
+            &self.amount,
+            &self.currency,
+            &self.at,
+            &self.status,
+            &self.reason,
+            &self.body,
+            &CREATED_HEAD,
+        ]
+    }
+}
