@@ -140,8 +140,13 @@ fn idem(bin: &str, conninfo: &str, hop: &Hop, spread: Spread, dir: &std::path::P
     };
     let batch = mean("claim").zip(mean("execution"));
     if std::env::var_os("IDEM_BENCH_LANES").is_some() {
-        let busy = |kind: &str| metric(&server.address, &format!("idem_pg_batch_seconds_total{{kind=\"{kind}\"}}"));
-        eprintln!("lanes out: claims {:?} s, executions {:?} s, over {elapsed:?}", busy("claim"), busy("execution"));
+        let busy =
+            |kind: &str| metric(&server.address, &format!("idem_pg_batch_seconds_total{{kind=\"{kind}\"}}"));
+        eprintln!(
+            "lanes out: claims {:?} s, executions {:?} s, over {elapsed:?}",
+            busy("claim"),
+            busy("execution")
+        );
     }
     drop(server);
     assert_eq!(other, 0, "answers other than a fresh 201");

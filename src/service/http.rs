@@ -98,9 +98,11 @@ async fn dispatch(app: &Arc<App>, req: Request<Incoming>, note: &mut Note) -> Re
     };
     match (&method, path.as_str()) {
         (&Method::GET, "/healthz") => health(app, note).await,
-        (&Method::GET, "/metrics") => {
-            text(StatusCode::OK, "text/plain; version=0.0.4", app.metrics.render(app.log.dropped(), app.executor.batches()))
-        }
+        (&Method::GET, "/metrics") => text(
+            StatusCode::OK,
+            "text/plain; version=0.0.4",
+            app.metrics.render(app.log.dropped(), app.executor.batches()),
+        ),
         (&Method::GET, "/openapi.json") => text(StatusCode::OK, "application/json", OPENAPI.to_owned()),
         (&Method::GET, "/problems") => text(StatusCode::OK, HTML, problems::page(None).unwrap_or_default()),
         (&Method::GET, p) if p.starts_with("/problems/") => {

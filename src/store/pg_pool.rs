@@ -20,12 +20,12 @@ use crate::request::{AcctId, ScopedKey};
 use deadpool::managed;
 use std::future::Future;
 use std::time::Duration;
-use tokio_postgres::{Client, Row};
 use tokio_postgres::error::SqlState;
+use tokio_postgres::{Client, Row};
 
 mod batch;
-pub use batch::{Batched, Batcher};
 use batch::BatchSql;
+pub use batch::{Batched, Batcher};
 
 /// The pool the service takes a connection from for each transfer.
 #[derive(Clone)]
@@ -212,7 +212,8 @@ impl Route for PgConn {
 impl PgConn {
     /// The key, committed by a racer after the claim statement's snapshot.
     async fn read_raced(&mut self, key: &ScopedKey) -> Result<KeyRecord, StoreError> {
-        let k: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&key.client_id, &key.endpoint, &key.idem_key];
+        let k: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&key.client_id, &key.endpoint, &key.idem_key];
         let row = deadline(&mut self.broken, self.client.query_opt(&self.sql.read_key, &k)).await?;
         row.as_ref().map(pg::record).transpose()?.ok_or(StoreError::Conflict)
     }

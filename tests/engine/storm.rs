@@ -60,3 +60,22 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    // The same conductor with its claims and executions sent in batches.
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn the_services_batches_agree_with_the_oracle_on_random_days(
+        balances in prop::array::uniform::<_, ACCOUNTS>(0i64..2_000),
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
+            let rows: Vec<(serde_json::Value, i64)> =
+                accounts(&balances).into_iter().map(|(id, b)| (serde_json::json!(id.to_string()), b)).collect();
+            let dir = tempfile::tempdir().unwrap();
+            let spec = make_bank(backend, dir.path(), &rows, false);
+            let mut engine = Awaited::batched(&spec.to_string_lossy());
+            run_day_on(&mut engine, balances, ops.clone())?;
+        }
+    }
+}

@@ -10,6 +10,7 @@ mod server;
 
 mod abandon;
 mod availability;
+mod batches;
 mod chaos;
 mod client;
 mod failover;

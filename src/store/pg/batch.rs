@@ -133,8 +133,16 @@ pub(in crate::store) struct ClaimItem {
 impl ClaimArgs<'_> {
     pub(in crate::store) fn item(&self) -> ClaimItem {
         let (k, c) = (self.key, self.claim);
-        let text = [&k.client_id, &k.endpoint, &k.idem_key, &c.fingerprint, &c.token, &self.created_at, &self.lease_until]
-            .map(String::clone);
+        let text = [
+            &k.client_id,
+            &k.endpoint,
+            &k.idem_key,
+            &c.fingerprint,
+            &c.token,
+            &self.created_at,
+            &self.lease_until,
+        ]
+        .map(String::clone);
         ClaimItem { text, accounts: self.accounts.clone() }
     }
 }

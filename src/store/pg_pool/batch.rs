@@ -95,7 +95,8 @@ impl Batcher {
 
 /// A kind of statement that goes out in batches.
 trait Item: Sized + Send + 'static {
-    fn send(conn: &mut PgConn, items: Vec<Self>) -> impl Future<Output = Result<Vec<Row>, StoreError>> + Send;
+    fn send(conn: &mut PgConn, items: Vec<Self>)
+    -> impl Future<Output = Result<Vec<Row>, StoreError>> + Send;
 }
 
 /// What a batching pool's connection lacks: it was made without
@@ -122,7 +123,13 @@ impl Item for PlanItem {
 
 /// Spawns `lanes` lanes on one queue, counted in `sizes[kind]`, and
 /// returns the queue.
-fn lanes_of<I: Item>(pool: &Pool, lanes: usize, max: usize, sizes: &Arc<[Sizes; 2]>, kind: usize) -> Queue<I> {
+fn lanes_of<I: Item>(
+    pool: &Pool,
+    lanes: usize,
+    max: usize,
+    sizes: &Arc<[Sizes; 2]>,
+    kind: usize,
+) -> Queue<I> {
     let (queue, jobs) = mpsc::unbounded_channel();
     let jobs = Arc::new(Mutex::new(jobs));
     for _ in 0..lanes.max(1) {
@@ -192,7 +199,9 @@ async fn through<I>(queue: &Queue<I>, item: I) -> Answer {
 }
 
 /// A request's steps on a [`Batcher`]: the claim and the execution go out
-/// in batches; the rest on a connection taken when first needed.
+/// in batches; the rest on a connection taken when needed, and given back
+/// before the request waits for a batch again: a request holding one while
+/// it waits for a lane that waits for one could starve the lanes.
 pub struct Batched<'a> {
     batcher: &'a Batcher,
     conn: Option<Pooled>,
@@ -213,6 +222,7 @@ impl Route for Batched<'_> {
     }
 
     async fn claim_row(&mut self, args: &ClaimArgs<'_>) -> Result<Row, StoreError> {
+        self.conn = None;
         match through(&self.batcher.claims, args.item()).await {
             Answer::Row(row) => Ok(row),
             Answer::Alone => self.conn().await?.claim_row(args).await,
@@ -221,6 +231,7 @@ impl Route for Batched<'_> {
     }
 
     async fn execute_row(&mut self, args: &PlanArgs<'_>) -> Result<Row, StoreError> {
+        self.conn = None;
         match through(&self.batcher.executions, args.item()).await {
             Answer::Row(row) => Ok(row),
             Answer::Alone => self.conn().await?.execute_row(args).await,

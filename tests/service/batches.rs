@@ -1,0 +1,139 @@
+//! Group commit on PostgreSQL: `idem serve` sends the claims and the
+//! executions of requests side by side in batches. A batch's transfers on
+//! the same account apply one after the other, each deciding on what the
+//! ones before it left; a transfer refused, or one the database refuses,
+//! fails alone.
+
+use crate::common::pg;
+use crate::server::Serve;
+use std::sync::{Arc, Barrier};
+
+const SHOP: (&str, &str) = ("tok-batch", "shop-b");
+
+/// A schema of its own holding `account` with `rows`; its connection string.
+fn bank(server: &pg::Server, rows: &[(&str, i64)]) -> String {
+    let spec = server.fresh_schema(false);
+    pg::execute(
+        &spec,
+        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance BIGINT NOT NULL)",
+    );
+    for (id, balance) in rows {
+        pg::execute(&spec, &format!("INSERT INTO account VALUES ('{id}', 'h', {balance})"));
+    }
+    spec
+}
+
+/// Posts `bodies` at once, one thread each, key `{prefix}-{i}`; their
+/// statuses in order.
+fn at_once(serve: &Serve, prefix: &str, bodies: &[String]) -> Vec<u16> {
+    let start = Arc::new(Barrier::new(bodies.len()));
+    let posts: Vec<_> = bodies
+        .iter()
+        .enumerate()
+        .map(|(i, body)| {
+            let (url, body, start) = (serve.url.clone(), body.clone(), start.clone());
+            let key = format!("\"{prefix}-{i}\"");
+            std::thread::spawn(move || {
+                start.wait();
+                let sent = Serve::agent()
+                    .post(format!("{url}/v1/transfers"))
+                    .header("Authorization", format!("Bearer {}", SHOP.0))
+                    .header("Idempotency-Key", &key)
+                    .header("Content-Type", "application/json")
+                    .send(&body);
+                crate::server::read(sent).status
+            })
+        })
+        .collect();
+    posts.into_iter().map(|p| p.join().unwrap()).collect()
+}
+
+/// A metric's value on `serve`'s `/metrics`.
+fn metric(serve: &Serve, line: &str) -> f64 {
+    let text = serve.get("/metrics", None).body;
+    text.lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+}
+
+fn transfer(src: &str, dst: &str, amount: i64) -> String {
+    format!(r#"{{"src":"{src}","dst":"{dst}","amount":{amount},"currency":"KRW"}}"#)
+}
+
+/// Sixty transfers of 1 from an account holding 10, at once: batches carry
+/// several of them, and exactly ten are paid (a batch that checked each
+/// against the balance before the batch would pay them all, overdrawing).
+#[test]
+fn on_postgres_a_batch_decides_each_transfer_on_what_the_ones_before_it_left() {
+    let Some(server) = pg::server() else { return };
+    let spec = bank(server, &[("a", 10), ("b", 0)]);
+    let serve = Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8"], &[]);
+    let bodies: Vec<String> = (0..60).map(|_| transfer("a", "b", 1)).collect();
+    let statuses = at_once(&serve, "drain", &bodies);
+    let paid = statuses.iter().filter(|s| **s == 201).count();
+    let refused = statuses.iter().filter(|s| **s == 402).count();
+    assert_eq!((paid, refused), (10, 50), "{statuses:?}");
+    let batches = metric(&serve, "idem_pg_batches_total{kind=\"execution\"}");
+    let carried = metric(&serve, "idem_pg_batched_total{kind=\"execution\"}");
+    // a refusal decided on a balance the batch-mates changed is planned again
+    assert!(carried >= 60.0, "every execution goes out in a batch: {carried}");
+    assert!(batches < carried, "no batch carried more than one execution: {batches} batches");
+    serve.stop();
+    let mut c = pg::client(&spec);
+    let balances: Vec<i64> = c
+        .query("SELECT balance FROM account ORDER BY acct_id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(balances, [0, 10]);
+    let transfers: i64 = c.query_one("SELECT count(*) FROM transfer", &[]).unwrap().get(0);
+    assert_eq!(transfers, 10);
+    // every refusal is stored, to be replayed
+    let stored: i64 = c
+        .query_one("SELECT count(*) FROM idem_key WHERE state = 'completed' AND status = 402", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(stored, 50);
+}
+
+/// A constraint of the team's own refuses one transfer of a batch (an
+/// amount of 7): the batch is sent again one request at a time, so that
+/// transfer fails alone and every other one is paid.
+#[test]
+fn on_postgres_a_transfer_the_database_refuses_fails_alone_not_its_batch() {
+    let Some(server) = pg::server() else { return };
+    let spec = bank(server, &[("a", 1_000), ("b", 1_000)]);
+    let serve = Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8"], &[]);
+    // the first request makes the engine's tables; then the team's rule
+    assert_eq!(at_once(&serve, "first", &[transfer("a", "b", 1)]), [201]);
+    pg::execute(&spec, "ALTER TABLE transfer ADD CONSTRAINT not_seven CHECK (amount <> 7)");
+    let bodies: Vec<String> = (0..40).map(|i| transfer("a", "b", if i == 20 { 7 } else { 2 })).collect();
+    let statuses = at_once(&serve, "rule", &bodies);
+    for (i, status) in statuses.iter().enumerate() {
+        match i {
+            20 => assert!(*status >= 500, "the refused transfer answered {status}"),
+            _ => assert_eq!(*status, 201, "transfer {i} failed with its batch-mate: {statuses:?}"),
+        }
+    }
+    assert!(
+        metric(&serve, "idem_pg_batches_total{kind=\"execution\"}")
+            < metric(&serve, "idem_pg_batched_total{kind=\"execution\"}"),
+        "no batch carried more than one execution"
+    );
+    serve.stop();
+    let mut c = pg::client(&spec);
+    let balances: Vec<i64> = c
+        .query("SELECT balance FROM account ORDER BY acct_id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(balances, [1_000 - 1 - 39 * 2, 1_000 + 1 + 39 * 2]);
+    let transfers: i64 = c.query_one("SELECT count(*) FROM transfer", &[]).unwrap().get(0);
+    assert_eq!(transfers, 40);
+    // the refused one's key was let go: nothing of it is left
+    let left: i64 =
+        c.query_one("SELECT count(*) FROM idem_key WHERE idem_key = 'rule-20'", &[]).unwrap().get(0);
+    assert_eq!(left, 0);
+}
