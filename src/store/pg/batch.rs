@@ -68,22 +68,21 @@ pub(in crate::store) fn execute_function_sql(shape: &Shape) -> String {
          LANGUAGE plpgsql AS $body$
          DECLARE
            i int;
+           v_held int[];
          BEGIN
-           PERFORM 1 FROM idem_key x
-             JOIN unnest(p_c, p_e, p_k, p_tok) AS w (c, e, k, tok)
-               ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
-            WHERE x.state = 'in_progress' AND x.token = w.tok
-            ORDER BY x.client_id, x.endpoint, x.idem_key
-            FOR UPDATE OF x;
+           SELECT coalesce(array_agg(h.n), '{{}}') INTO v_held FROM (
+             SELECT w.n FROM idem_key x
+               JOIN unnest(p_c, p_e, p_k, p_tok) WITH ORDINALITY AS w (c, e, k, tok, n)
+                 ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
+              WHERE x.state = 'in_progress' AND x.token = w.tok
+              ORDER BY x.client_id, x.endpoint, x.idem_key
+              FOR UPDATE OF x) h;
            PERFORM 1 FROM account a
             WHERE a.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
             ORDER BY a.acct_id
             FOR UPDATE;
            FOR i IN 1 .. coalesce(cardinality(p_k), 0) LOOP
-             o_held := EXISTS (
-               SELECT FROM idem_key x
-                WHERE x.client_id = p_c[i] AND x.endpoint = p_e[i] AND x.idem_key = p_k[i]
-                  AND x.state = 'in_progress' AND x.token = p_tok[i]);
+             o_held := i = ANY (v_held);
              SELECT coalesce(bool_and(CASE WHEN l.acct_id IS NULL THEN NOT w.present ELSE w.present AND {ok} END), false),
                     string_agg(CASE WHEN l.acct_id IS NULL OR w.delta = 0 OR NOT {ok} THEN NULL
                                     WHEN (l.balance + w.delta)::text::numeric <> l.balance::text::numeric + w.delta
@@ -97,8 +96,9 @@ pub(in crate::store) fn execute_function_sql(shape: &Shape) -> String {
              o_done := 0;
              IF o_held AND o_premises AND o_inexact IS NULL THEN
                IF p_amount[i] > 0 THEN
-                 UPDATE account a SET balance = a.balance - p_amount[i] WHERE a.acct_id = p_src[i]::{t};
-                 UPDATE account a SET balance = a.balance + p_amount[i] WHERE a.acct_id = p_dst[i]::{t};
+                 UPDATE account a SET balance = a.balance + w.delta
+                   FROM (VALUES (p_src[i]::{t}, -p_amount[i]), (p_dst[i]::{t}, p_amount[i])) AS w (id, delta)
+                  WHERE a.acct_id = w.id;
                  INSERT INTO transfer AS x (src, dst, amount, currency, created_at)
                  VALUES (p_src[i]::{t}, p_dst[i]::{t}, p_amount[i], p_currency[i], p_at[i])
                  RETURNING x.transfer_id INTO o_transfer;
