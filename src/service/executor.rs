@@ -3,9 +3,12 @@
 //! On SQLite, one writer thread owns the write connection and folds the
 //! transfers waiting in its queue into one group commit (a savepoint per
 //! request, one fsync for the group), answering each only after that commit
-//! returned. On PostgreSQL, a transfer runs on a connection of an async
-//! pool (`store::pg_pool`), awaited on the service's runtime in a task of
-//! its own: no thread waits on a socket and none is handed the request.
+//! returned. On PostgreSQL, a transfer runs in a task of its own on the
+//! service's runtime: its claim and its execution go out in batches with
+//! those of the transfers beside it (`store::pg_pool::batch`, one
+//! statement for many claims, one for many executions), or, with
+//! `--group-max 1`, each on a connection of the async pool: no thread
+//! waits on a socket and none is handed the request.
 //! On both, reader threads with connections of their own answer lookups
 //! and health probes from plain reads, on a queue of their own, and settled
 //! keys (replays, 422s) when the writers are busy: a read never waits

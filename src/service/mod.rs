@@ -343,13 +343,8 @@ impl Service {
             events_secret_usable(secret)?;
         }
         keep_freed_memory();
-        let stores = crate::store::Workers::open(
-            &options.db,
-            options.pool,
-            options.group_max > 1,
-            options.gateway.is_some(),
-            policy,
-        )?;
+        let (db, pool, batches) = (&options.db, options.pool, options.group_max > 1);
+        let stores = crate::store::Workers::open(db, pool, batches, options.gateway.is_some(), policy)?;
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
         let executor =

@@ -39,7 +39,9 @@ pub struct Serve {
     /// Connections served at once; more wait in the kernel's backlog (default: sized to the descriptor limit).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: Option<u32>,
-    /// SQLite: the most transfers one group commit (one fsync) carries; 1 commits each alone.
+    /// The most transfers one group commit carries: on SQLite one transaction
+    /// (one fsync); on PostgreSQL one batch of claims, or of executions, per
+    /// statement. 1 commits each alone.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     group_max: u32,
     /// With --gateway: POST /v1/payouts pays out through it (see docs/payouts.md).

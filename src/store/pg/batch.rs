@@ -53,68 +53,14 @@ pub(in crate::store) fn claim_batch_sql(shape: &Shape) -> String {
 /// every account it touches (in ascending order, as a single execution
 /// does), so batches side by side never wait on each other in a cycle.
 /// Then, transfer by transfer in the batch's order, [`execute_sql`]'s
-/// checks, and its writes only if they all hold: each transfer sees what
-/// the ones before it wrote.
+/// checks, and the money moved only if they all hold: each transfer sees
+/// the balances the ones before it left. The transfers paid are inserted,
+/// and the keys completed, after the loop, one statement each for the
+/// batch; their ids are drawn from the table's own sequence in the loop
+/// (a table whose id draws from none fails every batch, which then goes
+/// out a request at a time).
 pub(in crate::store) fn execute_function_sql(shape: &Shape) -> String {
-    let t = &shape.acct_type;
-    let ok = "COALESCE(l.balance BETWEEN w.lo AND w.hi, false)";
-    format!(
-        "CREATE OR REPLACE FUNCTION pg_temp.idem_execute(
-           p_c text[], p_e text[], p_k text[], p_tok text[], p_src text[], p_dst text[],
-           p_s_on bool[], p_s_lo bigint[], p_s_hi bigint[], p_d_on bool[], p_d_lo bigint[], p_d_hi bigint[],
-           p_amount bigint[], p_currency text[], p_at text[], p_status int[], p_reason text[], p_body text[],
-           p_head text)
-         RETURNS TABLE (o_held bool, o_premises bool, o_inexact text, o_transfer bigint, o_done bigint)
-         LANGUAGE plpgsql AS $body$
-         DECLARE
-           i int;
-           v_held int[];
-         BEGIN
-           SELECT coalesce(array_agg(h.n), '{{}}') INTO v_held FROM (
-             SELECT w.n FROM idem_key x
-               JOIN unnest(p_c, p_e, p_k, p_tok) WITH ORDINALITY AS w (c, e, k, tok, n)
-                 ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
-              WHERE x.state = 'in_progress' AND x.token = w.tok
-              ORDER BY x.client_id, x.endpoint, x.idem_key
-              FOR UPDATE OF x) h;
-           PERFORM 1 FROM account a
-            WHERE a.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
-            ORDER BY a.acct_id
-            FOR UPDATE;
-           FOR i IN 1 .. coalesce(cardinality(p_k), 0) LOOP
-             o_held := i = ANY (v_held);
-             SELECT coalesce(bool_and(CASE WHEN l.acct_id IS NULL THEN NOT w.present ELSE w.present AND {ok} END), false),
-                    string_agg(CASE WHEN l.acct_id IS NULL OR w.delta = 0 OR NOT {ok} THEN NULL
-                                    WHEN (l.balance + w.delta)::text::numeric <> l.balance::text::numeric + w.delta
-                                    THEN l.acct_id::text END, ',')
-               INTO o_premises, o_inexact
-               FROM (VALUES (p_src[i]::{t}, p_s_on[i], p_s_lo[i], p_s_hi[i], -p_amount[i]),
-                            (p_dst[i]::{t}, p_d_on[i], p_d_lo[i], p_d_hi[i], p_amount[i]))
-                    AS w (id, present, lo, hi, delta)
-               LEFT JOIN account l ON l.acct_id = w.id;
-             o_transfer := NULL;
-             o_done := 0;
-             IF o_held AND o_premises AND o_inexact IS NULL THEN
-               IF p_amount[i] > 0 THEN
-                 UPDATE account a SET balance = a.balance + w.delta
-                   FROM (VALUES (p_src[i]::{t}, -p_amount[i]), (p_dst[i]::{t}, p_amount[i])) AS w (id, delta)
-                  WHERE a.acct_id = w.id;
-                 INSERT INTO transfer AS x (src, dst, amount, currency, created_at)
-                 VALUES (p_src[i]::{t}, p_dst[i]::{t}, p_amount[i], p_currency[i], p_at[i])
-                 RETURNING x.transfer_id INTO o_transfer;
-               END IF;
-               UPDATE idem_key x SET state = 'completed', status = p_status[i], reason = p_reason[i],
-                      body = CASE WHEN p_amount[i] > 0 THEN p_head || o_transfer || p_body[i] ELSE p_body[i] END,
-                      transfer_id = o_transfer, completed_at = p_at[i]
-                WHERE x.client_id = p_c[i] AND x.endpoint = p_e[i] AND x.idem_key = p_k[i]
-                  AND x.state = 'in_progress' AND x.token = p_tok[i];
-               GET DIAGNOSTICS o_done = ROW_COUNT;
-             END IF;
-             RETURN NEXT;
-           END LOOP;
-         END
-         $body$"
-    )
+    include_str!("batch_execute.sql").replace("{t}", &shape.acct_type)
 }
 
 /// The call of [`execute_function_sql`]'s function; each row reads as the

@@ -1,0 +1,72 @@
+-- The function that runs a batch of executions: see execute_function_sql in
+-- batch.rs, which puts the type of account.acct_id for each t in braces.
+CREATE OR REPLACE FUNCTION pg_temp.idem_execute(
+  p_c text[], p_e text[], p_k text[], p_tok text[], p_src text[], p_dst text[],
+  p_s_on bool[], p_s_lo bigint[], p_s_hi bigint[], p_d_on bool[], p_d_lo bigint[], p_d_hi bigint[],
+  p_amount bigint[], p_currency text[], p_at text[], p_status int[], p_reason text[], p_body text[],
+  p_head text)
+RETURNS TABLE (o_held bool, o_premises bool, o_inexact text, o_transfer bigint, o_done bigint)
+LANGUAGE plpgsql AS $body$
+DECLARE
+  v_n int := coalesce(cardinality(p_k), 0);
+  v_seq regclass := pg_get_serial_sequence('transfer', 'transfer_id');
+  v_held int[];
+  v_p bool[] := array_fill(false, ARRAY[v_n]);
+  v_x text[] := array_fill(NULL::text, ARRAY[v_n]);
+  v_t bigint[] := array_fill(NULL::bigint, ARRAY[v_n]);
+  v_go bool[] := array_fill(false, ARRAY[v_n]);
+  v_premises bool;
+  v_inexact text;
+  i int;
+BEGIN
+  IF v_seq IS NULL THEN
+    RAISE EXCEPTION 'transfer.transfer_id draws from no sequence';
+  END IF;
+  SELECT coalesce(array_agg(h.n), '{}') INTO v_held FROM (
+    SELECT w.n FROM idem_key x
+      JOIN unnest(p_c, p_e, p_k, p_tok) WITH ORDINALITY AS w (c, e, k, tok, n)
+        ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
+     WHERE x.state = 'in_progress' AND x.token = w.tok
+     ORDER BY x.client_id, x.endpoint, x.idem_key
+     FOR UPDATE OF x) h;
+  PERFORM 1 FROM account a
+   WHERE a.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
+   ORDER BY a.acct_id
+   FOR UPDATE;
+  FOR i IN 1 .. v_n LOOP
+    SELECT coalesce(bool_and(CASE WHEN l.acct_id IS NULL THEN NOT w.present ELSE w.present AND COALESCE(l.balance BETWEEN w.lo AND w.hi, false) END), false),
+           string_agg(CASE WHEN l.acct_id IS NULL OR w.delta = 0 OR NOT COALESCE(l.balance BETWEEN w.lo AND w.hi, false) THEN NULL
+                           WHEN (l.balance + w.delta)::text::numeric <> l.balance::text::numeric + w.delta
+                           THEN l.acct_id::text END, ',')
+      INTO v_premises, v_inexact
+      FROM (VALUES (p_src[i]::{t}, p_s_on[i], p_s_lo[i], p_s_hi[i], -p_amount[i]),
+                   (p_dst[i]::{t}, p_d_on[i], p_d_lo[i], p_d_hi[i], p_amount[i]))
+           AS w (id, present, lo, hi, delta)
+      LEFT JOIN account l ON l.acct_id = w.id;
+    v_p[i] := v_premises;
+    v_x[i] := v_inexact;
+    v_go[i] := i = ANY (v_held) AND v_premises AND v_inexact IS NULL;
+    IF v_go[i] AND p_amount[i] > 0 THEN
+      UPDATE account a SET balance = a.balance + w.delta
+        FROM (VALUES (p_src[i]::{t}, -p_amount[i]), (p_dst[i]::{t}, p_amount[i])) AS w (id, delta)
+       WHERE a.acct_id = w.id;
+      v_t[i] := nextval(v_seq);
+    END IF;
+  END LOOP;
+  INSERT INTO transfer (transfer_id, src, dst, amount, currency, created_at)
+  SELECT u.tid, u.src::{t}, u.dst::{t}, u.amount, u.currency, u.at
+    FROM unnest(v_t, p_src, p_dst, p_amount, p_currency, p_at) AS u (tid, src, dst, amount, currency, at)
+   WHERE u.tid IS NOT NULL;
+  UPDATE idem_key x SET state = 'completed', status = u.status, reason = u.reason,
+         body = CASE WHEN u.tid IS NOT NULL THEN p_head || u.tid || u.body ELSE u.body END,
+         transfer_id = u.tid, completed_at = u.at
+    FROM unnest(p_c, p_e, p_k, p_tok, p_status, p_reason, p_body, p_at, v_t, v_go)
+         AS u (c, e, k, tok, status, reason, body, at, tid, go)
+   WHERE u.go AND x.client_id = u.c AND x.endpoint = u.e AND x.idem_key = u.k
+     AND x.state = 'in_progress' AND x.token = u.tok;
+  RETURN QUERY
+    SELECT g.n = ANY (v_held), v_p[g.n], v_x[g.n], v_t[g.n], v_go[g.n]::int::bigint
+      FROM generate_series(1, v_n) AS g (n)
+     ORDER BY g.n;
+END
+$body$
