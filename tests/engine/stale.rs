@@ -121,50 +121,6 @@ fn a_holder_whose_claim_was_taken_over_while_it_was_away_moves_no_money() {
     }
 }
 
-/// The same takeover on `idem serve`'s batches: the late holder's batched
-/// execution finds the key no longer its own and writes nothing.
-#[test]
-fn on_the_services_batches_a_holder_whose_claim_was_taken_over_moves_no_money() {
-    use crate::models::awaited::Awaited;
-    use idem::protocol::Engine;
-    if !backends().contains(&Backend::Postgres) {
-        return;
-    }
-    let policy = Policy::embedded();
-    let t0 = idem::clock::Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
-    let later = t0.plus_seconds(i64::from(policy.in_progress_lease_seconds) + 1);
-    for taker_first in [true, false] {
-        let bank = Bank::with(Backend::Postgres, &[(json!("A"), 100), (json!("B"), 0)]);
-        let (mut slow, mut taker) = (Awaited::batched(&bank.spec()), Awaited::batched(&bank.spec()));
-        let text = request("c", "/t", "k", &json!("A"), &json!("B"), 30);
-        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
-        let at = |now, token| Ctx { policy, now, token };
-        assert_eq!(slow.claim(&req, at(t0, "slow")).unwrap(), Claimed::Mine);
-        assert_eq!(taker.claim(&req, at(later, "taker")).unwrap(), Claimed::Mine);
-        let execute = |engine: &mut Awaited, token| match engine
-            .execute(&req, at(later, token), &mut |_| Flow::Continue)
-            .unwrap()
-        {
-            Outcome::Respond(r) => r,
-            other => panic!("{other:?}"),
-        };
-        let (paid, late) = if taker_first {
-            let paid = execute(&mut taker, "taker");
-            (paid, execute(&mut slow, "slow"))
-        } else {
-            let late = execute(&mut slow, "slow");
-            (execute(&mut taker, "taker"), late)
-        };
-        assert_eq!(paid.status, 201, "{paid:?}");
-        match taker_first {
-            true => assert_eq!((late.status, late.replay, &late.body), (201, true, &paid.body)),
-            false => assert_eq!(late.status, 409, "{late:?}"),
-        }
-        assert_eq!(bank.balances(), [70, 30], "taker first: {taker_first}");
-        assert_eq!(bank.transfers().len(), 1, "taker first: {taker_first}");
-    }
-}
-
 /// The window the batch's own check closes: the late holder decided while
 /// the key was still its own, and a retry took the key over and paid
 /// before the late holder's batch reached the database. That batch finds

@@ -50,14 +50,7 @@ proptest! {
         balances in prop::array::uniform::<_, ACCOUNTS>(0i64..2_000),
         ops in prop::collection::vec(op(), 1..40),
     ) {
-        for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
-            let rows: Vec<(serde_json::Value, i64)> =
-                accounts(&balances).into_iter().map(|(id, b)| (serde_json::json!(id.to_string()), b)).collect();
-            let dir = tempfile::tempdir().unwrap();
-            let spec = make_bank(backend, dir.path(), &rows, false);
-            let mut engine = Awaited::connect(&spec.to_string_lossy());
-            run_day_on(&mut engine, balances, ops.clone())?;
-        }
+        conductor_day(balances, ops, Awaited::connect)?;
     }
 }
 
@@ -69,13 +62,22 @@ proptest! {
         balances in prop::array::uniform::<_, ACCOUNTS>(0i64..2_000),
         ops in prop::collection::vec(op(), 1..40),
     ) {
-        for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
-            let rows: Vec<(serde_json::Value, i64)> =
-                accounts(&balances).into_iter().map(|(id, b)| (serde_json::json!(id.to_string()), b)).collect();
-            let dir = tempfile::tempdir().unwrap();
-            let spec = make_bank(backend, dir.path(), &rows, false);
-            let mut engine = Awaited::batched(&spec.to_string_lossy());
-            run_day_on(&mut engine, balances, ops.clone())?;
-        }
+        conductor_day(balances, ops, Awaited::batched)?;
     }
+}
+
+/// A day on the service's conductor, on a bank of its own per backend.
+fn conductor_day(
+    balances: [i64; ACCOUNTS],
+    ops: Vec<crate::models::storm::Op>,
+    engine: fn(&str) -> Awaited,
+) -> Result<(), TestCaseError> {
+    for backend in backends().into_iter().filter(|b| *b != Backend::Sqlite) {
+        let rows: Vec<(serde_json::Value, i64)> =
+            accounts(&balances).into_iter().map(|(id, b)| (serde_json::json!(id.to_string()), b)).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let spec = make_bank(backend, dir.path(), &rows, false);
+        run_day_on(&mut engine(&spec.to_string_lossy()), balances, ops.clone())?;
+    }
+    Ok(())
 }

@@ -56,6 +56,18 @@ fn metric(serve: &Serve, line: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {line} in\n{text}"))
 }
 
+/// The balances in account order, and the number of transfers.
+fn ledger(spec: &str) -> (Vec<i64>, i64) {
+    let mut c = pg::client(spec);
+    let balances = c
+        .query("SELECT balance FROM account ORDER BY acct_id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    (balances, c.query_one("SELECT count(*) FROM transfer", &[]).unwrap().get(0))
+}
+
 fn transfer(src: &str, dst: &str, amount: i64) -> String {
     format!(r#"{{"src":"{src}","dst":"{dst}","amount":{amount},"currency":"KRW"}}"#)
 }
@@ -79,16 +91,8 @@ fn on_postgres_a_batch_decides_each_transfer_on_what_the_ones_before_it_left() {
     assert!(carried >= 60.0, "every execution goes out in a batch: {carried}");
     assert!(batches < carried, "no batch carried more than one execution: {batches} batches");
     serve.stop();
+    assert_eq!(ledger(&spec), (vec![0, 10], 10));
     let mut c = pg::client(&spec);
-    let balances: Vec<i64> = c
-        .query("SELECT balance FROM account ORDER BY acct_id", &[])
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(balances, [0, 10]);
-    let transfers: i64 = c.query_one("SELECT count(*) FROM transfer", &[]).unwrap().get(0);
-    assert_eq!(transfers, 10);
     // every refusal is stored, to be replayed
     let stored: i64 = c
         .query_one("SELECT count(*) FROM idem_key WHERE state = 'completed' AND status = 402", &[])
@@ -122,16 +126,8 @@ fn on_postgres_a_transfer_the_database_refuses_fails_alone_not_its_batch() {
         "no batch carried more than one execution"
     );
     serve.stop();
+    assert_eq!(ledger(&spec), (vec![1_000 - 1 - 39 * 2, 1_000 + 1 + 39 * 2], 40));
     let mut c = pg::client(&spec);
-    let balances: Vec<i64> = c
-        .query("SELECT balance FROM account ORDER BY acct_id", &[])
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(balances, [1_000 - 1 - 39 * 2, 1_000 + 1 + 39 * 2]);
-    let transfers: i64 = c.query_one("SELECT count(*) FROM transfer", &[]).unwrap().get(0);
-    assert_eq!(transfers, 40);
     // the refused one's key was let go: nothing of it is left
     let left: i64 =
         c.query_one("SELECT count(*) FROM idem_key WHERE idem_key = 'rule-20'", &[]).unwrap().get(0);
