@@ -4,11 +4,11 @@
 //! transfers waiting in its queue into one group commit (a savepoint per
 //! request, one fsync for the group), answering each only after that commit
 //! returned. On PostgreSQL, a transfer runs in a task of its own on the
-//! service's runtime: its claim and its execution go out in batches with
-//! those of the transfers beside it (`store::pg_pool::batch`, one
-//! statement for many claims, one for many executions), or, with
-//! `--group-max 1`, each on a connection of the async pool: no thread
-//! waits on a socket and none is handed the request.
+//! service's runtime, on a connection of the async pool, or, with
+//! `--pg-batch-max` above 1, its claim and its execution go out in batches
+//! with those of the transfers beside it (`store::pg_pool::batch`, one
+//! statement for many claims, one for many executions): no thread waits
+//! on a socket and none is handed the request.
 //! On both, reader threads with connections of their own answer lookups
 //! and health probes from plain reads, on a queue of their own, and settled
 //! keys (replays, 422s) when the writers are busy: a read never waits
@@ -292,7 +292,7 @@ impl Orphans {
 #[derive(Clone)]
 struct OnPool {
     pool: Pool,
-    /// With batching on (`--group-max` above 1): the batcher, started on
+    /// With batching on (`--pg-batch-max` above 1): the batcher, started on
     /// the service's runtime by the first transfer.
     batches: Option<Arc<std::sync::OnceLock<Batcher>>>,
     batch_max: usize,

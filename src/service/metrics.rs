@@ -197,7 +197,7 @@ impl Metrics {
     }
 }
 
-/// PostgreSQL's batches (`--group-max` above 1): claims' and executions'
+/// PostgreSQL's batches (`--pg-batch-max` above 1): claims' and executions'
 /// `[batches, requests carried, microseconds out]`. Carried over batches is
 /// the mean batch; seconds out over the run's seconds, the lanes' use.
 fn render_batches(out: &mut String, batches: [[u64; 3]; 2]) {

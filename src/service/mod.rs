@@ -65,6 +65,9 @@ pub struct Options {
     pub max_connections: usize,
     /// SQLite: the most transfers one group commit carries (1: a commit each).
     pub group_max: usize,
+    /// PostgreSQL: the most requests one batch of claims, or of
+    /// executions, carries; 1 sends each request's statements alone.
+    pub pg_batch_max: usize,
     /// The secret that keys the logged key tags (`None`: a random one).
     pub log_secret: Option<Vec<u8>>,
     /// Where payouts go (`None`: `/v1/payouts` is not served).
@@ -343,12 +346,13 @@ impl Service {
             events_secret_usable(secret)?;
         }
         keep_freed_memory();
-        let (db, pool, batches) = (&options.db, options.pool, options.group_max > 1);
+        let (db, pool, batches) = (&options.db, options.pool, options.pg_batch_max > 1);
         let stores = crate::store::Workers::open(db, pool, batches, options.gateway.is_some(), policy)?;
+        let group_max = if batches { options.pg_batch_max } else { options.group_max };
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
         let executor =
-            Executor::start(stores, capacity, options.group_max, policy, clock.clone(), health.clone(), hook)
+            Executor::start(stores, capacity, group_max, policy, clock.clone(), health.clone(), hook)
                 .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
         let log = log::Log::start(log_sink, options.log_secret)
             .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;

@@ -107,7 +107,15 @@ impl Ready for Prepared {
         let batch = match self.batches {
             false => None,
             true => {
-                client.batch_execute(&pg::execute_function_sql(&self.shape)).await?;
+                // A temporary object needs no durability, and its commit must
+                // not wait for a synchronous standby: on a primary cut off
+                // from its standbys every connection made would leave a
+                // backend waiting there, until none could be made, not even
+                // by the cluster's own manager to heal it.
+                let function = pg::execute_function_sql(&self.shape);
+                client
+                    .batch_execute(&format!("BEGIN; SET LOCAL synchronous_commit = off; {function}; COMMIT"))
+                    .await?;
                 let claims = client.prepare(&pg::claim_batch_sql(&self.shape)).await?;
                 Some(BatchSql { claims, executions: client.prepare(pg::EXECUTE_BATCH).await? })
             }

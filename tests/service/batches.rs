@@ -79,7 +79,8 @@ fn transfer(src: &str, dst: &str, amount: i64) -> String {
 fn on_postgres_a_batch_decides_each_transfer_on_what_the_ones_before_it_left() {
     let Some(server) = pg::server() else { return };
     let spec = bank(server, &[("a", 10), ("b", 0)]);
-    let serve = Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8"], &[]);
+    let serve =
+        Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8", "--pg-batch-max", "256"], &[]);
     let bodies: Vec<String> = (0..60).map(|_| transfer("a", "b", 1)).collect();
     let statuses = at_once(&serve, "drain", &bodies);
     let paid = statuses.iter().filter(|s| **s == 201).count();
@@ -108,7 +109,8 @@ fn on_postgres_a_batch_decides_each_transfer_on_what_the_ones_before_it_left() {
 fn on_postgres_a_transfer_the_database_refuses_fails_alone_not_its_batch() {
     let Some(server) = pg::server() else { return };
     let spec = bank(server, &[("a", 1_000), ("b", 1_000)]);
-    let serve = Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8"], &[]);
+    let serve =
+        Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8", "--pg-batch-max", "256"], &[]);
     // the first request makes the engine's tables; then the team's rule
     assert_eq!(at_once(&serve, "first", &[transfer("a", "b", 1)]), [201]);
     pg::execute(&spec, "ALTER TABLE transfer ADD CONSTRAINT not_seven CHECK (amount <> 7)");

@@ -26,6 +26,7 @@ fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
         max_in_flight: 1024,
         max_connections: 1024,
         group_max: 256,
+        pg_batch_max: 1,
         log_secret: None,
         gateway: None,
         reconcile_every: std::time::Duration::from_secs(30),

@@ -39,11 +39,15 @@ pub struct Serve {
     /// Connections served at once; more wait in the kernel's backlog (default: sized to the descriptor limit).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: Option<u32>,
-    /// The most transfers one group commit carries: on SQLite one transaction
-    /// (one fsync); on PostgreSQL one batch of claims, or of executions, per
-    /// statement. 1 commits each alone.
+    /// SQLite: the most transfers one group commit (one fsync) carries; 1 commits each alone.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     group_max: u32,
+    /// PostgreSQL: the most transfers one batch carries (their claims in one
+    /// statement, their executions in one call); 1, the default, sends each
+    /// transfer's statements alone. Not yet the default: see
+    /// docs/performance.md, "Group commit on PostgreSQL".
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pg_batch_max: u32,
     /// With --gateway: POST /v1/payouts pays out through it (see docs/payouts.md).
     #[command(flatten)]
     gateway: GatewayArgs,
@@ -81,7 +85,8 @@ pub struct Serve {
 }
 
 pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> {
-    let Serve { db, listen, clients, pool, max_in_flight, max_connections, group_max, .. } = args;
+    let Serve { db, listen, clients, pool, max_in_flight, max_connections, group_max, pg_batch_max, .. } =
+        args;
     let max_connections = max_connections
         .map_or_else(|| service::default_max_connections(service::descriptor_limit()), |n| n as usize);
     let gateway = args.gateway.http();
@@ -95,6 +100,7 @@ pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> 
         max_in_flight: max_in_flight as usize,
         max_connections,
         group_max: group_max as usize,
+        pg_batch_max: pg_batch_max as usize,
         log_secret: std::env::var_os("IDEM_LOG_SECRET").map(|s| s.into_encoded_bytes()),
         gateway,
         reconcile_every: args.reconcile_every,

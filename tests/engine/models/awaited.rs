@@ -6,7 +6,7 @@
 //! the conductor `idem serve` runs on PostgreSQL, crash points included.
 //! Release, purge and the audit run on the synchronous store beside it.
 //! [`Awaited::batched`] sends the claims and executions in batches, as
-//! `idem serve` does with `--group-max` above 1 (a day's requests come one
+//! `idem serve` does with `--pg-batch-max` above 1 (a day's requests come one
 //! at a time, so each batch carries one: this judges the batch's SQL).
 
 use idem::clock::Timestamp;
