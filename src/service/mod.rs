@@ -23,6 +23,7 @@ mod tell;
 pub use tell::load_hooks;
 
 use crate::policy::Policy;
+use crate::store::Db;
 use crate::store::StoreError;
 use executor::{Clock, Executor};
 use hyper::service::service_fn;
@@ -348,7 +349,7 @@ impl Service {
         keep_freed_memory();
         let (db, pool, batches) = (&options.db, options.pool, options.pg_batch_max > 1);
         let stores = crate::store::Workers::open(db, pool, batches, options.gateway.is_some(), policy)?;
-        let group_max = if batches { options.pg_batch_max } else { options.group_max };
+        let group_max = if let Db::Postgres(_) = db { options.pg_batch_max } else { options.group_max };
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
         let executor =
