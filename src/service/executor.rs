@@ -125,14 +125,15 @@ impl Executor {
                 })?);
                 readers
             }
-            Workers::Pooled { pool, writers, readers } => {
+            Workers::Pooled { pool, batching, writers, readers } => {
                 for (i, store) in writers.into_iter().enumerate() {
                     let (jobs, clock, health) = (write_jobs.clone(), clock.clone(), health.clone());
                     workers.push(spawn(format!("idem-store-{i}"), move || {
                         one_at_a_time(store, &jobs, policy, &clock, &health)
                     })?);
                 }
-                let batches = (group_max > 1).then(|| Arc::new(std::sync::OnceLock::new()));
+                let batches =
+                    (group_max > 1 && batching.is_ok()).then(|| Arc::new(std::sync::OnceLock::new()));
                 on_pool = Some(OnPool {
                     pool,
                     batches,

@@ -328,6 +328,19 @@ pub struct Service {
     max_connections: usize,
 }
 
+/// The events secrets, the current one first, each checked usable.
+fn events_secrets(options: &Options) -> Result<Vec<Vec<u8>>, ServeError> {
+    if options.events_secret_previous.is_some() && options.events_secret.is_none() {
+        return Err(ServeError::Other("a previous events secret needs the current one beside it".into()));
+    }
+    let secrets: Vec<Vec<u8>> =
+        options.events_secret.iter().chain(&options.events_secret_previous).cloned().collect();
+    for secret in &secrets {
+        events_secret_usable(secret)?;
+    }
+    Ok(secrets)
+}
+
 impl Service {
     /// Opens the stores and starts the workers and the log writer (logs go
     /// to `log_sink`); nothing listens yet.
@@ -338,17 +351,11 @@ impl Service {
         clock: Clock,
         hook: Option<executor::GroupHook>,
     ) -> Result<Service, ServeError> {
-        if options.events_secret_previous.is_some() && options.events_secret.is_none() {
-            return Err(ServeError::Other("a previous events secret needs the current one beside it".into()));
-        }
-        let events_secrets: Vec<Vec<u8>> =
-            options.events_secret.iter().chain(&options.events_secret_previous).cloned().collect();
-        for secret in &events_secrets {
-            events_secret_usable(secret)?;
-        }
+        let events_secrets = events_secrets(&options)?;
         keep_freed_memory();
         let (db, pool, batches) = (&options.db, options.pool, options.pg_batch_max > 1);
         let stores = crate::store::Workers::open(db, pool, batches, options.gateway.is_some(), policy)?;
+        let unbatched = stores.unbatched(batches);
         let group_max = if let Db::Postgres(_) = db { options.pg_batch_max } else { options.group_max };
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;
@@ -357,6 +364,12 @@ impl Service {
                 .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
         let log = log::Log::start(log_sink, options.log_secret)
             .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;
+        if let Some(why) = unbatched {
+            // correct without batches, only slower: said once, not refused
+            let line =
+                serde_json::json!({"ts": clock().to_string(), "event": "pg_batches_off", "reason": why});
+            log.line(line.to_string());
+        }
         let payout_store = || -> Result<_, ServeError> {
             let mut store = crate::store::open(&options.db, policy, crate::store::Usage::LongLived)?;
             crate::payout::prepare(&mut *store, policy)?;

@@ -78,8 +78,9 @@ impl Manager {
         Connector::with(spec, policy, ready)
     }
 
-    /// The same, whose connections also run [`Batcher`]'s batches: each
-    /// makes the batch's function in its own temporary schema.
+    /// The same, whose connections also run [`Batcher`]'s batches (the
+    /// first of them to find the batch's function missing makes it:
+    /// `pg::BatchFunction`).
     pub fn batching(mut self) -> Manager {
         self.ready.batches = true;
         self
@@ -106,19 +107,7 @@ impl Ready for Prepared {
             Hot::of(prepared.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
         let batch = match self.batches {
             false => None,
-            true => {
-                // A temporary object needs no durability, and its commit must
-                // not wait for a synchronous standby: on a primary cut off
-                // from its standbys every connection made would leave a
-                // backend waiting there, until none could be made, not even
-                // by the cluster's own manager to heal it.
-                let function = pg::execute_function_sql(&self.shape);
-                client
-                    .batch_execute(&format!("BEGIN; SET LOCAL synchronous_commit = off; {function}; COMMIT"))
-                    .await?;
-                let claims = client.prepare(&pg::claim_batch_sql(&self.shape)).await?;
-                Some(BatchSql { claims, executions: client.prepare(pg::EXECUTE_BATCH).await? })
-            }
+            true => batch_sql(&client, &self.shape).await?,
         };
         let shape = self.shape.clone();
         Ok(PgConn { client, sql, batch, shape, ahead: None, broken: false, policy: self.policy })
@@ -129,11 +118,27 @@ impl Ready for Prepared {
     }
 }
 
+/// A batching connection's statements; `None` when the batch's function
+/// is missing and cannot be made (dropped since the service started, and
+/// the role may not create it): the connection's requests then go out
+/// alone.
+async fn batch_sql(client: &Client, shape: &Shape) -> Result<Option<BatchSql>, tokio_postgres::Error> {
+    let function = pg::BatchFunction::of(shape);
+    let there: bool = client.query_one(pg::BatchFunction::EXISTS, &[&function.name]).await?.get(0);
+    if !there && client.batch_execute(&function.create_locked()).await.is_err() {
+        client.batch_execute("ROLLBACK").await?;
+        return Ok(None);
+    }
+    let claims = client.prepare(&pg::claim_batch_sql(shape)).await?;
+    Ok(Some(BatchSql { claims, executions: client.prepare(&function.call).await? }))
+}
+
 /// One connection of the pool.
 pub struct PgConn {
     client: Client,
     sql: Hot,
-    /// With [`Manager::batching`]: the statements of a batch.
+    /// With [`Manager::batching`]: the statements of a batch (see
+    /// [`batch_sql`]).
     batch: Option<BatchSql>,
     shape: Shape,
     /// What the last claim read on its way, for the execution under it.

@@ -135,3 +135,70 @@ fn on_postgres_a_transfer_the_database_refuses_fails_alone_not_its_batch() {
         c.query_one("SELECT count(*) FROM idem_key WHERE idem_key = 'rule-20'", &[]).unwrap().get(0);
     assert_eq!(left, 0);
 }
+
+/// A primary whose synchronous standby is gone (cut off by a partition)
+/// must still stop when asked: that is how a cluster's manager demotes it
+/// and heals the cluster. Every commit on it waits for the standby, and a
+/// pool connection whose backend had something to commit on its way out
+/// (a temporary object of the session, dropped as it ends) would hang
+/// there, and the server's stop with it.
+#[test]
+fn on_postgres_a_primary_without_its_synchronous_standby_still_stops_under_the_batching_pool() {
+    // a server of the test's own, which it may reconfigure and stop
+    let Some(server) = pg::own_server().filter(|_| std::env::var_os("IDEM_PG_URL").is_none()) else {
+        return;
+    };
+    let spec = bank(server, &[("a", 1_000), ("b", 0)]);
+    let serve =
+        Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8", "--pg-batch-max", "256"], &[]);
+    // every connection of the pool opened, each batching
+    let bodies: Vec<String> = (0..32).map(|_| transfer("a", "b", 1)).collect();
+    assert!(at_once(&serve, "before", &bodies).iter().all(|s| *s == 201));
+    pg::execute(&spec, "ALTER SYSTEM SET synchronous_standby_names = 'gone'");
+    pg::execute(&spec, "SELECT pg_reload_conf()");
+    let took = server.restart_fast().unwrap();
+    pg::execute(&spec, "ALTER SYSTEM RESET synchronous_standby_names");
+    pg::execute(&spec, "SELECT pg_reload_conf()");
+    assert!(took < pg::STOP_WAIT, "the server's stop hung for {took:?}");
+    // the service reconnects and batches again
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while at_once(&serve, "after", &[transfer("a", "b", 5)]) != [201] {
+        assert!(std::time::Instant::now() < deadline, "no transfer paid after the restart");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    serve.stop();
+    assert_eq!(ledger(&spec), (vec![1_000 - 37, 37], 33));
+}
+
+/// A role that may not create in the schema (the engine's tables made
+/// beforehand, as by a migration) cannot make the batch's function: the
+/// service says so once and pays every transfer without batches, rather
+/// than refusing them.
+#[test]
+fn on_postgres_a_role_that_may_not_make_the_batch_function_is_served_without_batches() {
+    let Some(server) = pg::server() else { return };
+    let spec = bank(server, &[("a", 100), ("b", 0)]);
+    let owner = Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pg-batch-max", "1"], &[]);
+    assert_eq!(at_once(&owner, "owner", &[transfer("a", "b", 1)]), [201]);
+    owner.stop();
+    let Some(as_role) = server.as_password_role(&spec, pg::PASSWORD) else { return };
+    let mut c = pg::client(&spec);
+    let schema: String = c.query_one("SELECT current_schema()::text", &[]).unwrap().get(0);
+    let role = pg::PASSWORD_ROLE;
+    c.batch_execute(&format!(
+        "REVOKE CREATE ON SCHEMA {schema} FROM PUBLIC;
+         GRANT USAGE ON SCHEMA {schema} TO {role};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role};
+         GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}"
+    ))
+    .unwrap();
+    let serve =
+        Serve::start(std::path::Path::new(&as_role), &[SHOP], &["--pool", "8", "--pg-batch-max", "256"], &[]);
+    let bodies: Vec<String> = (0..20).map(|_| transfer("a", "b", 1)).collect();
+    let statuses = at_once(&serve, "role", &bodies);
+    assert!(statuses.iter().all(|s| *s == 201), "{statuses:?}");
+    let log = serve.log_when(|l| l.contains("pg_batches_off"));
+    assert!(log.contains(r#""event":"pg_batches_off""#), "{log}");
+    serve.stop();
+    assert_eq!(ledger(&spec), (vec![79, 21], 21));
+}

@@ -28,12 +28,19 @@ pub const PASSWORD: &str = "s3cret-Passw0rd-for-idem";
 pub struct Server {
     /// libpq key/value connection string without a schema, or IDEM_PG_URL.
     base: String,
-    /// Sends "restart" to the thread that owns the server; None if external.
-    ctl: Option<Mutex<Sender<Sender<()>>>>,
+    /// Asks the thread that owns the server to stop it with a signal and
+    /// start it again; it answers how long the stop took. None if external.
+    ctl: Option<Mutex<Sender<Stop>>>,
     socket_dir: Option<PathBuf>,
 }
 
+/// A signal to stop the server with, and where to say how long it took.
+type Stop = (i32, Sender<Duration>);
+
 static SERVER: OnceLock<Option<Server>> = OnceLock::new();
+
+/// How long a stop may take before the server is killed instead.
+pub const STOP_WAIT: Duration = Duration::from_secs(30);
 static SCHEMAS: AtomicU64 = AtomicU64::new(0);
 
 /// The server, started on first use; `None` when PostgreSQL is not installed
@@ -156,7 +163,7 @@ fn start() -> Option<Server> {
         }
     };
     let base = format!("host={} port=5432 user=postgres dbname=postgres", sock.display());
-    let (ctl, requests) = channel::<Sender<()>>();
+    let (ctl, requests) = channel::<Stop>();
     let (ready, started) = channel();
     let probe = base.clone();
     // The owner thread: it never ends while the process lives, so the
@@ -165,13 +172,22 @@ fn start() -> Option<Server> {
         let mut child = spawn();
         wait_ready(&probe);
         ready.send(()).unwrap();
-        for done in requests {
-            // an immediate shutdown: no checkpoint, WAL replay on start
-            unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
-            child.wait().unwrap();
+        for (signal, done) in requests {
+            let asked = Instant::now();
+            unsafe { libc::kill(child.id() as i32, signal) };
+            // a shutdown that hangs is ended the hard way after a while, and
+            // reported as having taken that long
+            while child.try_wait().unwrap().is_none() {
+                if asked.elapsed() > STOP_WAIT {
+                    unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+                    child.wait().unwrap();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let took = asked.elapsed();
             child = spawn();
             wait_ready(&probe);
-            let _ = done.send(());
+            let _ = done.send(took);
         }
     });
     started.recv_timeout(Duration::from_secs(60)).expect("PostgreSQL did not start");
@@ -237,14 +253,27 @@ impl Server {
         Some(spec.replace("user=postgres", &format!("user={PASSWORD_ROLE} password={password}")))
     }
 
-    /// Kills the server the hard way (`pg_ctl stop -m immediate`) and starts
-    /// it again; `false` when the server is not ours to restart.
+    /// Kills the server the hard way (`pg_ctl stop -m immediate`: no
+    /// checkpoint, WAL replay on start) and starts it again; `false` when
+    /// the server is not ours to restart.
     pub fn restart_immediate(&self) -> bool {
-        let Some(ctl) = &self.ctl else { return false };
+        self.restart(libc::SIGQUIT).is_some()
+    }
+
+    /// Stops the server as a cluster's manager does to demote it (`pg_ctl
+    /// stop -m fast`: every backend told to end, a checkpoint) and starts it
+    /// again; how long the stop took, [`STOP_WAIT`] or more when it hung
+    /// (it is then killed), `None` when the server is not ours.
+    #[allow(dead_code)] // the engine's suites restart only the hard way
+    pub fn restart_fast(&self) -> Option<Duration> {
+        self.restart(libc::SIGINT)
+    }
+
+    fn restart(&self, signal: i32) -> Option<Duration> {
+        let ctl = self.ctl.as_ref()?;
         let (done, wait) = channel();
-        ctl.lock().unwrap().send(done).unwrap();
-        wait.recv_timeout(Duration::from_secs(60)).expect("PostgreSQL did not restart");
-        true
+        ctl.lock().unwrap().send((signal, done)).unwrap();
+        Some(wait.recv_timeout(Duration::from_secs(120)).expect("PostgreSQL did not restart"))
     }
 }
 

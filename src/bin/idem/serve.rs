@@ -43,10 +43,9 @@ pub struct Serve {
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     group_max: u32,
     /// PostgreSQL: the most transfers one batch carries (their claims in one
-    /// statement, their executions in one call); 1, the default, sends each
-    /// transfer's statements alone. Not yet the default: see
-    /// docs/performance.md, "Group commit on PostgreSQL".
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    /// statement, their executions in one call of a function idem makes in
+    /// the schema); 1 sends each transfer's statements alone.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pg_batch_max: u32,
     /// With --gateway: POST /v1/payouts pays out through it (see docs/payouts.md).
     #[command(flatten)]

@@ -45,9 +45,19 @@ pub(in crate::store) fn claim_batch_sql(shape: &Shape) -> String {
     )
 }
 
-/// The function that runs a batch of executions, made in the session's
-/// own temporary schema when a pool connection is made: nothing is left in
-/// the database, and each connection runs the version of its own binary.
+/// The function that runs a batch of executions: [`BatchFunction::name`],
+/// a function of the database's own (in the schema the tables are in),
+/// made once by the first connection that finds it missing.
+///
+/// Not a temporary one: a session's temporary objects are dropped as its
+/// backend exits, in a transaction whose commit waits for the synchronous
+/// standby. On a primary cut off from its standbys, every backend of the
+/// pool then hung on its way out, and the server's own shutdown with them,
+/// so the cluster's manager could never demote it and the cluster never
+/// healed. A function of the database's own is written once, not at every
+/// connection's end. Its name carries a digest of its text: each binary
+/// calls its own version, and versions side by side never replace each
+/// other's.
 ///
 /// It first locks every key the batch still holds (in key order), then
 /// every account it touches (in ascending order, as a single execution
@@ -59,16 +69,55 @@ pub(in crate::store) fn claim_batch_sql(shape: &Shape) -> String {
 /// batch; their ids are drawn from the table's own sequence in the loop
 /// (a table whose id draws from none fails every batch, which then goes
 /// out a request at a time).
-pub(in crate::store) fn execute_function_sql(shape: &Shape) -> String {
-    include_str!("batch_execute.sql").replace("{t}", &shape.acct_type)
+pub(in crate::store) struct BatchFunction {
+    /// `idem_execute_` and 16 hex digits of its text's SHA-256.
+    pub name: String,
+    /// `CREATE OR REPLACE FUNCTION` of it.
+    pub create: String,
+    /// Its call; each row reads as the single execution's.
+    pub call: String,
 }
 
-/// The call of [`execute_function_sql`]'s function; each row reads as the
-/// single execution's.
-pub(in crate::store) const EXECUTE_BATCH: &str = "SELECT o_held, o_premises, o_inexact, o_transfer, o_done
-     FROM pg_temp.idem_execute($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
-       $7::bool[], $8::bigint[], $9::bigint[], $10::bool[], $11::bigint[], $12::bigint[],
-       $13::bigint[], $14::text[], $15::text[], $16::int[], $17::text[], $18::text[], $19::text)";
+impl BatchFunction {
+    pub(in crate::store) fn of(shape: &Shape) -> BatchFunction {
+        use sha2::{Digest, Sha256};
+        let text = include_str!("batch_execute.sql").replace("{t}", &shape.acct_type);
+        let digest = Sha256::digest(text.as_bytes());
+        let name =
+            format!("idem_execute_{}", digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>());
+        let call = format!(
+            "SELECT o_held, o_premises, o_inexact, o_transfer, o_done
+             FROM {name}($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+               $7::bool[], $8::bigint[], $9::bigint[], $10::bool[], $11::bigint[], $12::bigint[],
+               $13::bigint[], $14::text[], $15::text[], $16::int[], $17::text[], $18::text[], $19::text)"
+        );
+        BatchFunction { create: text.replace("{name}", &name), name, call }
+    }
+
+    /// Whether it is in the database (on the connection's search path).
+    pub(in crate::store) const EXISTS: &str = "SELECT to_regproc($1) IS NOT NULL";
+
+    /// Its creation, under the schema's lock: connections racing to make it
+    /// would fail on each other's catalog rows.
+    pub(in crate::store) fn create_locked(&self) -> String {
+        format!("BEGIN; SELECT pg_advisory_xact_lock({SCHEMA_LOCK}); {}; COMMIT", self.create)
+    }
+}
+
+impl PgStore {
+    /// Makes the batch's function (`BatchFunction`) unless it is there: the service does it once
+    /// as it starts, and runs without batches if it cannot (a role that may
+    /// not create in the schema).
+    pub fn make_batch_function(&mut self) -> Result<(), StoreError> {
+        let function = BatchFunction::of(&self.shape);
+        let there: bool = self.client.query_one(BatchFunction::EXISTS, &[&function.name]).map_err(pg)?.get(0);
+        if !there && let Err(e) = self.client.batch_execute(&function.create_locked()) {
+            let _ = self.client.batch_execute("ROLLBACK");
+            return Err(pg(e));
+        }
+        Ok(())
+    }
+}
 
 /// One request's claim, owned, to travel to the task that sends its batch.
 pub(in crate::store) struct ClaimItem {
@@ -151,7 +200,7 @@ impl PlanArgs<'_> {
     }
 }
 
-/// A batch of executions as [`EXECUTE_BATCH`] binds it, a column each.
+/// A batch of executions as [`BatchFunction::call`] binds it, a column each.
 #[derive(Default)]
 pub(in crate::store) struct Plans {
     key: [Vec<String>; 4],

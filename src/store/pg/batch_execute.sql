@@ -1,6 +1,7 @@
--- The function that runs a batch of executions: see execute_function_sql in
--- batch.rs, which puts the type of account.acct_id for each t in braces.
-CREATE OR REPLACE FUNCTION pg_temp.idem_execute(
+-- The function that runs a batch of executions: see BatchFunction in
+-- batch.rs, which puts the type of account.acct_id for each t in braces,
+-- and the function's name, which carries a digest of this text, for name.
+CREATE OR REPLACE FUNCTION {name}(
   p_c text[], p_e text[], p_k text[], p_tok text[], p_src text[], p_dst text[],
   p_s_on bool[], p_s_lo bigint[], p_s_hi bigint[], p_d_on bool[], p_d_lo bigint[], p_d_hi bigint[],
   p_amount bigint[], p_currency text[], p_at text[], p_status int[], p_reason text[], p_body text[],

@@ -53,6 +53,7 @@ mod statements;
 pub(in crate::store) use crate::store::reach::*;
 pub use blocking::{Client, Transaction};
 pub(in crate::store) use connect::*;
+pub(in crate::store) use schema::SCHEMA_LOCK;
 use schema::*;
 
 /// The engine's key table and its statements.

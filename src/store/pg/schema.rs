@@ -13,7 +13,7 @@ pub(super) const SCHEMA_MARK: &str = "idem schema 4";
 const OLDER_MARKS: [&str; 3] = ["idem schema 1", "idem schema 2", "idem schema 3"];
 
 /// Any constant: serialises schema creation across racing first calls.
-pub(super) const SCHEMA_LOCK: i64 = 0x1de3_5c4e_3a00_0001;
+pub(in crate::store) const SCHEMA_LOCK: i64 = 0x1de3_5c4e_3a00_0001;
 
 /// Checks the account table, creates the engine's tables if missing, and
 /// returns how `acct_id` is typed.

@@ -95,29 +95,27 @@ impl Batcher {
 
 /// A kind of statement that goes out in batches.
 trait Item: Sized + Send + 'static {
-    fn send(conn: &mut PgConn, items: Vec<Self>)
-    -> impl Future<Output = Result<Vec<Row>, StoreError>> + Send;
-}
-
-/// What a batching pool's connection lacks: it was made without
-/// [`super::Manager::batching`].
-fn not_batching() -> StoreError {
-    StoreError::Backend("a batch was sent on a connection not made for batches".into())
+    /// The batch's rows; `None` from a connection without the batch's
+    /// statements (`super::batch_sql`): its requests go out alone.
+    fn send(
+        conn: &mut PgConn,
+        items: Vec<Self>,
+    ) -> impl Future<Output = Result<Option<Vec<Row>>, StoreError>> + Send;
 }
 
 impl Item for ClaimItem {
-    async fn send(conn: &mut PgConn, items: Vec<Self>) -> Result<Vec<Row>, StoreError> {
+    async fn send(conn: &mut PgConn, items: Vec<Self>) -> Result<Option<Vec<Row>>, StoreError> {
+        let Some(sql) = &conn.batch else { return Ok(None) };
         let claims = Claims::of(items);
-        let sql = conn.batch.as_ref().ok_or_else(not_batching)?;
-        deadline(&mut conn.broken, conn.client.query(&sql.claims, &claims.params())).await
+        deadline(&mut conn.broken, conn.client.query(&sql.claims, &claims.params())).await.map(Some)
     }
 }
 
 impl Item for PlanItem {
-    async fn send(conn: &mut PgConn, items: Vec<Self>) -> Result<Vec<Row>, StoreError> {
+    async fn send(conn: &mut PgConn, items: Vec<Self>) -> Result<Option<Vec<Row>>, StoreError> {
+        let Some(sql) = &conn.batch else { return Ok(None) };
         let plans = Plans::of(items);
-        let sql = conn.batch.as_ref().ok_or_else(not_batching)?;
-        deadline(&mut conn.broken, conn.client.query(&sql.executions, &plans.params())).await
+        deadline(&mut conn.broken, conn.client.query(&sql.executions, &plans.params())).await.map(Some)
     }
 }
 
@@ -174,8 +172,9 @@ async fn lane<I: Item>(
         sizes.carried.fetch_add(n as u64, Ordering::Relaxed);
         sizes.micros.fetch_add(began.elapsed().as_micros() as u64, Ordering::Relaxed);
         let answers: Vec<Answer> = match sent {
-            Ok(rows) if rows.len() == n => rows.into_iter().map(Answer::Row).collect(),
-            Ok(rows) => {
+            Ok(Some(rows)) if rows.len() == n => rows.into_iter().map(Answer::Row).collect(),
+            Ok(None) => (0..n).map(|_| Answer::Alone).collect(),
+            Ok(Some(rows)) => {
                 let wrong = format!("a batch of {n} answered {} rows", rows.len());
                 (0..n).map(|_| Answer::Failed(StoreError::Backend(wrong.clone().into()))).collect()
             }
