@@ -125,7 +125,7 @@ impl Executor {
                 })?);
                 readers
             }
-            Workers::Pooled { pool, batching, writers, readers } => {
+            Workers::Pooled { pool, unbatched, writers, readers } => {
                 for (i, store) in writers.into_iter().enumerate() {
                     let (jobs, clock, health) = (write_jobs.clone(), clock.clone(), health.clone());
                     workers.push(spawn(format!("idem-store-{i}"), move || {
@@ -133,7 +133,7 @@ impl Executor {
                     })?);
                 }
                 let batches =
-                    (group_max > 1 && batching.is_ok()).then(|| Arc::new(std::sync::OnceLock::new()));
+                    (group_max > 1 && unbatched.is_none()).then(|| Arc::new(std::sync::OnceLock::new()));
                 on_pool = Some(OnPool {
                     pool,
                     batches,

@@ -355,7 +355,7 @@ impl Service {
         keep_freed_memory();
         let (db, pool, batches) = (&options.db, options.pool, options.pg_batch_max > 1);
         let stores = crate::store::Workers::open(db, pool, batches, options.gateway.is_some(), policy)?;
-        let unbatched = stores.unbatched(batches);
+        let unbatched = stores.unbatched().map(str::to_owned);
         let group_max = if let Db::Postgres(_) = db { options.pg_batch_max } else { options.group_max };
         let health = Arc::new(health::Health::default());
         let capacity = options.max_in_flight.max(1) * 2;

@@ -97,7 +97,7 @@ impl Manager {
 impl Ready for Prepared {
     type Conn = PgConn;
 
-    async fn ready(&self, client: Client) -> Result<PgConn, tokio_postgres::Error> {
+    async fn ready(&self, mut client: Client) -> Result<PgConn, tokio_postgres::Error> {
         client.batch_execute(&pg::session_sql(self.policy)).await?;
         let mut prepared = Vec::new();
         for sql in Hot::texts(&self.shape) {
@@ -107,7 +107,7 @@ impl Ready for Prepared {
             Hot::of(prepared.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
         let batch = match self.batches {
             false => None,
-            true => batch_sql(&client, &self.shape).await?,
+            true => batch_sql(&mut client, &self.shape).await?,
         };
         let shape = self.shape.clone();
         Ok(PgConn { client, sql, batch, shape, ahead: None, broken: false, policy: self.policy })
@@ -118,19 +118,28 @@ impl Ready for Prepared {
     }
 }
 
-/// A batching connection's statements; `None` when the batch's function
-/// is missing and cannot be made (dropped since the service started, and
-/// the role may not create it): the connection's requests then go out
-/// alone.
-async fn batch_sql(client: &Client, shape: &Shape) -> Result<Option<BatchSql>, tokio_postgres::Error> {
+/// A batching connection's statements. The service made the batch's
+/// function as it started (`PgStore::make_batch_function`); one dropped
+/// since is made again, under the schema's lock, and where the role may
+/// not, `None`: the connection's requests then go out alone.
+async fn batch_sql(client: &mut Client, shape: &Shape) -> Result<Option<BatchSql>, tokio_postgres::Error> {
     let function = pg::BatchFunction::of(shape);
-    let there: bool = client.query_one(pg::BatchFunction::EXISTS, &[&function.name]).await?.get(0);
-    if !there && client.batch_execute(&function.create_locked()).await.is_err() {
-        client.batch_execute("ROLLBACK").await?;
-        return Ok(None);
-    }
+    let executions = match client.prepare(&function.call).await {
+        Ok(statement) => statement,
+        Err(e) if e.code() == Some(&SqlState::UNDEFINED_FUNCTION) => {
+            let tx = client.transaction().await?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&pg::SCHEMA_LOCK]).await?;
+            // a refusal rolls the transaction back as it is dropped
+            if tx.batch_execute(&function.create).await.is_err() {
+                return Ok(None);
+            }
+            tx.commit().await?;
+            client.prepare(&function.call).await?
+        }
+        Err(e) => return Err(e),
+    };
     let claims = client.prepare(&pg::claim_batch_sql(shape)).await?;
-    Ok(Some(BatchSql { claims, executions: client.prepare(&function.call).await? }))
+    Ok(Some(BatchSql { claims, executions }))
 }
 
 /// One connection of the pool.

@@ -18,12 +18,12 @@ const READERS: usize = 2;
 pub enum Workers {
     /// One writer that commits transfers in groups, and readers.
     Grouped { writer: Box<dyn GroupWriter>, readers: Vec<Box<dyn Reads + Send>> },
-    /// Transfers run on `pool`, awaited, in batches when `batching` is
-    /// `Ok` (it says why not otherwise); `writers` (payouts only) and
+    /// Transfers run on `pool`, awaited, in batches if asked and not
+    /// `unbatched` (why they cannot be); `writers` (payouts only) and
     /// `readers` are synchronous connections with a thread each.
     Pooled {
         pool: Pool,
-        batching: Result<(), String>,
+        unbatched: Option<String>,
         writers: Vec<Box<dyn Reads + Send>>,
         readers: Vec<Box<dyn Reads + Send>>,
     },
@@ -42,18 +42,19 @@ pub trait GroupTx: Store {
 }
 
 impl Workers {
-    /// Why transfers will not go out in batches though `asked`, if so.
-    pub fn unbatched(&self, asked: bool) -> Option<String> {
+    /// Why transfers will not go out in batches though asked, if so.
+    pub fn unbatched(&self) -> Option<&str> {
         match self {
-            Workers::Pooled { batching: Err(why), .. } if asked => Some(why.clone()),
-            _ => None,
+            Workers::Pooled { unbatched, .. } => unbatched.as_deref(),
+            Workers::Grouped { .. } => None,
         }
     }
 
     /// Opens what `db` needs: a writer on SQLite (checked writable); on
     /// PostgreSQL a pool of `pool` connections for transfers (made to run
-    /// batches when `batches`, if the batch's function can be made) and, when `payouts` are served, `pool`
-    /// writers for them; and readers beside them.
+    /// batches when `batches`, if the batch's function can be made) and,
+    /// when `payouts` are served, `pool` writers for them; and readers
+    /// beside them.
     pub fn open(
         db: &Db,
         pool: usize,
@@ -72,18 +73,18 @@ impl Workers {
                 // connections use, and the batch's function
                 let mut first = PgStore::connect(spec, policy)?;
                 let manager = Manager::new(spec, &first, policy)?;
-                let batching = match batches {
-                    true => first.make_batch_function().map_err(|e| format!("the batch's function: {e}")),
-                    false => Err("not asked for".into()),
+                let unbatched = match batches {
+                    true => first.make_batch_function().err().map(|e| format!("the batch's function: {e}")),
+                    false => None,
                 };
-                let pool_of = match batching {
-                    Ok(()) => manager.batching().pool(pool)?,
-                    Err(_) => manager.pool(pool)?,
+                let pool_of = match batches && unbatched.is_none() {
+                    true => manager.batching().pool(pool)?,
+                    false => manager.pool(pool)?,
                 };
                 let mut readers = connect(READERS - 1)?;
                 readers.insert(0, Box::new(first));
                 let writers = connect(if payouts { pool.max(1) } else { 0 })?;
-                Ok(Workers::Pooled { pool: pool_of, batching, writers, readers })
+                Ok(Workers::Pooled { pool: pool_of, unbatched, writers, readers })
             }
             Db::Sqlite(path) => {
                 let writer = SqliteStore::open(path, policy)?;

@@ -93,29 +93,23 @@ impl BatchFunction {
         );
         BatchFunction { create: text.replace("{name}", &name), name, call }
     }
-
-    /// Whether it is in the database (on the connection's search path).
-    pub(in crate::store) const EXISTS: &str = "SELECT to_regproc($1) IS NOT NULL";
-
-    /// Its creation, under the schema's lock: connections racing to make it
-    /// would fail on each other's catalog rows.
-    pub(in crate::store) fn create_locked(&self) -> String {
-        format!("BEGIN; SELECT pg_advisory_xact_lock({SCHEMA_LOCK}); {}; COMMIT", self.create)
-    }
 }
 
 impl PgStore {
-    /// Makes the batch's function (`BatchFunction`) unless it is there: the service does it once
+    /// Makes the batch's function (`BatchFunction`) unless it is there,
+    /// under the schema's lock as the tables are: the service does it once
     /// as it starts, and runs without batches if it cannot (a role that may
     /// not create in the schema).
     pub fn make_batch_function(&mut self) -> Result<(), StoreError> {
         let function = BatchFunction::of(&self.shape);
-        let there: bool = self.client.query_one(BatchFunction::EXISTS, &[&function.name]).map_err(pg)?.get(0);
-        if !there && let Err(e) = self.client.batch_execute(&function.create_locked()) {
-            let _ = self.client.batch_execute("ROLLBACK");
-            return Err(pg(e));
+        let mut tx = self.client.transaction().map_err(pg)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).map_err(pg)?;
+        let there: bool =
+            tx.query_one("SELECT to_regproc($1) IS NOT NULL", &[&function.name]).map_err(pg)?.get(0);
+        if !there {
+            tx.batch_execute(&function.create).map_err(pg)?;
         }
-        Ok(())
+        tx.commit().map_err(pg)
     }
 }
 
