@@ -36,6 +36,11 @@ teeth:
 bench-serve:
     cargo bench --bench serve
 
+# The floor under a request at 64 connections: a bare hyper server, idem
+# refusing before its store, idem paying, alternating; server CPU per request.
+bench-floor:
+    IDEM_BENCH_FLOOR=1 cargo bench --bench serve
+
 # Latency at a fixed arrival rate (25-110 % of the saturation), on SQLite; the plot in target/arrival.svg.
 bench-arrival:
     cargo bench --bench arrival

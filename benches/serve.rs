@@ -16,6 +16,11 @@
 //! 10^4 and `IDEM_BENCH_KEYS` keys, default 10^6), the retention purge's
 //! longest batch, and with `IDEM_BENCH_SOAK=<seconds>` a memory soak.
 //! `IDEM_BENCH_SECONDS` sets each phase's length (default 3).
+//!
+//! Two other modes instead of the tables: `IDEM_BENCH_BASELINE=<another
+//! idem>` holds this build against that one ([`before_and_after`]), and
+//! `IDEM_BENCH_FLOOR=1` (`just bench-floor`) measures what any server on
+//! this HTTP stack spends per request here ([`floor`]).
 
 mod support;
 
@@ -35,11 +40,16 @@ enum Phase {
     Replay,
     /// 89% new, 10% a retry of a completed key, 1% that retry with another amount.
     Mix,
+    /// A new key with amount 0: refused (400) by the front before any store
+    /// is reached, so its cost is the floor under every request's.
+    Refused,
 }
 
 #[derive(Default)]
 struct Tally {
     latencies_us: Vec<u32>,
+    /// Of them, those of the requests answered as replays.
+    replay_latencies_us: Vec<u32>,
     fresh: Vec<String>,
     replays: u64,
     mismatches: u64,
@@ -76,16 +86,22 @@ fn load(
                         (Phase::Replay, Some(k)) => (k.clone(), 1),
                         (Phase::Mix, Some(k)) if roll < 10 => (k.clone(), 1),
                         (Phase::Mix, Some(k)) if roll < 11 => (k.clone(), 2),
+                        _ if phase == Phase::Refused => (format!("{run}-{c}-{i}"), 0),
                         _ => (format!("{run}-{c}-{i}"), 1),
                     };
                     let n = key.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
                     let started = Instant::now();
                     let (status, replayed, _) = conn.post(&key, &body(n, amount));
-                    tally.latencies_us.push(started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+                    let took = started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
+                    tally.latencies_us.push(took);
                     match (status, replayed) {
                         (201, false) => tally.fresh.push(key),
-                        (201, true) => tally.replays += 1,
+                        (201, true) => {
+                            tally.replays += 1;
+                            tally.replay_latencies_us.push(took);
+                        }
                         (422, _) => tally.mismatches += 1,
+                        (400, _) if phase == Phase::Refused => {}
                         (s, _) => tally.other.push(s),
                     }
                 }
@@ -101,12 +117,20 @@ fn load(
     for w in workers {
         let t = w.join().unwrap();
         all.latencies_us.extend(t.latencies_us);
+        all.replay_latencies_us.extend(t.replay_latencies_us);
         all.fresh.extend(t.fresh);
         all.replays += t.replays;
         all.mismatches += t.mismatches;
         all.other.extend(t.other);
     }
     (all, started.elapsed())
+}
+
+/// The fresh keys of each connection (`<run>-<connection>-<n>`), for it to replay.
+fn by_connection(fresh: &[String], connections: usize) -> Vec<Vec<String>> {
+    (0..connections)
+        .map(|c| fresh.iter().filter(|k| k.split('-').nth(1) == Some(&c.to_string())).cloned().collect())
+        .collect()
 }
 
 /// The database's verdict: distinct fresh 201s = transfers, money conserved.
@@ -153,11 +177,7 @@ fn serve_table(name: &str, db: &str, dir: &Path) -> Vec<(usize, f64, f64)> {
         lat.sort_unstable();
         let new_rate = new.fresh.len() as f64 / took.as_secs_f64();
         // each connection replays keys it made
-        let per: Vec<Vec<String>> = (0..connections)
-            .map(|c| {
-                new.fresh.iter().filter(|k| k.split('-').nth(1) == Some(&c.to_string())).cloned().collect()
-            })
-            .collect();
+        let per = by_connection(&new.fresh, connections);
         let cpu1 = server.cpu("idem-writer");
         let (replay, took_r) = load(&server.address, connections, Phase::Replay, "unused", &per);
         let replay_rate = replay.replays as f64 / took_r.as_secs_f64();
@@ -338,6 +358,9 @@ fn growth(dir: &Path, keys: usize) -> (f64, f64) {
 }
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("serve") {
+        return bare_server();
+    }
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     println!(
@@ -347,6 +370,9 @@ fn main() {
     );
     if let Ok(baseline) = std::env::var("IDEM_BENCH_BASELINE") {
         return before_and_after(&baseline, dir);
+    }
+    if std::env::var_os("IDEM_BENCH_FLOOR").is_some() {
+        return floor(dir);
     }
     let fsync = fsync_rate(dir);
     println!("\nThe disk: overwrite 4 KiB + fdatasync, median: {fsync:.0}/s.");
@@ -402,22 +428,27 @@ fn main() {
 
 /// `IDEM_BENCH_BASELINE=<another idem binary>`: instead of the tables,
 /// this build against that one, in the same run, alternating five rounds of
-/// each at 1 and 64 connections (new transfers, then replays of them), each
-/// on a fresh database; medians and their ratio. A change that must not
-/// slow a transfer is held to this.
+/// each at 1 and 64 connections (new transfers, replays of them, requests
+/// refused before the store, then the mix, whose retries' latency shows
+/// what a replay waits for beside new transfers), each on a fresh database;
+/// medians and their ratio. A change that must not slow a transfer is held
+/// to this.
 fn before_and_after(baseline: &str, dir: &Path) {
     println!("\n## This build against {baseline}, medians of 5 alternating rounds\n");
     println!("| connections | | baseline | this build | ratio |\n|---:|---|---:|---:|---:|");
-    const MEASURES: [&str; 5] = [
+    const MEASURES: [&str; 8] = [
         "new transfers/s",
         "replays/s",
+        "in the mix (10% retries): retries' p50 ms",
+        "in the mix: retries' p99 ms",
         "server CPU µs per new transfer",
         "of it, the writer thread's",
         "server CPU µs per replay",
+        "server CPU µs per request refused before the store (400)",
     ];
     for connections in [1, 64] {
         // [side][measure] -> one sample per round
-        let mut samples: [[Vec<f64>; 5]; 2] = Default::default();
+        let mut samples: [[Vec<f64>; 8]; 2] = Default::default();
         for round in 0..5 {
             for (side, bin) in [baseline, IDEM].into_iter().enumerate() {
                 let db =
@@ -428,27 +459,28 @@ fn before_and_after(baseline: &str, dir: &Path) {
                 let cpu0 = server.cpu("idem-writer");
                 let (new, took) = load(&server.address, connections, Phase::New, &run, &[]);
                 let cpu1 = server.cpu("idem-writer");
-                let per: Vec<Vec<String>> = (0..connections)
-                    .map(|c| {
-                        new.fresh
-                            .iter()
-                            .filter(|k| k.split('-').nth(1) == Some(&c.to_string()))
-                            .cloned()
-                            .collect()
-                    })
-                    .collect();
+                let per = by_connection(&new.fresh, connections);
                 let (replay, took_r) = load(&server.address, connections, Phase::Replay, "unused", &per);
                 let cpu2 = server.cpu("idem-writer");
+                let (refused, _) =
+                    load(&server.address, connections, Phase::Refused, &format!("{run}r"), &[]);
+                let cpu3 = server.cpu("idem-writer");
+                let (mix, _) = load(&server.address, connections, Phase::Mix, &format!("{run}m"), &per);
                 drop(server);
-                verify(&db, new.fresh.len());
+                verify(&db, new.fresh.len() + mix.fresh.len());
                 let us = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n.max(1) as f64;
                 let (n, r) = (new.latencies_us.len(), replay.latencies_us.len());
+                let mut waits = mix.replay_latencies_us.clone();
+                waits.sort_unstable();
                 let measured = [
                     new.fresh.len() as f64 / took.as_secs_f64(),
                     replay.replays as f64 / took_r.as_secs_f64(),
+                    percentile(&waits, 0.5),
+                    percentile(&waits, 0.99),
                     us(cpu1.0 - cpu0.0, n),
                     us(cpu1.1 - cpu0.1, n),
                     us(cpu2.0 - cpu1.0, r),
+                    us(cpu3.0 - cpu2.0, refused.latencies_us.len()),
                 ];
                 for (m, value) in measured.into_iter().enumerate() {
                     samples[side][m].push(value);
@@ -461,7 +493,82 @@ fn before_and_after(baseline: &str, dir: &Path) {
         };
         for (m, name) in MEASURES.iter().enumerate() {
             let (b, t) = (median(&mut samples[0][m].clone()), median(&mut samples[1][m].clone()));
-            println!("| {connections} | {name} | {b:.1} | {t:.1} | {:.2}× |", t / b);
+            println!("| {connections} | {name} | {b:.2} | {t:.2} | {:.2}× |", t / b);
         }
     }
+}
+
+/// `IDEM_BENCH_FLOOR=1`: what any server on this HTTP stack spends per
+/// request on this machine under this load generator: this bench's own
+/// binary as a bare hyper server (no store, no checks: it reads the body
+/// and answers 201 with a transfer-sized body), against idem refusing the
+/// same request before its store (400) and idem paying it, alternating five
+/// rounds of each at 64 connections; medians.
+fn floor(dir: &Path) {
+    let bare = std::env::current_exe().unwrap().to_string_lossy().into_owned();
+    println!("\n## The floor under a request, 64 connections, medians of 5 alternating rounds\n");
+    println!("| server | what it does | requests/s | server CPU µs per request |\n|---|---|---:|---:|");
+    let mut samples: [Vec<(f64, f64)>; 3] = Default::default();
+    for round in 0..5 {
+        for (side, (bin, phase)) in
+            [(bare.as_str(), Phase::New), (IDEM, Phase::Refused), (IDEM, Phase::New)].into_iter().enumerate()
+        {
+            let db = dir.join(format!("floor-{round}-{side}.db")).to_string_lossy().into_owned();
+            idem::store::bank::create(&idem::store::Db::parse(&db), &accounts()).unwrap();
+            let server = Server::start_bin(bin, &db, dir, &[]);
+            let cpu0 = server.cpu("idem-writer");
+            let (tally, took) = load(&server.address, 64, phase, &format!("floor{round}x{side}"), &[]);
+            let cpu1 = server.cpu("idem-writer");
+            let n = tally.latencies_us.len();
+            samples[side]
+                .push((n as f64 / took.as_secs_f64(), (cpu1.0 - cpu0.0).as_secs_f64() * 1e6 / n as f64));
+        }
+    }
+    let what = [
+        ("bare hyper (this bench's binary)", "reads the body, answers 201"),
+        ("idem serve", "refuses the body (amount 0) before the store: 400"),
+        ("idem serve", "pays a new transfer: 201"),
+    ];
+    for (side, (server, does)) in what.into_iter().enumerate() {
+        let median = |f: fn(&(f64, f64)) -> f64| {
+            let mut v: Vec<f64> = samples[side].iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!("| {server} | {does} | {:.0} | {:.1} |", median(|s| s.0), median(|s| s.1));
+    }
+}
+
+/// The bare server of [`floor`]: hyper's HTTP/1.1 on tokio's default
+/// runtime, as `idem serve` runs it, with nothing behind it. Prints its
+/// address as `idem serve` does.
+fn bare_server() {
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::{Bytes, Incoming};
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("http://{}", listener.local_addr().unwrap());
+        let answer = Bytes::from_static(
+            br#"{"transfer_id":1,"src":"a1","dst":"a2","amount":1,"currency":"KRW","created_at":"2026-12-06T05:56:12.726793Z"}"#,
+        );
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let answer = answer.clone();
+            let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+                let answer = answer.clone();
+                async move {
+                    let _ = req.into_body().collect().await;
+                    let mut response = hyper::Response::new(Full::new(answer));
+                    *response.status_mut() = hyper::StatusCode::CREATED;
+                    response.headers_mut().insert("content-type", "application/json".parse().unwrap());
+                    Ok::<_, std::convert::Infallible>(response)
+                }
+            });
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+            );
+        }
+    });
 }
