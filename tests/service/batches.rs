@@ -202,3 +202,32 @@ fn on_postgres_a_role_that_may_not_make_the_batch_function_is_served_without_bat
     serve.stop();
     assert_eq!(ledger(&spec), (vec![79, 21], 21));
 }
+
+/// The batch's function dropped while the pool's connections stay open
+/// (by hand, or by a migration tool that drops what its own schema does not
+/// name): each request still gets its 201, the connection that found the
+/// function gone is replaced, and its successor makes the function again.
+#[test]
+fn on_postgres_a_batch_function_dropped_under_open_connections_is_made_again_not_answered_500() {
+    let Some(server) = pg::server() else { return };
+    let spec = bank(server, &[("a", 100), ("b", 0)]);
+    let serve =
+        Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "4", "--pg-batch-max", "256"], &[]);
+    let warm: Vec<String> = (0..4).map(|_| transfer("a", "b", 1)).collect();
+    assert_eq!(at_once(&serve, "warm", &warm), [201; 4]);
+    let functions =
+        "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                     WHERE n.nspname = current_schema() AND p.proname LIKE 'idem\\_execute\\_%'";
+    let mut c = pg::client(&spec);
+    let made: Vec<String> = c.query(functions, &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(made.len(), 1, "{made:?}");
+    c.batch_execute(&format!("DROP FUNCTION {}", made[0])).unwrap();
+    // one at a time: each a batch of one, which has no batch-mate to go out alone with
+    let statuses: Vec<u16> =
+        (0..10).flat_map(|i| at_once(&serve, &format!("after-{i}"), &[transfer("a", "b", 1)])).collect();
+    assert_eq!(statuses, [201; 10]);
+    let again: Vec<String> = c.query(functions, &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(again, made, "the function was not made again");
+    serve.stop();
+    assert_eq!(ledger(&spec), (vec![86, 14], 14));
+}

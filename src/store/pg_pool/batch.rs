@@ -16,6 +16,8 @@
 //! time, so that the one transfer it was about fails alone. A batch that
 //! met a conflict, a lock wait past the budget or a lost connection gives
 //! each request that error, as its own statement would have.
+//! A batch whose function was dropped since its connection was made ran
+//! nothing: its requests go out alone, and the connection is replaced.
 
 use super::{PgConn, Pool, Pooled, Route, deadline};
 use crate::policy::Policy;
@@ -25,6 +27,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio_postgres::error::SqlState;
 use tokio_postgres::{Row, Statement};
 
 /// The statements of a batch, prepared on each connection of a batching pool.
@@ -115,7 +118,18 @@ impl Item for PlanItem {
     async fn send(conn: &mut PgConn, items: Vec<Self>) -> Result<Option<Vec<Row>>, StoreError> {
         let Some(sql) = &conn.batch else { return Ok(None) };
         let plans = Plans::of(items);
-        deadline(&mut conn.broken, conn.client.query(&sql.executions, &plans.params())).await.map(Some)
+        let sent = async {
+            match conn.client.query(&sql.executions, &plans.params()).await {
+                // The batch's function was dropped under this connection (it
+                // ran nothing): its requests go out alone, and the pool
+                // replaces it with one that makes the function again.
+                Err(e) if e.code() == Some(&SqlState::UNDEFINED_FUNCTION) => Ok(None),
+                other => other.map(Some),
+            }
+        };
+        let rows = deadline(&mut conn.broken, sent).await?;
+        conn.broken |= rows.is_none();
+        Ok(rows)
     }
 }
 
