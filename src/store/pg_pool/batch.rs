@@ -99,7 +99,8 @@ impl Batcher {
 /// A kind of statement that goes out in batches.
 trait Item: Sized + Send + 'static {
     /// The batch's rows; `None` from a connection without the batch's
-    /// statements (`super::batch_sql`): its requests go out alone.
+    /// statements (`super::batch_sql`), or whose function is gone: its
+    /// requests go out alone.
     fn send(
         conn: &mut PgConn,
         items: Vec<Self>,
