@@ -487,12 +487,8 @@ fn before_and_after(baseline: &str, dir: &Path) {
                 }
             }
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
         for (m, name) in MEASURES.iter().enumerate() {
-            let (b, t) = (median(&mut samples[0][m].clone()), median(&mut samples[1][m].clone()));
+            let (b, t) = (median(samples[0][m].clone()), median(samples[1][m].clone()));
             println!("| {connections} | {name} | {b:.2} | {t:.2} | {:.2}× |", t / b);
         }
     }
@@ -520,8 +516,10 @@ fn floor(dir: &Path) {
             let (tally, took) = load(&server.address, 64, phase, &format!("floor{round}x{side}"), &[]);
             let cpu1 = server.cpu("idem-writer");
             let n = tally.latencies_us.len();
-            samples[side]
-                .push((n as f64 / took.as_secs_f64(), (cpu1.0 - cpu0.0).as_secs_f64() * 1e6 / n as f64));
+            samples[side].push((
+                n as f64 / took.as_secs_f64(),
+                (cpu1.0 - cpu0.0).as_secs_f64() * 1e6 / n.max(1) as f64,
+            ));
         }
     }
     let what = [
@@ -530,12 +528,8 @@ fn floor(dir: &Path) {
         ("idem serve", "pays a new transfer: 201"),
     ];
     for (side, (server, does)) in what.into_iter().enumerate() {
-        let median = |f: fn(&(f64, f64)) -> f64| {
-            let mut v: Vec<f64> = samples[side].iter().map(f).collect();
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        println!("| {server} | {does} | {:.0} | {:.1} |", median(|s| s.0), median(|s| s.1));
+        let (rates, cpus): (Vec<f64>, Vec<f64>) = samples[side].iter().copied().unzip();
+        println!("| {server} | {does} | {:.0} | {:.1} |", median(rates), median(cpus));
     }
 }
 

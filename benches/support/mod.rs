@@ -161,6 +161,12 @@ pub fn metric(address: &str, name: &str) -> Option<f64> {
 }
 
 /// The `p` quantile of `sorted` microseconds, in milliseconds.
+/// The median of `samples` (the upper one of an even count).
+pub fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
 pub fn percentile(sorted: &[u32], p: f64) -> f64 {
     sorted.get(((sorted.len() as f64 - 1.0) * p) as usize).map_or(0.0, |v| f64::from(*v) / 1000.0)
 }
