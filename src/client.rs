@@ -229,12 +229,7 @@ enum Attempt {
 }
 
 fn attempt(endpoint: &Endpoint, route: &str, key: &str, body: &str, timeout: Duration) -> Attempt {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(timeout))
-        .build()
-        .into();
-    let sent = agent
+    let sent = crate::https::agent(timeout)
         .post(format!("{}{route}", endpoint.url.trim_end_matches('/')))
         .header("Authorization", format!("Bearer {}", endpoint.token))
         .header("Idempotency-Key", sf_string(key))
@@ -251,6 +246,8 @@ fn attempt(endpoint: &Endpoint, route: &str, key: &str, body: &str, timeout: Dur
                 Err(e) => Attempt::Lost(format!("answer cut short: {e}")),
             }
         }
+        // a handshake refused sent nothing
+        Err(e) if crate::https::is_tls(&e) => Attempt::Unsent(crate::https::why(&endpoint.url, &e)),
         Err(e @ (ureq::Error::HostNotFound | ureq::Error::ConnectionFailed | ureq::Error::BadUri(_))) => {
             Attempt::Unsent(e.to_string())
         }

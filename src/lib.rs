@@ -95,6 +95,8 @@ pub mod client;
 #[cfg(feature = "cli")]
 pub mod harness;
 #[cfg(feature = "cli")]
+pub mod https;
+#[cfg(feature = "cli")]
 pub mod outside;
 #[cfg(feature = "cli")]
 pub mod payout;

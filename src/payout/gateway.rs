@@ -155,11 +155,7 @@ impl std::fmt::Debug for HttpGateway {
 
 impl HttpGateway {
     fn agent(&self) -> ureq::Agent {
-        ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(self.timeout))
-            .build()
-            .into()
+        crate::https::agent(self.timeout)
     }
 
     fn authorized<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
@@ -301,7 +297,8 @@ impl Gateway for HttpGateway {
             .post(format!("{}/payouts", self.url))
             .header("Idempotency-Key", &p.downstream_key)
             .header("Content-Type", "application/json");
-        match self.authorized(req).send(body.as_str()).map_err(|e| e.to_string()).and_then(read) {
+        let sent = self.authorized(req).send(body.as_str());
+        match sent.map_err(|e| crate::https::why(&self.url, &e)).and_then(read) {
             Ok((status, text)) => classify_send(status, &text, p),
             Err(why) => Call::Unknown(why),
         }
@@ -309,7 +306,7 @@ impl Gateway for HttpGateway {
 
     fn lookup(&self, p: &PayoutRow) -> Lookup {
         let req = self.agent().get(format!("{}/payouts/{}", self.url, p.downstream_key));
-        match self.authorized(req).call().map_err(|e| e.to_string()).and_then(read) {
+        match self.authorized(req).call().map_err(|e| crate::https::why(&self.url, &e)).and_then(read) {
             Ok((status, text)) => classify_lookup(status, &text, p),
             Err(why) => Lookup::Error(why),
         }

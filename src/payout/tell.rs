@@ -230,17 +230,13 @@ fn one_client<'e>(
 pub fn post_http(
     timeout: Duration,
 ) -> impl Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String> + Sync {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(timeout))
-        .build()
-        .into();
+    let agent = crate::https::agent(timeout);
     move |url, headers, body| {
         let mut req = agent.post(url).header("Content-Type", "application/json");
         for (name, value) in headers {
             req = req.header(*name, value);
         }
-        req.send(body).map(|r| r.status().as_u16()).map_err(|e| format!("no answer: {e}"))
+        req.send(body).map(|r| r.status().as_u16()).map_err(|e| format!("no answer: {}", crate::https::why(url, &e)))
     }
 }
 

@@ -190,6 +190,7 @@ impl Metrics {
         );
         self.render_payouts(&mut out);
         self.render_client_events(&mut out);
+        render_tls(&mut out);
         if let Some(batches) = batches {
             render_batches(&mut out, batches);
         }
@@ -200,6 +201,17 @@ impl Metrics {
 /// PostgreSQL's batches (`--pg-batch-max` above 1): claims' and executions'
 /// `[batches, requests carried, microseconds out]`. Carried over batches is
 /// the mean batch; seconds out over the run's seconds, the lanes' use.
+/// Calls out (gateway, client events) whose TLS handshake failed.
+fn render_tls(out: &mut String) {
+    let _ = write!(
+        out,
+        "# HELP idem_outbound_tls_failures_total Calls out whose TLS handshake failed (a certificate not trusted, \
+         a name that does not match); each is a log line outbound_tls_failed.\n\
+         # TYPE idem_outbound_tls_failures_total counter\nidem_outbound_tls_failures_total {}\n",
+        crate::https::tls_failures()
+    );
+}
+
 fn render_batches(out: &mut String, batches: [[u64; 3]; 2]) {
     let [claims, executions] = batches;
     let _ = write!(

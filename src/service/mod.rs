@@ -396,6 +396,14 @@ impl Service {
                 )
             }),
         ));
+        // a handshake refused (a certificate not trusted) is the operator's
+        // to see: a log line each, and idem_outbound_tls_failures_total
+        let (seen, at) = (Arc::downgrade(&app), clock.clone());
+        crate::https::on_tls_failure(move |host, why| {
+            if let Some(app) = seen.upgrade() {
+                log_line(&app, &at, "outbound_tls_failed", serde_json::json!({"host": host, "error": why}));
+            }
+        });
         if let (Some(store), Some(gateway)) = (reconciler, options.gateway) {
             reconcile_in_background(
                 store,

@@ -21,4 +21,5 @@ mod layer_trips;
 mod ledger;
 mod payouts;
 mod serve;
+mod tls;
 mod told;

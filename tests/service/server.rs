@@ -283,8 +283,18 @@ impl Gateway {
             .unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.starts_with("http://127.0.0.1:"), "first line {line:?}");
+        let scheme = if args.contains(&"--tls") { "https" } else { "http" };
+        assert!(line.starts_with(&format!("{scheme}://127.0.0.1:")), "first line {line:?}");
         Gateway { child, url: line.trim().to_owned(), db, _dir: dir }
+    }
+
+    /// [`Gateway::start`] serving HTTPS with a certificate of its own, and
+    /// the file that certificate is in (for a client's `IDEM_CA_FILE`).
+    pub fn start_tls(args: &[&str]) -> (Gateway, PathBuf) {
+        let ca = tempfile::NamedTempFile::new().unwrap().into_temp_path().keep().unwrap();
+        let ca_arg = ca.to_str().unwrap().to_owned();
+        let gw = Gateway::start(&[&["--tls", "--tls-cert-out", &ca_arg][..], args].concat());
+        (gw, ca)
     }
 
     /// `POST /payouts`: the status and JSON answer, or `None` when the

@@ -298,3 +298,72 @@ fn a_client_events_file_with_a_short_secret_a_bad_url_or_a_client_twice_is_refus
     let (ok, err) = refused(&[]);
     assert!(!ok && err.contains("needs --gateway"), "{err}");
 }
+
+/// A receiver that answers every delivery with a redirect to another
+/// address (here a trap on loopback; in the wild a metadata address): the
+/// redirect is a failed attempt, never a delivery, and nothing is sent to
+/// where `Location` points. Standard Webhooks and Svix count every 3xx as
+/// a failure; a sender that follows it records an event nobody received
+/// and sends the `webhook-*` headers wherever a receiver says.
+#[test]
+fn a_redirecting_receiver_is_a_failed_delivery_and_its_location_is_never_called() {
+    let Some((dir, db)) = bank_on(false) else { return };
+    let trap = TcpListener::bind("127.0.0.1:0").unwrap();
+    let trap_port = trap.local_addr().unwrap().port();
+    trap.set_nonblocking(true).unwrap();
+    let redirector = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = redirector.local_addr().unwrap().port();
+    let answered = Arc::new(Mutex::new(0));
+    let count = answered.clone();
+    std::thread::spawn(move || {
+        for stream in redirector.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 2 {
+                line.clear();
+            }
+            let answer = format!(
+                "HTTP/1.1 301 Moved Permanently\r\nLocation: http://127.0.0.1:{trap_port}/steal\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+            let _ = stream.write_all(answer.as_bytes());
+            *count.lock().unwrap() += 1;
+        }
+    });
+    let hooks = dir.path().join("hooks.json");
+    let hook = serde_json::json!({"shop": {"url": format!("http://127.0.0.1:{port}/hooks"), "secret": SECRET}});
+    std::fs::write(&hooks, hook.to_string()).unwrap();
+    let gw = Gateway::start(&["--drop-answer", "100"]);
+    let s = Serve::start(
+        &db,
+        &[("tok", "shop")],
+        &[
+            "--gateway",
+            &gw.url,
+            "--gateway-timeout",
+            "2s",
+            "--reconcile-every",
+            "300ms",
+            "--gateway-backoff",
+            "100ms",
+            "--client-events",
+            hooks.to_str().unwrap(),
+            "--client-events-retry",
+            "200ms",
+        ],
+        &[],
+    );
+    assert_eq!(pay(&s, "tok", "r1"), 202, "the gateway's answer is lost: 202");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while *answered.lock().unwrap() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(*answered.lock().unwrap() >= 2, "the event was never sent: {}", s.log());
+    let (ok, delivered) = payouts_cmd(&db, &["client-events", "--delivery", "delivered"]);
+    assert!(ok && delivered.is_empty(), "a 301 was recorded delivered: {delivered:#?}");
+    let (_, events) = payouts_cmd(&db, &["client-events"]);
+    let n: i64 = events[0]["id"].as_str().unwrap().trim_start_matches("evt_").parse().unwrap();
+    let (_, log) = payouts_cmd(&db, &["deliveries", &n.to_string()]);
+    assert!(log.iter().any(|d| d["outcome"].as_str().unwrap().contains("301")), "{log:#?}");
+    assert!(trap.accept().is_err(), "the sender followed the redirect to its Location");
+}

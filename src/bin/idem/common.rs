@@ -139,10 +139,10 @@ pub fn emit(out: &Path, json: &str) -> Result<(), Failure> {
 /// The first line of a server: the address it listens on, once it can be
 /// used (port 0 picks one).
 /// Nobody reading it is no reason to stop serving.
-pub fn announce(address: impl std::fmt::Display) -> Result<(), Failure> {
+pub fn announce(scheme: &str, address: impl std::fmt::Display) -> Result<(), Failure> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "http://{address}").and_then(|()| out.flush());
+    let _ = writeln!(out, "{scheme}://{address}").and_then(|()| out.flush());
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! `idem gateway`: the stand-in payment gateway (see `idem::outside::gateway`).
 
 use crate::common::{Failure, announce, bind};
-use idem::clock;
+use idem::{clock, https};
 use idem::outside::gateway;
 use std::path::PathBuf;
 
@@ -71,6 +71,40 @@ pub struct Gateway {
     /// Percent of events sent twice.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
     event_dup: u64,
+    /// Serve HTTPS, as real providers do, with a self-signed certificate of
+    /// its own for localhost, 127.0.0.1, ::1 and the --listen host (written
+    /// to --tls-cert-out for clients to trust: `idem --ca-file`), or with
+    /// --tls-cert and --tls-key.
+    #[arg(long)]
+    tls: bool,
+    /// With --tls: where to write the self-signed certificate (PEM).
+    #[arg(long, requires = "tls", conflicts_with = "tls_cert")]
+    tls_cert_out: Option<PathBuf>,
+    /// With --tls: the certificate chain to serve (PEM) instead of one of its own.
+    #[arg(long, requires_all = ["tls", "tls_key"])]
+    tls_cert: Option<PathBuf>,
+    /// With --tls-cert: its private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+}
+
+/// The certificate `idem gateway --tls` serves.
+fn identity(args: &Gateway, address: std::net::SocketAddr) -> Result<Option<https::Identity>, Failure> {
+    if !args.tls {
+        return Ok(None);
+    }
+    if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
+        return https::Identity::of_files(cert, key).map(Some).map_err(|e| Failure(format!("--tls-cert: {e}")));
+    }
+    let mut names: Vec<String> = ["localhost", "127.0.0.1", "::1"].map(String::from).into();
+    if !address.ip().is_unspecified() && !names.contains(&address.ip().to_string()) {
+        names.push(address.ip().to_string());
+    }
+    let identity = https::Identity::self_signed(&names).map_err(|e| Failure(format!("the certificate: {e}")))?;
+    if let Some(out) = &args.tls_cert_out {
+        std::fs::write(out, &identity.cert_pem).map_err(|e| Failure(format!("{}: {e}", out.display())))?;
+    }
+    Ok(Some(identity))
 }
 
 pub fn gateway(args: Gateway) -> Result<(), Failure> {
@@ -90,6 +124,8 @@ pub fn gateway(args: Gateway) -> Result<(), Failure> {
         event_dup: args.event_dup,
     };
     let (listener, address) = bind(&args.listen)?;
+    let tls = identity(&args, address)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let options = gateway::Options {
         db: args.db,
         seed: args.seed,
@@ -100,10 +136,11 @@ pub fn gateway(args: Gateway) -> Result<(), Failure> {
         limit: args.limit,
         token: args.token,
         return_after: args.return_after,
+        tls,
     };
     // the ledger is opened before the URL is printed: a caller that read
     // the URL can pay at once
     gateway::open(&options.db).map_err(|e| Failure(format!("the ledger {}: {e}", options.db.display())))?;
-    announce(address)?;
+    announce(scheme, address)?;
     gateway::serve(listener, options).map_err(|e| Failure(e.to_string()))
 }

@@ -44,6 +44,11 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Trust the PEM certificates in FILE, instead of the bundled Mozilla
+    /// roots, for every https:// call (gateway, client events, transfer);
+    /// for a private CA beside the public ones, a file holding both.
+    #[arg(long, global = true, env = "IDEM_CA_FILE", value_name = "FILE")]
+    ca_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -71,7 +76,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse().command, Policy::embedded()) {
+    let cli = Cli::parse();
+    if let Some(file) = &cli.ca_file
+        && let Err(e) = idem::https::trust(file)
+    {
+        eprintln!("idem: --ca-file: {e}");
+        return ExitCode::from(2);
+    }
+    match run(cli.command, Policy::embedded()) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("idem: {e}");

@@ -133,7 +133,7 @@ pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> 
     };
     // The first line names the bound address once the stores are open: a
     // client that reads it can send at once.
-    announce(address)?;
+    announce("http", address)?;
     service.run(listener, service::shutdown_signal()).map_err(|e| Failure(e.to_string()))?;
     Ok(ExitCode::SUCCESS)
 }

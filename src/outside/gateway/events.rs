@@ -59,11 +59,7 @@ pub(super) fn emit(gw: &Arc<Gateway>, p: &Payout) {
 }
 
 pub(super) fn deliver(url: &str, secret: &[u8], body: &str) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(2)))
-        .build()
-        .into();
+    let agent = crate::https::agent(Duration::from_secs(2));
     for attempt in 0..3 {
         let t = crate::clock::unix_now();
         let sent = agent

@@ -89,6 +89,8 @@ pub struct Options {
     pub token: Option<String>,
     /// How long after it was paid a returned payout comes back.
     pub return_after: Duration,
+    /// Serve HTTPS with this certificate, as real providers do (else HTTP).
+    pub tls: Option<crate::https::Identity>,
 }
 
 /// The most a request body may hold.
@@ -368,6 +370,9 @@ async fn pay(gw: Arc<Gateway>, req: Request<Incoming>) -> Result<Reply, Cut> {
 /// none), line breaks, and far more text than anyone keeps.
 const POISON: &str = "account_closed\u{0}\r\nsee https://provider.example/errors/\u{1b}[31m and 2000 more characters: xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx";
 
+/// The longest a client may take over its TLS handshake.
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
 /// Serves the gateway on `listener` until the process ends. Every decision
 /// is committed before its answer, so killing it loses no payout.
 pub fn serve(listener: std::net::TcpListener, options: Options) -> std::io::Result<()> {
@@ -383,17 +388,29 @@ pub fn serve(listener: std::net::TcpListener, options: Options) -> std::io::Resu
     runtime.block_on(async move {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
+        let tls = gw.options.tls.as_ref().map(crate::https::Identity::acceptor);
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             };
-            let gw = gw.clone();
+            let (gw, tls) = (gw.clone(), tls.clone());
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req| handle(gw.clone(), req));
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
+                let http = hyper::server::conn::http1::Builder::new();
+                match tls {
+                    None => {
+                        let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
+                    }
+                    // a client that does not trust the certificate ends
+                    // here: its handshake fails, nothing was asked
+                    Some(tls) => {
+                        let Ok(Ok(stream)) = tokio::time::timeout(HANDSHAKE, tls.accept(stream)).await else {
+                            return;
+                        };
+                        let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
+                    }
+                }
             });
         }
     })
