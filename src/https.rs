@@ -53,6 +53,27 @@ pub fn trust(path: &Path) -> Result<usize, String> {
 /// `timeout` bounds the whole exchange, no redirect is followed, and the
 /// peer is verified against the roots of [`trust`] (Mozilla's by default).
 pub fn agent(timeout: Duration) -> ureq::Agent {
+    config(timeout).into()
+}
+
+/// [`agent`] for calls to addresses a client gave (its events endpoint):
+/// with `Reach::Public`, a name that resolves only to addresses of the
+/// inside (loopback, private, link-local, …: [`inside`]) is refused before
+/// any connection, each address checked as the connection is made, so a
+/// name that changes its answer between two calls (DNS rebinding) cannot
+/// reach them either.
+pub fn agent_reaching(timeout: Duration, reach: Reach) -> ureq::Agent {
+    match reach {
+        Reach::Any => agent(timeout),
+        Reach::Public => ureq::Agent::with_parts(
+            config(timeout),
+            ureq::unversioned::transport::DefaultConnector::default(),
+            PublicOnly(ureq::unversioned::resolver::DefaultResolver::default()),
+        ),
+    }
+}
+
+fn config(timeout: Duration) -> ureq::config::Config {
     let roots = match ROOTS.get() {
         Some(certs) => RootCerts::Specific(certs.clone()),
         None => RootCerts::WebPki,
@@ -63,7 +84,74 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
         .max_redirects(0)
         .tls_config(TlsConfig::builder().root_certs(roots).build())
         .build()
-        .into()
+}
+
+/// Which addresses a call may reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// Only public addresses: the default for endpoints clients give.
+    Public,
+    /// Any address (an operator's choice, and the tests' on loopback).
+    Any,
+}
+
+/// Whether `ip` is an address of the inside: unspecified, loopback,
+/// private (RFC 1918, IPv6 unique local), shared (RFC 6598), link-local
+/// (cloud metadata services live there), multicast, broadcast, reserved;
+/// an IPv4 address mapped into IPv6 as the IPv4 address itself.
+pub fn inside(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, ..] = v4.octets();
+            v4.is_unspecified()
+                || v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_multicast()
+                || v4.is_broadcast()
+                || a == 0
+                || (a == 100 && (64..128).contains(&b))
+                || a >= 240
+        }
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => inside(IpAddr::V4(v4)),
+            None => {
+                let first = v6.segments()[0];
+                v6.is_unspecified()
+                    || v6.is_loopback()
+                    || v6.is_multicast()
+                    || (first & 0xfe00) == 0xfc00
+                    || (first & 0xffc0) == 0xfe80
+            }
+        },
+    }
+}
+
+/// A resolver that keeps only public addresses ([`inside`]).
+#[derive(Debug)]
+struct PublicOnly(ureq::unversioned::resolver::DefaultResolver);
+
+impl ureq::unversioned::resolver::Resolver for PublicOnly {
+    fn resolve(
+        &self,
+        uri: &ureq::http::Uri,
+        config: &ureq::config::Config,
+        timeout: ureq::unversioned::transport::NextTimeout,
+    ) -> Result<ureq::unversioned::resolver::ResolvedSocketAddrs, ureq::Error> {
+        let all = self.0.resolve(uri, config, timeout)?;
+        let mut public = self.empty();
+        for address in all.iter().filter(|a| !inside(a.ip())) {
+            public.push(*address);
+        }
+        if public.is_empty() {
+            let host = uri.host().unwrap_or("");
+            return Err(ureq::Error::Other(
+                format!("{host} resolves only to inside addresses (loopback, private, link-local): refused").into(),
+            ));
+        }
+        Ok(public)
+    }
 }
 
 /// Whether `e` is a TLS failure: a handshake refused (a certificate not
@@ -180,6 +268,21 @@ mod tests {
         assert_eq!(host("https://user:pw@pay.example:8443/v1/payouts?x=1"), "pay.example:8443");
         assert_eq!(host("http://127.0.0.1:9/"), "127.0.0.1:9");
         assert_eq!(host("pay.example"), "pay.example");
+    }
+
+    #[test]
+    fn inside_addresses_are_told_from_public_ones() {
+        let inside_ones = [
+            "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "0.0.0.0",
+            "255.255.255.255", "224.0.0.1", "::1", "::", "fd00::1", "fe80::1", "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+        ];
+        for ip in inside_ones {
+            assert!(inside(ip.parse().unwrap()), "{ip}");
+        }
+        for ip in ["93.184.216.34", "8.8.8.8", "172.32.0.1", "100.128.0.1", "2606:4700::1111"] {
+            assert!(!inside(ip.parse().unwrap()), "{ip}");
+        }
     }
 
     #[test]

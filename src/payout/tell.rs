@@ -25,6 +25,10 @@ pub struct Hook {
     pub url: String,
     /// `whsec_` and the base64 of the key, as the client was given it.
     pub secret: Vec<u8>,
+    /// While a rotation lasts, the secret before it: each event is signed
+    /// with both (Standard Webhooks' space-separated signatures), so a
+    /// receiver verifies with either while it moves to the new one.
+    pub previous: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for Hook {
@@ -97,15 +101,34 @@ pub fn body(e: &ClientEvent) -> String {
     .to_string()
 }
 
-/// The Standard Webhooks headers of delivering `e` at `unix` (seconds).
-pub fn headers(e: &ClientEvent, secret: &[u8], unix: i64) -> Vec<(&'static str, String)> {
+/// The Standard Webhooks headers of delivering `e` at `unix` (seconds), to
+/// `hook`: signed with its secret, and with the previous one too while a
+/// rotation lasts.
+pub fn headers(e: &ClientEvent, hook: &Hook, unix: i64) -> Vec<(&'static str, String)> {
     let id = event_id(e);
-    let signature = sign_standard(secret, &id, body(e).as_bytes(), unix);
+    let body = body(e);
+    let signature = std::iter::once(&hook.secret)
+        .chain(&hook.previous)
+        .map(|secret| sign_standard(secret, &id, body.as_bytes(), unix))
+        .collect::<Vec<_>>()
+        .join(" ");
     vec![("webhook-id", id), ("webhook-timestamp", unix.to_string()), ("webhook-signature", signature)]
 }
 
-/// Delivers one event: url, headers, body → the status, or why no answer came.
-pub type Post = dyn Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String> + Sync;
+/// A receiver's answer: its status, and the wait its `Retry-After` asks
+/// for (whole seconds), if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answered {
+    pub status: u16,
+    pub retry_after: Option<Duration>,
+}
+
+/// Delivers one event: url, headers, body → the answer, or why none came.
+pub type Post = dyn Fn(&str, &[(&'static str, String)], &str) -> Result<Answered, String> + Sync;
+
+/// The most a receiver's `Retry-After` puts an event off: past it, the
+/// event is tried anyway (a receiver cannot park events for days).
+const RETRY_AFTER_CAP: Duration = Duration::from_secs(3600);
 
 /// One delivery, as the sender reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -207,11 +230,19 @@ fn one_client<'e>(
             turns.push((e, Turn::Tried(Delivery::Failed, None, why)));
             continue;
         };
-        let turn = match post(&hook.url, &headers(e, &hook.secret, unix), &body(e)) {
-            Ok(status @ 200..=299) => Turn::Tried(Delivery::Delivered, None, format!("HTTP {status}")),
+        let turn = match post(&hook.url, &headers(e, hook, unix), &body(e)) {
+            Ok(Answered { status: status @ 200..=299, .. }) => {
+                Turn::Tried(Delivery::Delivered, None, format!("HTTP {status}"))
+            }
             sent => {
-                let outcome = sent.map_or_else(|why| why, |status| format!("HTTP {status}"));
-                match schedule.next(e.event_id, e.attempts + 1, e.event.at, now) {
+                let outcome = sent.as_ref().map_or_else(|why| why.clone(), |a| format!("HTTP {}", a.status));
+                // a 429 or 503 that names its wait is tried no sooner (capped)
+                let asked = match sent {
+                    Ok(Answered { status: 429 | 503, retry_after: Some(wait) }) => wait.min(RETRY_AFTER_CAP),
+                    _ => Duration::ZERO,
+                };
+                let asked = now.plus_millis(i64::try_from(asked.as_millis()).unwrap_or(i64::MAX));
+                match schedule.next(e.event_id, e.attempts + 1, e.event.at, now).map(|next| next.max(asked)) {
                     Some(next) => {
                         failed_until = Some(next);
                         Turn::Tried(Delivery::Pending, Some(next), outcome)
@@ -226,17 +257,25 @@ fn one_client<'e>(
 }
 
 /// Posts over HTTP with a deadline for the whole exchange (the sender's
-/// `post`): the status, or why no answer came.
+/// `post`), to the addresses `reach` allows: the answer, or why none came.
 pub fn post_http(
     timeout: Duration,
-) -> impl Fn(&str, &[(&'static str, String)], &str) -> Result<u16, String> + Sync {
-    let agent = crate::https::agent(timeout);
+    reach: crate::https::Reach,
+) -> impl Fn(&str, &[(&'static str, String)], &str) -> Result<Answered, String> + Sync {
+    let agent = crate::https::agent_reaching(timeout, reach);
     move |url, headers, body| {
         let mut req = agent.post(url).header("Content-Type", "application/json");
         for (name, value) in headers {
             req = req.header(*name, value);
         }
-        req.send(body).map(|r| r.status().as_u16()).map_err(|e| format!("no answer: {}", crate::https::why(url, &e)))
+        let answer = req.send(body).map_err(|e| format!("no answer: {}", crate::https::why(url, &e)))?;
+        let retry_after = answer
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        Ok(Answered { status: answer.status().as_u16(), retry_after })
     }
 }
 

@@ -77,6 +77,14 @@ pub enum GroupPoint {
 /// no answer leaves before its group's commit returned.
 pub type GroupHook = Arc<dyn Fn(GroupPoint) + Send + Sync>;
 
+/// PostgreSQL's batches so far: claims' then executions', each `[batches,
+/// requests carried, microseconds out]`; and the pool connections that
+/// found a batch function not idem's at its name (never called).
+pub struct Batches {
+    pub sizes: [[u64; 3]; 2],
+    pub refused: u64,
+}
+
 pub struct Executor {
     /// PostgreSQL: where transfers run, and what they need around them.
     pool: Option<OnPool>,
@@ -173,13 +181,13 @@ impl Executor {
         self.pool.as_ref().is_none_or(|on| on.pool.saturated())
     }
 
-    /// With batching on PostgreSQL: the batches sent so far, claims' then
-    /// executions', each `[batches, requests carried, microseconds out]`.
-    pub fn batches(&self) -> Option<[[u64; 3]; 2]> {
+    /// With batching on PostgreSQL: the batches sent so far.
+    pub fn batches(&self) -> Option<Batches> {
         let batcher = self.pool.as_ref()?.batches.as_ref()?.get()?;
-        Some(batcher.sizes().each_ref().map(|s| {
+        let sizes = batcher.sizes().each_ref().map(|s| {
             [&s.batches, &s.carried, &s.micros].map(|n| n.load(std::sync::atomic::Ordering::Relaxed))
-        }))
+        });
+        Some(Batches { sizes, refused: batcher.refused() })
     }
 
     /// Whether transfers run on a pool ([`Executor::transfer_on_pool`], on

@@ -30,6 +30,8 @@ pub struct Metrics {
     client_events: Mutex<Option<(Timestamp, ClientEventStats)>>,
     /// Deliveries of client events that got no 2xx.
     deliveries_failed: AtomicU64,
+    /// PostgreSQL batches were asked for and are off (the log says why).
+    pg_batches_off: std::sync::atomic::AtomicBool,
 }
 
 impl Metrics {
@@ -44,6 +46,11 @@ impl Metrics {
     /// A provider event recorded as needing a person (not a duplicate).
     pub fn event_for_a_person(&self) {
         self.events_for_a_person.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// PostgreSQL's batches were asked for and could not be had.
+    pub fn batches_off(&self) {
+        self.pg_batches_off.store(true, Ordering::Relaxed);
     }
 
     pub fn started(&self) {
@@ -143,7 +150,7 @@ impl Metrics {
 
     /// The Prometheus text exposition; `log_dropped` is the log's count of
     /// lines dropped.
-    pub fn render(&self, log_dropped: u64, batches: Option<[[u64; 3]; 2]>) -> String {
+    pub fn render(&self, log_dropped: u64, batches: Option<super::executor::Batches>) -> String {
         let mut out = String::new();
         out.push_str("# HELP idem_requests_total HTTP requests answered, by route and status.\n");
         out.push_str("# TYPE idem_requests_total counter\n");
@@ -194,6 +201,13 @@ impl Metrics {
         if let Some(batches) = batches {
             render_batches(&mut out, batches);
         }
+        if self.pg_batches_off.load(Ordering::Relaxed) {
+            out.push_str(
+                "# HELP idem_pg_batches_off PostgreSQL batches were asked for and are off (the log line pg_batches_off \
+                 says why: a batch function not idem's, a role that may not create one).\n\
+                 # TYPE idem_pg_batches_off gauge\nidem_pg_batches_off 1\n",
+            );
+        }
         out
     }
 }
@@ -212,8 +226,8 @@ fn render_tls(out: &mut String) {
     );
 }
 
-fn render_batches(out: &mut String, batches: [[u64; 3]; 2]) {
-    let [claims, executions] = batches;
+fn render_batches(out: &mut String, batches: super::executor::Batches) {
+    let [claims, executions] = batches.sizes;
     let _ = write!(
         out,
         "# HELP idem_pg_batches_total Batches sent to PostgreSQL, by kind.\n\
@@ -235,5 +249,12 @@ fn render_batches(out: &mut String, batches: [[u64; 3]; 2]) {
         executions[1],
         claims[2] as f64 / 1e6,
         executions[2] as f64 / 1e6,
+    );
+    let _ = write!(
+        out,
+        "# HELP idem_pg_batch_function_refused_total Pool connections that found a batch function not idem's at \
+         its name: never called, their requests sent alone.\n\
+         # TYPE idem_pg_batch_function_refused_total counter\nidem_pg_batch_function_refused_total {}\n",
+        batches.refused
     );
 }

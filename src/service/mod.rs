@@ -88,6 +88,9 @@ pub struct Options {
     pub client_hooks: Option<HashMap<String, crate::payout::Hook>>,
     /// When a client event that was not delivered is tried again.
     pub client_events_schedule: crate::payout::Schedule,
+    /// Which addresses client endpoints may resolve to (public only, by
+    /// default: a client's name that points inside is refused).
+    pub client_events_reach: crate::https::Reach,
 }
 
 /// Why the service could not start (or stop cleanly).
@@ -364,6 +367,7 @@ impl Service {
                 .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
         let log = log::Log::start(log_sink, options.log_secret)
             .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;
+        let unbatched_said = unbatched.is_some();
         if let Some(why) = unbatched {
             // correct without batches, only slower: said once, not refused
             let line =
@@ -396,6 +400,9 @@ impl Service {
                 )
             }),
         ));
+        if unbatched_said {
+            app.metrics.batches_off();
+        }
         // a handshake refused (a certificate not trusted) is the operator's
         // to see: a log line each, and idem_outbound_tls_failures_total
         let (seen, at) = (Arc::downgrade(&app), clock.clone());
@@ -416,8 +423,8 @@ impl Service {
             .map_err(|e| ServeError::Other(format!("cannot start the reconciler: {e}")))?;
         }
         if let Some((store, hooks)) = sender {
-            let schedule = options.client_events_schedule;
-            tell::tell_in_background(store, hooks, schedule, TELL_EVERY, policy, clock, app.clone())
+            let (schedule, reach) = (options.client_events_schedule, options.client_events_reach);
+            tell::tell_in_background(store, hooks, schedule, reach, TELL_EVERY, policy, clock, app.clone())
                 .map_err(|e| ServeError::Other(format!("cannot start the client events sender: {e}")))?;
         }
         Ok(Service { app, max_connections: options.max_connections.max(1) })

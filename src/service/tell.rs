@@ -17,6 +17,9 @@ use std::time::Duration;
 struct Entry {
     url: String,
     secret: String,
+    /// While a rotation lasts: the secret before `secret`, signed with too.
+    #[serde(default)]
+    previous_secret: Option<String>,
 }
 
 /// The shortest and longest secret, in bytes after `whsec_` (the Standard
@@ -24,7 +27,9 @@ struct Entry {
 const SECRET_BYTES: std::ops::RangeInclusive<usize> = super::MIN_EVENTS_SECRET..=super::MAX_EVENTS_KEY;
 
 /// Reads the client events file: a JSON object mapping each client id to
-/// `{"url": …, "secret": "whsec_…"}`. Refused whole, naming the client, for
+/// `{"url": …, "secret": "whsec_…"}`, and while a rotation lasts
+/// `"previous_secret": "whsec_…"` (each event is then signed with both).
+/// Refused whole, naming the client, for
 /// a URL that is not http(s) with a host, a secret that is not `whsec_` and
 /// base64 of 24 to 64 bytes (an empty or short one lets anyone forge what
 /// the client acts on), or a client listed twice.
@@ -39,20 +44,25 @@ pub fn load_hooks(path: &Path) -> Result<HashMap<String, Hook>, ServeError> {
     for (client, entry) in entries {
         let bad = |why: String| ServeError::Other(format!("{file}: client {client:?}: {why}"));
         let url = crate::payout::gateway_url(&entry.url).map_err(bad)?;
-        let key = crate::payout::whsec_key(entry.secret.as_bytes());
-        if !key.is_some_and(|key| SECRET_BYTES.contains(&key.len())) {
-            return Err(bad("the secret must be whsec_ and the base64 of 24 to 64 random bytes".into()));
+        for secret in std::iter::once(&entry.secret).chain(&entry.previous_secret) {
+            let key = crate::payout::whsec_key(secret.as_bytes());
+            if !key.is_some_and(|key| SECRET_BYTES.contains(&key.len())) {
+                return Err(bad("a secret must be whsec_ and the base64 of 24 to 64 random bytes".into()));
+            }
         }
         // kept as given: signing reads the key after whsec_, as receivers do
-        if hooks.insert(client.clone(), Hook { url, secret: entry.secret.into_bytes() }).is_some() {
+        let hook =
+            Hook { url, secret: entry.secret.into_bytes(), previous: entry.previous_secret.map(String::into_bytes) };
+        if hooks.insert(client.clone(), hook).is_some() {
             return Err(bad("listed twice".into()));
         }
     }
     Ok(hooks)
 }
 
-/// How long one delivery may take, connection to answer.
-const DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one delivery may take, connection to answer (Standard
+/// Webhooks recommends 15 to 30 s; Svix waits 15 s).
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The sender, on a connection of its own, a round every `every`: a log
 /// line per delivery, the counts in `/metrics` after each round.
@@ -60,12 +70,13 @@ pub(super) fn tell_in_background(
     mut store: Box<dyn Store + Send>,
     hooks: HashMap<String, Hook>,
     schedule: Schedule,
+    reach: crate::https::Reach,
     every: Duration,
     policy: &'static Policy,
     clock: super::executor::Clock,
     app: Arc<App>,
 ) -> std::io::Result<()> {
-    let post = crate::payout::post_http(DELIVERY_TIMEOUT);
+    let post = crate::payout::post_http(DELIVERY_TIMEOUT, reach);
     std::thread::Builder::new().name("idem-tell".into()).spawn(move || {
         loop {
             let now = clock();

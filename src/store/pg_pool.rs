@@ -19,6 +19,7 @@ use crate::policy::Policy;
 use crate::request::{AcctId, ScopedKey};
 use deadpool::managed;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Row};
@@ -68,13 +69,15 @@ pub struct Prepared {
     policy: &'static Policy,
     /// Whether the connections also run batches ([`Batcher`]).
     batches: bool,
+    /// Connections that found a batch function not idem's at its name.
+    pub(crate) refused: AtomicU64,
 }
 
 impl Manager {
     /// The connections of `store`'s database: `store` (synchronous, already
     /// connected) has made and checked the schema and knows its shape.
     pub fn new(spec: &str, store: &PgStore, policy: &'static Policy) -> Result<Manager, StoreError> {
-        let ready = Prepared { shape: store.shape().clone(), policy, batches: false };
+        let ready = Prepared { shape: store.shape().clone(), policy, batches: false, refused: AtomicU64::new(0) };
         Connector::with(spec, policy, ready)
     }
 
@@ -107,7 +110,7 @@ impl Ready for Prepared {
             Hot::of(prepared.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
         let batch = match self.batches {
             false => None,
-            true => batch_sql(&mut client, &self.shape).await?,
+            true => batch_sql(&mut client, &self.shape, &self.refused).await?,
         };
         let shape = self.shape.clone();
         Ok(PgConn { client, sql, batch, shape, ahead: None, broken: false, policy: self.policy })
@@ -121,12 +124,19 @@ impl Ready for Prepared {
 /// A batching connection's statements. The service made the batch's
 /// function as it started (`PgStore::make_batch_function`); one dropped
 /// since is made again, under the schema's lock, and where the role may
-/// not, `None`: the connection's requests then go out alone.
-async fn batch_sql(client: &mut Client, shape: &Shape) -> Result<Option<BatchSql>, tokio_postgres::Error> {
+/// not, `None`: the connection's requests then go out alone. So too when
+/// the function at its name is not idem's (`pg::Found::Foreign`): it is
+/// never called, and `refused` counts it.
+async fn batch_sql(
+    client: &mut Client,
+    shape: &Shape,
+    refused: &AtomicU64,
+) -> Result<Option<BatchSql>, tokio_postgres::Error> {
     let function = pg::BatchFunction::of(shape);
-    let executions = match client.prepare(&function.call).await {
-        Ok(statement) => statement,
-        Err(e) if e.code() == Some(&SqlState::UNDEFINED_FUNCTION) => {
+    let row = client.query_opt(pg::BatchFunction::TRUST, &function.trust_args()).await?;
+    match function.found(row.as_ref()) {
+        pg::Found::Ours => {}
+        pg::Found::Missing => {
             let tx = client.transaction().await?;
             tx.execute("SELECT pg_advisory_xact_lock($1)", &[&pg::SCHEMA_LOCK]).await?;
             // a refusal rolls the transaction back as it is dropped
@@ -134,10 +144,13 @@ async fn batch_sql(client: &mut Client, shape: &Shape) -> Result<Option<BatchSql
                 return Ok(None);
             }
             tx.commit().await?;
-            client.prepare(&function.call).await?
         }
-        Err(e) => return Err(e),
-    };
+        pg::Found::Foreign(_) => {
+            refused.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
+    }
+    let executions = client.prepare(&function.call).await?;
     let claims = client.prepare(&pg::claim_batch_sql(shape)).await?;
     Ok(Some(BatchSql { claims, executions }))
 }

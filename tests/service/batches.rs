@@ -231,3 +231,125 @@ fn on_postgres_a_batch_function_dropped_under_open_connections_is_made_again_not
     serve.stop();
     assert_eq!(ledger(&spec), (vec![86, 14], 14));
 }
+
+/// A role that may create in the schema (every role in `public` up to
+/// PostgreSQL 14) makes a function at the batch function's name first:
+/// idem's own body plus a credit to its account. idem never calls it: it
+/// says so (a log line, a metric), serves without batches, and the
+/// planted account is never credited.
+#[test]
+fn on_postgres_a_function_planted_at_the_batch_functions_name_is_never_run() {
+    let Some(server) = pg::server() else { return };
+    let spec = bank(server, &[("a", 100), ("b", 0), ("mallory", 0)]);
+    let Some(as_role) = server.as_password_role(&spec, pg::PASSWORD) else { return };
+    // idem's own function, as the attacker can read it in the catalog
+    let serve = Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pg-batch-max", "256"], &[]);
+    assert_eq!(at_once(&serve, "first", &[transfer("a", "b", 1)]), [201]);
+    serve.stop();
+    let mut c = pg::client(&spec);
+    let found = "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid) FROM pg_proc p
+                 JOIN pg_namespace n ON n.oid = p.pronamespace
+                 WHERE n.nspname = current_schema() AND p.proname LIKE 'idem\\_execute\\_%'";
+    let row = c.query_one(found, &[]).unwrap();
+    let (name, def): (String, String) = (row.get(0), row.get(1));
+    c.batch_execute(&format!("DROP FUNCTION {name}")).unwrap();
+    let planted = def.replacen(
+        "\nBEGIN\n",
+        "\nBEGIN\n  UPDATE account SET balance = balance + 1000000 WHERE acct_id = 'mallory';\n",
+        1,
+    );
+    assert_ne!(planted, def);
+    pg::client(&as_role).batch_execute(&planted).unwrap();
+
+    let serve =
+        Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "8", "--pg-batch-max", "256"], &[]);
+    let bodies: Vec<String> = (0..20).map(|_| transfer("a", "b", 1)).collect();
+    let statuses = at_once(&serve, "after", &bodies);
+    assert!(statuses.iter().all(|s| *s == 201), "{statuses:?}");
+    let mallory: i64 =
+        c.query_one("SELECT balance FROM account WHERE acct_id = 'mallory'", &[]).unwrap().get(0);
+    assert_eq!(mallory, 0, "the planted function ran");
+    let log = serve.log_when(|l| l.contains("pg_batches_off"));
+    let line = log.lines().find(|l| l.contains("pg_batches_off")).unwrap_or_else(|| panic!("{log}"));
+    assert!(line.contains(&format!("owned by role {}", pg::PASSWORD_ROLE)), "{line}");
+    assert_eq!(metric(&serve, "idem_pg_batches_off"), 1.0);
+    serve.stop();
+    assert_eq!(ledger(&spec), (vec![79, 21, 0], 21), "the planted function ran");
+}
+
+/// Another session holds one account's row (a back-office edit, a session
+/// idle in a transaction) for longer than the busy budget. Transfers on
+/// that account wait alone, as unbatched ones do; every other transfer,
+/// batched beside them, goes through: none refused, none held past 2 s.
+#[test]
+fn on_postgres_a_foreign_row_lock_holds_up_only_the_transfers_on_its_account() {
+    let Some(server) = pg::server() else { return };
+    let mut rows: Vec<(String, i64)> = vec![("x".into(), 1_000_000)];
+    rows.extend((0..8).flat_map(|i| [(format!("a{i}"), 1_000_000), (format!("b{i}"), 0), (format!("c{i}"), 0)]));
+    let rows: Vec<(&str, i64)> = rows.iter().map(|(id, b)| (id.as_str(), *b)).collect();
+    let spec = bank(server, &rows);
+    let serve =
+        Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "16", "--pg-batch-max", "256"], &[]);
+    assert_eq!(at_once(&serve, "warm", &[transfer("a0", "b0", 1), transfer("x", "c0", 1)]), [201, 201]);
+    let held = std::time::Duration::from_secs(6);
+    let (locked_tx, locked) = std::sync::mpsc::channel();
+    let foreign = {
+        let spec = spec.clone();
+        std::thread::spawn(move || {
+            let mut c = pg::client(&spec);
+            let mut tx = c.transaction().unwrap();
+            tx.query("SELECT * FROM account WHERE acct_id = 'x' FOR UPDATE", &[]).unwrap();
+            locked_tx.send(()).unwrap();
+            std::thread::sleep(held);
+            tx.commit().unwrap();
+        })
+    };
+    locked.recv().unwrap();
+    let until = std::time::Instant::now() + held - std::time::Duration::from_secs(1);
+    let send = |name: String, body: String| {
+        let url = serve.url.clone();
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for n in 0.. {
+                if std::time::Instant::now() > until {
+                    break;
+                }
+                let began = std::time::Instant::now();
+                let sent = Serve::agent()
+                    .post(format!("{url}/v1/transfers"))
+                    .header("Authorization", format!("Bearer {}", SHOP.0))
+                    .header("Idempotency-Key", format!("\"{name}-{n}\""))
+                    .header("Content-Type", "application/json")
+                    .send(&body);
+                seen.push((crate::server::read(sent).status, began.elapsed()));
+            }
+            seen
+        })
+    };
+    // (to accounts of their own: a transfer waiting for x holds its other
+    // account meanwhile, batched or not)
+    let on_x: Vec<_> = (0..2).map(|i| send(format!("x{i}"), transfer("x", &format!("c{i}"), 1))).collect();
+    let others: Vec<_> =
+        (0..8).map(|i| send(format!("o{i}"), transfer(&format!("a{i}"), &format!("b{i}"), 1))).collect();
+    let others: Vec<(u16, std::time::Duration)> = others.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let on_x: Vec<(u16, std::time::Duration)> = on_x.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    foreign.join().unwrap();
+    let slowest = others.iter().map(|(_, took)| *took).max().unwrap();
+    let refused = others.iter().filter(|(s, _)| *s != 201).count();
+    eprintln!(
+        "beside a foreign lock of {held:?}: {} other transfers, {refused} not 201, slowest {slowest:?}; on the locked account: {:?}",
+        others.len(),
+        on_x.iter().map(|(s, t)| (*s, t.as_millis())).collect::<Vec<_>>()
+    );
+    assert_eq!(refused, 0, "{:?}", others.iter().filter(|(s, _)| *s != 201).collect::<Vec<_>>());
+    assert!(slowest < std::time::Duration::from_secs(2), "a transfer beside the lock waited {slowest:?}");
+    assert!(others.len() >= 100, "only {} other transfers in {held:?}", others.len());
+    assert!(on_x.iter().all(|(s, _)| [201, 503].contains(s)), "{on_x:?}");
+    assert!(metric(&serve, "idem_pg_batched_total{kind=\"execution\"}") > metric(&serve, "idem_pg_batches_total{kind=\"execution\"}"), "no batch carried two");
+    // the money: every 201 paid once, nothing else
+    let paid = 2 + others.len() as i64 + on_x.iter().filter(|(s, _)| *s == 201).count() as i64;
+    serve.stop();
+    let (balances, transfers) = ledger(&spec);
+    assert_eq!(transfers, paid);
+    assert_eq!(balances.iter().sum::<i64>(), 9_000_000);
+}

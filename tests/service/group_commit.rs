@@ -35,6 +35,7 @@ fn serve_in_process(bank: &Bank, hook: Option<GroupHook>) -> String {
         events_secret_previous: None,
         client_hooks: None,
         client_events_schedule: Default::default(),
+        client_events_reach: idem::https::Reach::Public,
     };
     let clock: idem::service::executor::Clock = Arc::new(idem::clock::Timestamp::now);
     let service =

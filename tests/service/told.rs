@@ -119,6 +119,7 @@ fn told(pg: bool) {
             hooks.to_str().unwrap(),
             "--client-events-retry",
             "200ms",
+            "--client-events-allow-private",
         ],
         &[],
     );
@@ -299,44 +300,51 @@ fn a_client_events_file_with_a_short_secret_a_bad_url_or_a_client_twice_is_refus
     assert!(!ok && err.contains("needs --gateway"), "{err}");
 }
 
-/// A receiver that answers every delivery with a redirect to another
-/// address (here a trap on loopback; in the wild a metadata address): the
-/// redirect is a failed attempt, never a delivery, and nothing is sent to
-/// where `Location` points. Standard Webhooks and Svix count every 3xx as
-/// a failure; a sender that follows it records an event nobody received
-/// and sends the `webhook-*` headers wherever a receiver says.
-#[test]
-fn a_redirecting_receiver_is_a_failed_delivery_and_its_location_is_never_called() {
-    let Some((dir, db)) = bank_on(false) else { return };
-    let trap = TcpListener::bind("127.0.0.1:0").unwrap();
-    let trap_port = trap.local_addr().unwrap().port();
-    trap.set_nonblocking(true).unwrap();
-    let redirector = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = redirector.local_addr().unwrap().port();
-    let answered = Arc::new(Mutex::new(0));
-    let count = answered.clone();
+/// One request a scripted receiver read: when, its headers (lowercase).
+type Heard = (Instant, BTreeMap<String, String>, String);
+
+/// A receiver on `listener` that answers its n-th request with
+/// `answers[n]` (the last one again past the end); what it heard.
+fn scripted(listener: TcpListener, answers: Vec<String>) -> Arc<Mutex<Vec<Heard>>> {
+    let heard = Arc::new(Mutex::new(Vec::new()));
+    let kept = heard.clone();
     std::thread::spawn(move || {
-        for stream in redirector.incoming() {
+        for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
+            let at = Instant::now();
             let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut headers = BTreeMap::new();
             let mut line = String::new();
             while reader.read_line(&mut line).unwrap_or(0) > 2 {
+                if let Some((name, value)) = line.trim_end().split_once(": ") {
+                    headers.insert(name.to_ascii_lowercase(), value.to_owned());
+                }
                 line.clear();
             }
-            let answer = format!(
-                "HTTP/1.1 301 Moved Permanently\r\nLocation: http://127.0.0.1:{trap_port}/steal\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-            );
+            let length = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
+            let mut body = vec![0; length];
+            let _ = reader.read_exact(&mut body);
+            let n = {
+                let mut heard = kept.lock().unwrap();
+                heard.push((at, headers, String::from_utf8_lossy(&body).into_owned()));
+                heard.len()
+            };
+            let answer = &answers[(n - 1).min(answers.len() - 1)];
             let _ = stream.write_all(answer.as_bytes());
-            *count.lock().unwrap() += 1;
         }
     });
+    heard
+}
+
+/// A service with one payout whose answer the gateway loses: its
+/// reconciler settles it, and client `shop` is told at `hook` (its entry
+/// in the client events file), with `extra` arguments.
+fn told_of_one(hook: Value, extra: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, Gateway, Serve) {
+    let (dir, db) = bank_on(false).unwrap();
     let hooks = dir.path().join("hooks.json");
-    let hook = serde_json::json!({"shop": {"url": format!("http://127.0.0.1:{port}/hooks"), "secret": SECRET}});
-    std::fs::write(&hooks, hook.to_string()).unwrap();
+    std::fs::write(&hooks, serde_json::json!({ "shop": hook }).to_string()).unwrap();
     let gw = Gateway::start(&["--drop-answer", "100"]);
-    let s = Serve::start(
-        &db,
-        &[("tok", "shop")],
+    let args = [
         &[
             "--gateway",
             &gw.url,
@@ -350,20 +358,109 @@ fn a_redirecting_receiver_is_a_failed_delivery_and_its_location_is_never_called(
             hooks.to_str().unwrap(),
             "--client-events-retry",
             "200ms",
-        ],
-        &[],
-    );
-    assert_eq!(pay(&s, "tok", "r1"), 202, "the gateway's answer is lost: 202");
+        ][..],
+        extra,
+    ]
+    .concat();
+    let s = Serve::start(&db, &[("tok", "shop")], &args, &[]);
+    assert_eq!(pay(&s, "tok", "one"), 202, "the gateway's answer is lost: 202");
+    (dir, db, gw, s)
+}
+
+/// The deliveries of the first client event, once there are `n` (or after 20 s).
+fn deliveries(db: &Path, n: usize) -> Vec<Value> {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while *answered.lock().unwrap() < 2 && Instant::now() < deadline {
+    loop {
+        let (_, events) = payouts_cmd(db, &["client-events"]);
+        if let Some(e) = events.first() {
+            let id = e["id"].as_str().unwrap().trim_start_matches("evt_").to_owned();
+            let (_, log) = payouts_cmd(db, &["deliveries", &id]);
+            if log.len() >= n || Instant::now() > deadline {
+                return log;
+            }
+        }
+        assert!(Instant::now() < deadline, "no client event after 20 s");
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(*answered.lock().unwrap() >= 2, "the event was never sent: {}", s.log());
+}
+
+const NO_CONTENT: &str = "HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n";
+
+/// A receiver that answers every delivery with a redirect to another
+/// address (here a trap on loopback; in the wild a metadata address): the
+/// redirect is a failed attempt, never a delivery, and nothing is sent to
+/// where `Location` points. Standard Webhooks and Svix count every 3xx as
+/// a failure; a sender that follows it records an event nobody received
+/// and sends the `webhook-*` headers wherever a receiver says.
+#[test]
+fn a_redirecting_receiver_is_a_failed_delivery_and_its_location_is_never_called() {
+    let trap = TcpListener::bind("127.0.0.1:0").unwrap();
+    let trap_port = trap.local_addr().unwrap().port();
+    trap.set_nonblocking(true).unwrap();
+    let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://127.0.0.1:{}/hooks", receiver.local_addr().unwrap().port());
+    let moved = format!(
+        "HTTP/1.1 301 Moved Permanently\r\nLocation: http://127.0.0.1:{trap_port}/steal\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    let heard = scripted(receiver, vec![moved]);
+    let hook = serde_json::json!({"url": url, "secret": SECRET});
+    let (_dir, db, _gw, s) = told_of_one(hook, &["--client-events-allow-private"]);
+    let log = deliveries(&db, 2);
+    assert!(log.len() >= 2, "{log:#?}\n{}", s.log());
+    assert!(log.iter().all(|d| d["outcome"].as_str().unwrap().contains("301")), "{log:#?}");
     let (ok, delivered) = payouts_cmd(&db, &["client-events", "--delivery", "delivered"]);
     assert!(ok && delivered.is_empty(), "a 301 was recorded delivered: {delivered:#?}");
-    let (_, events) = payouts_cmd(&db, &["client-events"]);
-    let n: i64 = events[0]["id"].as_str().unwrap().trim_start_matches("evt_").parse().unwrap();
-    let (_, log) = payouts_cmd(&db, &["deliveries", &n.to_string()]);
-    assert!(log.iter().any(|d| d["outcome"].as_str().unwrap().contains("301")), "{log:#?}");
+    assert!(heard.lock().unwrap().len() >= 2);
     assert!(trap.accept().is_err(), "the sender followed the redirect to its Location");
+}
+
+/// A client's endpoint whose name resolves to an address of the inside
+/// (here `localhost`; in the wild a name pointed at 169.254.169.254) is
+/// refused before any connection unless the operator allows it.
+#[test]
+fn a_client_endpoint_that_resolves_inside_is_refused_unless_the_operator_allows_it() {
+    let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://localhost:{}/hooks", receiver.local_addr().unwrap().port());
+    let heard = scripted(receiver, vec![NO_CONTENT.into()]);
+    let hook = serde_json::json!({"url": url, "secret": SECRET});
+    let (_dir, db, _gw, s) = told_of_one(hook.clone(), &[]);
+    let log = deliveries(&db, 2);
+    assert!(log.len() >= 2, "{log:#?}\n{}", s.log());
+    for d in &log {
+        assert!(d["outcome"].as_str().unwrap().contains("inside addresses"), "{d}");
+    }
+    assert!(heard.lock().unwrap().is_empty(), "a connection reached the inside address");
+
+    let (_dir, db, _gw, _s) = told_of_one(hook, &["--client-events-allow-private"]);
+    let log = deliveries(&db, 1);
+    assert_eq!(log[0]["outcome"], "HTTP 204", "{log:#?}");
+}
+
+/// While a client rolls its secret, each event is signed with both (two
+/// signatures, space-separated, as Standard Webhooks has it): a receiver
+/// on either secret verifies it. A 429 whose `Retry-After` asks for 2 s is
+/// tried again no sooner, though the sender's own wait is 200 ms.
+#[test]
+fn a_rolled_secret_signs_with_both_and_a_429_retry_after_is_honoured() {
+    const OLD: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    const NEW: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
+    let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://127.0.0.1:{}/hooks", receiver.local_addr().unwrap().port());
+    let busy = "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    let heard = scripted(receiver, vec![busy.into(), NO_CONTENT.into()]);
+    let hook = serde_json::json!({"url": url, "secret": NEW, "previous_secret": OLD});
+    let (_dir, db, _gw, s) = told_of_one(hook, &["--client-events-allow-private"]);
+    let log = deliveries(&db, 2);
+    assert_eq!(log.len(), 2, "{log:#?}\n{}", s.log());
+    assert_eq!((log[0]["outcome"].as_str(), log[1]["outcome"].as_str()), (Some("HTTP 429"), Some("HTTP 204")));
+    let heard = heard.lock().unwrap().clone();
+    let waited = heard[1].0 - heard[0].0;
+    assert!(waited >= Duration::from_millis(1900), "tried again after {waited:?}, asked 2 s");
+    for (_, headers, body) in &heard {
+        let (id, t) = (&headers["webhook-id"], headers["webhook-timestamp"].parse().unwrap());
+        let signatures: Vec<&str> = headers["webhook-signature"].split(' ').collect();
+        let expected: Vec<String> =
+            [NEW, OLD].iter().map(|k| idem::payout::sign_standard(k.as_bytes(), id, body.as_bytes(), t)).collect();
+        assert_eq!(signatures, expected, "signed with the new secret, then the old");
+    }
 }

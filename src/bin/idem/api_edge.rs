@@ -18,6 +18,13 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
         },
         Err(_) => None,
     };
+    // the gateway of a payout (--gateway https://…) is trusted by Mozilla's
+    // roots, or by the certificates of IDEM_CA_FILE alone
+    if let Some(file) = std::env::var_os("IDEM_CA_FILE")
+        && let Err(e) = idem::https::trust(std::path::Path::new(&file))
+    {
+        return say(Said { stderr: vec![format!("IDEM_CA_FILE: {e}")], code: 2, stdout: None });
+    }
     match idem::api::run(args, Edge { now, crash }) {
         Ok(said) => say(said),
         Err(usage) => usage.exit(),

@@ -81,6 +81,11 @@ pub struct Serve {
     /// left failed for a person (`idem payouts redeliver`).
     #[arg(long, default_value = "72h", value_parser = clock::parse_positive_duration)]
     client_events_give_up: std::time::Duration,
+    /// Let client endpoints resolve to addresses of the inside (loopback,
+    /// private, link-local, as cloud metadata services are): by default a
+    /// delivery to one is refused before any connection is made.
+    #[arg(long)]
+    client_events_allow_private: bool,
 }
 
 pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> {
@@ -115,6 +120,10 @@ pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> 
             first: args.client_events_retry,
             give_up: args.client_events_give_up,
             ..Default::default()
+        },
+        client_events_reach: match args.client_events_allow_private {
+            true => idem::https::Reach::Any,
+            false => idem::https::Reach::Public,
         },
     };
     let clock: service::executor::Clock = match fixed_now()? {

@@ -160,7 +160,8 @@ fn tell_to_the_end(
         cap: Duration::from_secs(1),
         ..Default::default()
     };
-    let post = payout::post_http(Duration::from_secs(5));
+    // the receiver is on loopback
+    let post = payout::post_http(Duration::from_secs(5), crate::https::Reach::Any);
     let deadline = Instant::now() + Duration::from_secs(30);
     let pending =
         |store: &mut dyn store::Store| payout::client_events(store, Some(Delivery::Pending), 1, policy);

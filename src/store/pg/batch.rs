@@ -46,8 +46,17 @@ pub(in crate::store) fn claim_batch_sql(shape: &Shape) -> String {
 }
 
 /// The function that runs a batch of executions: [`BatchFunction::name`],
-/// a function of the database's own (in the schema the tables are in),
+/// a function of the database's own (in the schema `idem_key` is in),
 /// made once by the first connection that finds it missing.
+///
+/// idem runs only code it made: the function is called by its schema-
+/// qualified name, runs with its own search path (the schemas the tables
+/// were found in, then `pg_temp`), and before a connection prepares its
+/// call, the function at that name must be owned by idem's role or the
+/// tables' owner and hold this very text ([`BatchFunction::TRUST`]). A
+/// role that may create in the schema (every role in `public`, up to
+/// PostgreSQL 14) and made one of that name first is not called: batches
+/// are off, with a log line and a metric, and requests go out alone.
 ///
 /// Not a temporary one: a session's temporary objects are dropped as its
 /// backend exits, in a transaction whose commit waits for the synchronous
@@ -70,28 +79,90 @@ pub(in crate::store) fn claim_batch_sql(shape: &Shape) -> String {
 /// (a table whose id draws from none fails every batch, which then goes
 /// out a request at a time).
 pub(in crate::store) struct BatchFunction {
-    /// `idem_execute_` and 16 hex digits of its text's SHA-256.
+    /// The schema, `.idem_execute_` and 16 hex digits of its text's SHA-256.
     pub name: String,
-    /// `CREATE OR REPLACE FUNCTION` of it.
+    /// `CREATE FUNCTION` of it.
     pub create: String,
-    /// Its call; each row reads as the single execution's.
+    /// Its call; each row reads as the single execution's, then whether
+    /// that transfer was handed back to go alone.
     pub call: String,
+    /// Its name and argument types, for `to_regprocedure`.
+    signature: String,
+    /// Its body as PostgreSQL keeps it (`pg_proc.prosrc`).
+    body: String,
+}
+
+/// How long a batch waits for the locks it needs before it takes only
+/// what is free: longer than another batch of idem's holds them (the
+/// function's work for a full batch and its commit), far shorter than a
+/// foreign session's hold, which would otherwise stall the batch, its
+/// lane and every transfer queued behind it.
+pub(in crate::store) const BATCH_LOCK_WAIT: &str = "50ms";
+
+/// What is at the batch function's name.
+pub(in crate::store) enum Found {
+    Missing,
+    Ours,
+    /// Not idem's (why): never called.
+    Foreign(String),
 }
 
 impl BatchFunction {
+    const ARGS: &str = "text[], text[], text[], text[], text[], text[], bool[], bigint[], bigint[], bool[], \
+                        bigint[], bigint[], bigint[], text[], text[], int[], text[], text[], text";
+
+    /// The function at [`BatchFunction::signature`], if any: `$1` the
+    /// signature, `$2` the body. Its owner must be idem's role or the
+    /// tables' owner (a role that could rewrite the tables anyway), its
+    /// text this one.
+    pub(in crate::store) const TRUST: &str =
+        "SELECT p.proowner IN (c.relowner, (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)),
+                p.prosrc = $2, pg_get_userbyid(p.proowner)::text
+         FROM pg_class c, pg_proc p
+         WHERE c.oid = to_regclass('idem_key') AND p.oid = to_regprocedure($1)";
+
     pub(in crate::store) fn of(shape: &Shape) -> BatchFunction {
         use sha2::{Digest, Sha256};
-        let text = include_str!("batch_execute.sql").replace("{t}", &shape.acct_type);
+        let text = include_str!("batch_execute.sql")
+            .replace("{t}", &shape.acct_type)
+            .replace("{wait}", BATCH_LOCK_WAIT)
+            .replace("{schema}", &shape.path);
         let digest = Sha256::digest(text.as_bytes());
-        let name =
-            format!("idem_execute_{}", digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>());
+        let name = format!(
+            "{}.idem_execute_{}",
+            shape.schema,
+            digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>()
+        );
         let call = format!(
-            "SELECT o_held, o_premises, o_inexact, o_transfer, o_done
+            "SELECT o_held, o_premises, o_inexact, o_transfer, o_done, o_alone
              FROM {name}($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
                $7::bool[], $8::bigint[], $9::bigint[], $10::bool[], $11::bigint[], $12::bigint[],
                $13::bigint[], $14::text[], $15::text[], $16::int[], $17::text[], $18::text[], $19::text)"
         );
-        BatchFunction { create: text.replace("{name}", &name), name, call }
+        let body = text.split("$body$").nth(1).unwrap_or_default().to_owned();
+        let signature = format!("{name}({})", Self::ARGS);
+        BatchFunction { create: text.replace("{name}", &name), name, call, signature, body }
+    }
+
+    /// [`BatchFunction::TRUST`]'s arguments.
+    pub(in crate::store) fn trust_args(&self) -> [&(dyn ToSql + Sync); 2] {
+        [&self.signature, &self.body]
+    }
+
+    /// What [`BatchFunction::TRUST`]'s row says.
+    pub(in crate::store) fn found(&self, row: Option<&Row>) -> Found {
+        let Some(row) = row else { return Found::Missing };
+        let (owner_ok, text_ok, owner): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
+        match (owner_ok, text_ok) {
+            (true, true) => Found::Ours,
+            (false, _) => Found::Foreign(format!(
+                "{} is owned by role {owner}, neither idem's nor the tables' owner: not idem's code, never called",
+                self.name
+            )),
+            (true, false) => {
+                Found::Foreign(format!("{} holds another text than idem's: never called", self.name))
+            }
+        }
     }
 }
 
@@ -100,14 +171,17 @@ impl PgStore {
     /// under the schema's lock as the tables are: the service does it once
     /// as it starts, and runs without batches if it cannot (a role that may
     /// not create in the schema).
+    /// A function at its name that is not idem's ([`Found::Foreign`]) is
+    /// an error: batches stay off.
     pub fn make_batch_function(&mut self) -> Result<(), StoreError> {
         let function = BatchFunction::of(&self.shape);
         let mut tx = self.client.transaction().map_err(pg)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).map_err(pg)?;
-        let there: bool =
-            tx.query_one("SELECT to_regproc($1) IS NOT NULL", &[&function.name]).map_err(pg)?.get(0);
-        if !there {
-            tx.batch_execute(&function.create).map_err(pg)?;
+        let row = tx.query_opt(BatchFunction::TRUST, &function.trust_args()).map_err(pg)?;
+        match function.found(row.as_ref()) {
+            Found::Ours => {}
+            Found::Missing => tx.batch_execute(&function.create).map_err(pg)?,
+            Found::Foreign(why) => return Err(StoreError::Schema(why)),
         }
         tx.commit().map_err(pg)
     }

@@ -1,13 +1,14 @@
 -- The function that runs a batch of executions: see BatchFunction in
 -- batch.rs, which puts the type of account.acct_id for each t in braces,
--- and the function's name, which carries a digest of this text, for name.
-CREATE OR REPLACE FUNCTION {name}(
+-- the function's schema-qualified name (a digest of this text) for name,
+-- and the schema idem's tables are in for schema.
+CREATE FUNCTION {name}(
   p_c text[], p_e text[], p_k text[], p_tok text[], p_src text[], p_dst text[],
   p_s_on bool[], p_s_lo bigint[], p_s_hi bigint[], p_d_on bool[], p_d_lo bigint[], p_d_hi bigint[],
   p_amount bigint[], p_currency text[], p_at text[], p_status int[], p_reason text[], p_body text[],
   p_head text)
-RETURNS TABLE (o_held bool, o_premises bool, o_inexact text, o_transfer bigint, o_done bigint)
-LANGUAGE plpgsql AS $body$
+RETURNS TABLE (o_held bool, o_premises bool, o_inexact text, o_transfer bigint, o_done bigint, o_alone bool)
+LANGUAGE plpgsql SET search_path = {schema}, pg_temp AS $body$
 DECLARE
   v_n int := coalesce(cardinality(p_k), 0);
   v_seq regclass := pg_get_serial_sequence('transfer', 'transfer_id');
@@ -16,25 +17,66 @@ DECLARE
   v_x text[] := array_fill(NULL::text, ARRAY[v_n]);
   v_t bigint[] := array_fill(NULL::bigint, ARRAY[v_n]);
   v_go bool[] := array_fill(false, ARRAY[v_n]);
+  v_alone bool[] := array_fill(false, ARRAY[v_n]);
+  v_ours int[];
+  v_busy {t}[] := '{}';
   v_premises bool;
   v_inexact text;
+  v_wait text := current_setting('lock_timeout');
   i int;
 BEGIN
   IF v_seq IS NULL THEN
     RAISE EXCEPTION 'transfer.transfer_id draws from no sequence';
   END IF;
-  SELECT coalesce(array_agg(h.n), '{}') INTO v_held FROM (
-    SELECT w.n FROM idem_key x
+  -- Every key the batch still holds (in key order), then every account it
+  -- touches (ascending), as a single execution locks them: batches side by
+  -- side never wait on each other in a cycle. A wait past a short bound is
+  -- another session's lock (a back-office edit, a session idle in a
+  -- transaction), not a batch's: then the batch takes only what is free,
+  -- and each transfer whose key or account is held elsewhere is handed
+  -- back to go alone (o_alone), where it waits as any single transfer
+  -- does, holding up no batch-mate and no lane.
+  BEGIN
+    PERFORM set_config('lock_timeout', '{wait}', true);
+    SELECT coalesce(array_agg(h.n), '{}') INTO v_held FROM (
+      SELECT w.n FROM idem_key x
+        JOIN unnest(p_c, p_e, p_k, p_tok) WITH ORDINALITY AS w (c, e, k, tok, n)
+          ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
+       WHERE x.state = 'in_progress' AND x.token = w.tok
+       ORDER BY x.client_id, x.endpoint, x.idem_key
+       FOR UPDATE OF x) h;
+    PERFORM 1 FROM account a
+     WHERE a.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
+     ORDER BY a.acct_id
+     FOR UPDATE;
+    PERFORM set_config('lock_timeout', v_wait, true);
+  EXCEPTION WHEN lock_not_available THEN
+    -- the block's locks and its lock_timeout are undone with it
+    SELECT coalesce(array_agg(h.n), '{}') INTO v_held FROM (
+      SELECT w.n FROM idem_key x
+        JOIN unnest(p_c, p_e, p_k, p_tok) WITH ORDINALITY AS w (c, e, k, tok, n)
+          ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
+       WHERE x.state = 'in_progress' AND x.token = w.tok
+       ORDER BY x.client_id, x.endpoint, x.idem_key
+       FOR UPDATE OF x SKIP LOCKED) h;
+    -- keys this batch holds by the row, whose lock another session has
+    SELECT coalesce(array_agg(w.n), '{}') INTO v_ours FROM idem_key x
       JOIN unnest(p_c, p_e, p_k, p_tok) WITH ORDINALITY AS w (c, e, k, tok, n)
         ON x.client_id = w.c AND x.endpoint = w.e AND x.idem_key = w.k
-     WHERE x.state = 'in_progress' AND x.token = w.tok
-     ORDER BY x.client_id, x.endpoint, x.idem_key
-     FOR UPDATE OF x) h;
-  PERFORM 1 FROM account a
-   WHERE a.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
-   ORDER BY a.acct_id
-   FOR UPDATE;
+     WHERE x.state = 'in_progress' AND x.token = w.tok AND NOT w.n = ANY (v_held);
+    SELECT coalesce(array_agg(a.acct_id), '{}') INTO v_busy FROM account a
+     WHERE a.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
+       AND a.acct_id <> ALL (ARRAY(
+         SELECT f.acct_id FROM account f
+          WHERE f.acct_id = ANY (p_src::{t}[] || p_dst::{t}[])
+          ORDER BY f.acct_id
+          FOR UPDATE SKIP LOCKED));
+    FOR i IN 1 .. v_n LOOP
+      v_alone[i] := i = ANY (v_ours) OR p_src[i]::{t} = ANY (v_busy) OR p_dst[i]::{t} = ANY (v_busy);
+    END LOOP;
+  END;
   FOR i IN 1 .. v_n LOOP
+    CONTINUE WHEN v_alone[i];
     SELECT coalesce(bool_and(CASE WHEN l.acct_id IS NULL THEN NOT w.present ELSE w.present AND COALESCE(l.balance BETWEEN w.lo AND w.hi, false) END), false),
            string_agg(CASE WHEN l.acct_id IS NULL OR w.delta = 0 OR NOT COALESCE(l.balance BETWEEN w.lo AND w.hi, false) THEN NULL
                            WHEN (l.balance + w.delta)::text::numeric <> l.balance::text::numeric + w.delta
@@ -66,7 +108,7 @@ BEGIN
    WHERE u.go AND x.client_id = u.c AND x.endpoint = u.e AND x.idem_key = u.k
      AND x.state = 'in_progress' AND x.token = u.tok;
   RETURN QUERY
-    SELECT g.n = ANY (v_held), v_p[g.n], v_x[g.n], v_t[g.n], v_go[g.n]::int::bigint
+    SELECT g.n = ANY (v_held), v_p[g.n], v_x[g.n], v_t[g.n], v_go[g.n]::int::bigint, v_alone[g.n]
       FROM generate_series(1, v_n) AS g (n)
      ORDER BY g.n;
 END

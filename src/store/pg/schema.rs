@@ -42,7 +42,7 @@ pub(super) fn prepare_schema(client: &mut Client) -> Result<Shape, StoreError> {
             )));
         }
     };
-    let shape = Shape { acct_type, int_ids };
+    let mut shape = Shape { acct_type, int_ids, schema: String::new(), path: String::new() };
     check_account(client)?;
     let mark: Option<String> = client
         .query_one("SELECT obj_description(to_regclass('idem_key'), 'pg_class')", &[])
@@ -51,6 +51,16 @@ pub(super) fn prepare_schema(client: &mut Client) -> Result<Shape, StoreError> {
     if mark.as_deref() != Some(SCHEMA_MARK) {
         create_schema(client, &shape)?;
     }
+    let row = client
+        .query_one(
+            "SELECT quote_ident(n.nspname::text),
+                    array_to_string(ARRAY(SELECT quote_ident(s::text) FROM unnest(current_schemas(false)) s), ', ')
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE c.oid = to_regclass('idem_key')",
+            &[],
+        )
+        .map_err(pg)?;
+    (shape.schema, shape.path) = (row.get(0), row.get(1));
     Ok(shape)
 }
 

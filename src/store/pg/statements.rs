@@ -21,6 +21,11 @@ pub(in crate::store) struct Shape {
     pub(super) acct_type: String,
     /// Whether that type is an integer type (else a string type).
     pub(super) int_ids: bool,
+    /// The schema `idem_key` is in, quoted: where idem's own function lives.
+    pub(super) schema: String,
+    /// The schemas the session finds the tables in, quoted, in order: the
+    /// search path idem's function runs with (never its caller's).
+    pub(super) path: String,
 }
 
 /// Every statement a request runs, prepared once per connection.

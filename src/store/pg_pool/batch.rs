@@ -94,6 +94,12 @@ impl Batcher {
     pub fn sizes(&self) -> &[Sizes; 2] {
         &self.sizes
     }
+
+    /// Connections that found a batch function not idem's at its name
+    /// (their requests go out alone).
+    pub fn refused(&self) -> u64 {
+        self.pool.0.manager().ready.refused.load(Ordering::Relaxed)
+    }
 }
 
 /// A kind of statement that goes out in batches.
@@ -105,6 +111,11 @@ trait Item: Sized + Send + 'static {
         conn: &mut PgConn,
         items: Vec<Self>,
     ) -> impl Future<Output = Result<Option<Vec<Row>>, StoreError>> + Send;
+
+    /// Whether the batch handed this row's request back to go alone.
+    fn alone(_row: &Row) -> bool {
+        false
+    }
 }
 
 impl Item for ClaimItem {
@@ -131,6 +142,12 @@ impl Item for PlanItem {
         let rows = deadline(&mut conn.broken, sent).await?;
         conn.broken |= rows.is_none();
         Ok(rows)
+    }
+
+    /// Its key or an account is locked by another session: it waits for
+    /// it alone, holding up no batch-mate.
+    fn alone(row: &Row) -> bool {
+        row.try_get::<_, bool>(5).unwrap_or(false)
     }
 }
 
@@ -187,7 +204,9 @@ async fn lane<I: Item>(
         sizes.carried.fetch_add(n as u64, Ordering::Relaxed);
         sizes.micros.fetch_add(began.elapsed().as_micros() as u64, Ordering::Relaxed);
         let answers: Vec<Answer> = match sent {
-            Ok(Some(rows)) if rows.len() == n => rows.into_iter().map(Answer::Row).collect(),
+            Ok(Some(rows)) if rows.len() == n => {
+                rows.into_iter().map(|row| if I::alone(&row) { Answer::Alone } else { Answer::Row(row) }).collect()
+            }
             Ok(None) => (0..n).map(|_| Answer::Alone).collect(),
             Ok(Some(rows)) => {
                 let wrong = format!("a batch of {n} answered {} rows", rows.len());
