@@ -147,7 +147,8 @@ impl ureq::unversioned::resolver::Resolver for PublicOnly {
         if public.is_empty() {
             let host = uri.host().unwrap_or("");
             return Err(ureq::Error::Other(
-                format!("{host} resolves only to inside addresses (loopback, private, link-local): refused").into(),
+                format!("{host} resolves only to inside addresses (loopback, private, link-local): refused")
+                    .into(),
             ));
         }
         Ok(public)
@@ -273,8 +274,20 @@ mod tests {
     #[test]
     fn inside_addresses_are_told_from_public_ones() {
         let inside_ones = [
-            "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "0.0.0.0",
-            "255.255.255.255", "224.0.0.1", "::1", "::", "fd00::1", "fe80::1", "::ffff:127.0.0.1",
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "::1",
+            "::",
+            "fd00::1",
+            "fe80::1",
+            "::ffff:127.0.0.1",
             "::ffff:169.254.169.254",
         ];
         for ip in inside_ones {

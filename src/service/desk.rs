@@ -14,14 +14,17 @@ pub struct Desk {
     /// What provider events may be signed with (the current secret, and
     /// the previous one while a rotation lasts); none: the route is not served.
     pub(super) events_secrets: Vec<Vec<u8>>,
-    /// Events being read and applied at once: a body is unauthenticated
-    /// until read whole, so stalled uploads may hold this few connections
-    /// and bytes (the permit is kept until the event is applied).
-    pub(super) event_reads: tokio::sync::Semaphore,
+    /// Bytes of event bodies being read and applied at once, across
+    /// connections. A body is unauthenticated until read whole, so what a
+    /// stranger may hold is bytes, never turns: each chunk takes its bytes
+    /// as it arrives (kept until the event is applied), and stalled uploads
+    /// hold only the few bytes they sent.
+    pub(super) event_bytes: tokio::sync::Semaphore,
 }
 
-/// How many event bodies are read at once; more are answered 503 at once.
-const EVENT_READS: usize = 8;
+/// The bytes [`Desk::event_bytes`] bounds: 64 whole events of the most an
+/// event may hold (4 MiB); past it, an event is answered 503 at once.
+pub(super) const EVENT_BYTES: usize = 64 * super::payouts::MAX_EVENT_BODY;
 
 impl Desk {
     /// At most `in_flight` payouts at once (waiting on a slow gateway never
@@ -30,8 +33,8 @@ impl Desk {
     pub fn new(gateway: HttpGateway, clock: Clock, in_flight: usize, events_secrets: Vec<Vec<u8>>) -> Desk {
         let budget =
             Budget { total: in_flight, per_client: in_flight.div_ceil(4).max(1), held: Mutex::default() };
-        let event_reads = tokio::sync::Semaphore::new(EVENT_READS);
-        Desk { gateway: Arc::new(gateway), clock, budget, events_secrets, event_reads }
+        let event_bytes = tokio::sync::Semaphore::new(EVENT_BYTES);
+        Desk { gateway: Arc::new(gateway), clock, budget, events_secrets, event_bytes }
     }
 }
 

@@ -116,13 +116,57 @@ pub(super) async fn lookup(app: &App, headers: &HeaderMap, id: &str, note: &mut 
 }
 
 /// The most an event's body may hold.
-const MAX_EVENT_BODY: usize = 64 * 1024;
+pub(super) const MAX_EVENT_BODY: usize = 64 * 1024;
+
+/// The longest an event's body may pause between two chunks: a provider
+/// sends a few kilobytes at once, a stranger trickles.
+const EVENT_GAP: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Why an event's body was not read.
+enum Unread {
+    Slow,
+    Unreadable,
+    /// The byte budget is spent (`Desk::event_bytes`).
+    Full,
+}
+
+/// Reads an event's body within [`BODY_TIMEOUT`] in all and [`EVENT_GAP`]
+/// between chunks, at most [`MAX_EVENT_BODY`] bytes, each chunk taking its
+/// bytes of `budget` as it arrives; the bytes are held by the permit
+/// returned, until the event is applied.
+async fn read_event<'b>(
+    mut body: hyper::body::Incoming,
+    budget: &'b tokio::sync::Semaphore,
+) -> Result<(Vec<u8>, Option<tokio::sync::SemaphorePermit<'b>>), Unread> {
+    use http_body_util::BodyExt;
+    let deadline = tokio::time::Instant::now() + BODY_TIMEOUT;
+    let (mut bytes, mut held) = (Vec::new(), None::<tokio::sync::SemaphorePermit<'b>>);
+    loop {
+        let wait = EVENT_GAP.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+        let frame = match tokio::time::timeout(wait, body.frame()).await {
+            Err(_) => return Err(Unread::Slow),
+            Ok(None) => return Ok((bytes, held)),
+            Ok(Some(Err(_))) => return Err(Unread::Unreadable),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        if bytes.len() + data.len() > MAX_EVENT_BODY {
+            return Err(Unread::Unreadable);
+        }
+        let n = u32::try_from(data.len()).map_err(|_| Unread::Unreadable)?;
+        let permit = budget.try_acquire_many(n).map_err(|_| Unread::Full)?;
+        match held.as_mut() {
+            Some(held) => held.merge(permit),
+            None => held = Some(permit),
+        }
+        bytes.extend_from_slice(&data);
+    }
+}
 
 /// `POST /v1/gateway-events`: a provider's signed event, applied once by
 /// its id on a writer. 200 with what it did (a duplicate too, so the
 /// provider stops resending); 401 unsigned or stale; 400 not an event.
 pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>, note: &mut Note) -> Reply {
-    use http_body_util::{BodyExt, Limited};
     let Some(desk) = app.payouts.as_ref().filter(|d| !d.events_secrets.is_empty()) else {
         return problem(StatusCode::NOT_FOUND, "not_found", "No such resource.", note);
     };
@@ -139,29 +183,18 @@ pub(super) async fn event(app: &App, req: hyper::Request<hyper::body::Incoming>,
         Ok(signature) => signature,
         Err(refused) => return refused_event(refused, note),
     };
-    let Ok(_reading) = desk.event_reads.try_acquire() else { return busy(app, note) };
-    let body =
-        match tokio::time::timeout(BODY_TIMEOUT, Limited::new(req.into_body(), MAX_EVENT_BODY).collect())
-            .await
-        {
-            Ok(Ok(body)) => body.to_bytes(),
-            Err(_) => {
-                return problem(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "request_timeout",
-                    "The body did not arrive in time.",
-                    note,
-                );
-            }
-            Ok(Err(_)) => {
-                return problem(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request",
-                    "The body is unreadable or over 64 KiB.",
-                    note,
-                );
-            }
-        };
+    let (body, _held) = match read_event(req.into_body(), &desk.event_bytes).await {
+        Ok(read) => read,
+        Err(Unread::Full) => return busy(app, note),
+        Err(Unread::Slow) => {
+            let why = "The body did not arrive in time (10 s in all, 1 s between chunks).";
+            return problem(StatusCode::REQUEST_TIMEOUT, "request_timeout", why, note);
+        }
+        Err(Unread::Unreadable) => {
+            let why = "The body is unreadable or over 64 KiB.";
+            return problem(StatusCode::BAD_REQUEST, "invalid_request", why, note);
+        }
+    };
     let event = match signature
         .check_any(secrets, &body)
         .and_then(|()| payout::Event::parse(&body, signature.id()))

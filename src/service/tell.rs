@@ -51,8 +51,11 @@ pub fn load_hooks(path: &Path) -> Result<HashMap<String, Hook>, ServeError> {
             }
         }
         // kept as given: signing reads the key after whsec_, as receivers do
-        let hook =
-            Hook { url, secret: entry.secret.into_bytes(), previous: entry.previous_secret.map(String::into_bytes) };
+        let hook = Hook {
+            url,
+            secret: entry.secret.into_bytes(),
+            previous: entry.previous_secret.map(String::into_bytes),
+        };
         if hooks.insert(client.clone(), hook).is_some() {
             return Err(bad("listed twice".into()));
         }

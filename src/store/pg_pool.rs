@@ -77,7 +77,8 @@ impl Manager {
     /// The connections of `store`'s database: `store` (synchronous, already
     /// connected) has made and checked the schema and knows its shape.
     pub fn new(spec: &str, store: &PgStore, policy: &'static Policy) -> Result<Manager, StoreError> {
-        let ready = Prepared { shape: store.shape().clone(), policy, batches: false, refused: AtomicU64::new(0) };
+        let ready =
+            Prepared { shape: store.shape().clone(), policy, batches: false, refused: AtomicU64::new(0) };
         Connector::with(spec, policy, ready)
     }
 

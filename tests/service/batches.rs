@@ -285,7 +285,9 @@ fn on_postgres_a_function_planted_at_the_batch_functions_name_is_never_run() {
 fn on_postgres_a_foreign_row_lock_holds_up_only_the_transfers_on_its_account() {
     let Some(server) = pg::server() else { return };
     let mut rows: Vec<(String, i64)> = vec![("x".into(), 1_000_000)];
-    rows.extend((0..8).flat_map(|i| [(format!("a{i}"), 1_000_000), (format!("b{i}"), 0), (format!("c{i}"), 0)]));
+    rows.extend(
+        (0..8).flat_map(|i| [(format!("a{i}"), 1_000_000), (format!("b{i}"), 0), (format!("c{i}"), 0)]),
+    );
     let rows: Vec<(&str, i64)> = rows.iter().map(|(id, b)| (id.as_str(), *b)).collect();
     let spec = bank(server, &rows);
     let serve =
@@ -331,7 +333,8 @@ fn on_postgres_a_foreign_row_lock_holds_up_only_the_transfers_on_its_account() {
     let on_x: Vec<_> = (0..2).map(|i| send(format!("x{i}"), transfer("x", &format!("c{i}"), 1))).collect();
     let others: Vec<_> =
         (0..8).map(|i| send(format!("o{i}"), transfer(&format!("a{i}"), &format!("b{i}"), 1))).collect();
-    let others: Vec<(u16, std::time::Duration)> = others.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let others: Vec<(u16, std::time::Duration)> =
+        others.into_iter().flat_map(|t| t.join().unwrap()).collect();
     let on_x: Vec<(u16, std::time::Duration)> = on_x.into_iter().flat_map(|t| t.join().unwrap()).collect();
     foreign.join().unwrap();
     let slowest = others.iter().map(|(_, took)| *took).max().unwrap();
@@ -345,7 +348,11 @@ fn on_postgres_a_foreign_row_lock_holds_up_only_the_transfers_on_its_account() {
     assert!(slowest < std::time::Duration::from_secs(2), "a transfer beside the lock waited {slowest:?}");
     assert!(others.len() >= 100, "only {} other transfers in {held:?}", others.len());
     assert!(on_x.iter().all(|(s, _)| [201, 503].contains(s)), "{on_x:?}");
-    assert!(metric(&serve, "idem_pg_batched_total{kind=\"execution\"}") > metric(&serve, "idem_pg_batches_total{kind=\"execution\"}"), "no batch carried two");
+    assert!(
+        metric(&serve, "idem_pg_batched_total{kind=\"execution\"}")
+            > metric(&serve, "idem_pg_batches_total{kind=\"execution\"}"),
+        "no batch carried two"
+    );
     // the money: every 201 paid once, nothing else
     let paid = 2 + others.len() as i64 + on_x.iter().filter(|(s, _)| *s == 201).count() as i64;
     serve.stop();

@@ -823,6 +823,43 @@ fn stalled_event_uploads_hold_no_transfer_up() {
     }
 }
 
+/// Strangers hold open uploads that carry a fresh but fake signature (it
+/// cannot be checked before the body): 64 of them, each stalled after its
+/// first bytes. A genuine provider event beside them is still answered,
+/// within a second: they hold the few bytes they sent, not turns. (With
+/// eight turns for bodies, eight such uploads shut out every event.)
+#[test]
+fn stalled_uploads_with_fresh_fake_signatures_leave_genuine_events_answered() {
+    use std::io::Write;
+    let (_dir, db) = bank();
+    let gw = Gateway::start(&[]);
+    let secret = b"whsec_test_0123456789abcdef";
+    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test_0123456789abcdef"]);
+    let paid = pay(&s, "p-1", &payout("bob", 700));
+    assert_eq!(paid.status, 201);
+    let key = payouts(&db)[0].2.clone();
+    let address = s.url.strip_prefix("http://").unwrap().to_owned();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let stalled: Vec<_> = (0..64)
+        .map(|_| {
+            let mut c = std::net::TcpStream::connect(&address).unwrap();
+            let head = format!(
+                "POST /v1/gateway-events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nIdem-Signature: t={now},v1=00\r\nContent-Length: 60000\r\n\r\n{{\"id\":"
+            );
+            c.write_all(head.as_bytes()).unwrap();
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 0..3 {
+        let started = Instant::now();
+        let genuine = event(&s, secret, &payout_event(&format!("evt_g{i}"), "payout.paid", &key, 700), None);
+        assert_eq!(genuine.status, 200, "{}", genuine.body);
+        assert!(started.elapsed() < Duration::from_secs(1), "a genuine event waited {:?}", started.elapsed());
+    }
+    drop(stalled);
+}
+
 fn provider_events(pg: bool) {
     let Some((_dir, db)) = bank_on(pg) else { return };
     let gw = Gateway::start(&[]);

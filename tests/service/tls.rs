@@ -90,7 +90,13 @@ fn a_ca_file_without_a_certificate_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("ca.pem");
     std::fs::write(&bad, "-----BEGIN NOTHING-----\n").unwrap();
-    let out = Command::new(IDEM).args(["--ca-file"]).arg(&bad).args(["reconcile", "--gateway", "https://127.0.0.1:9", "--db"]).arg(dir.path().join("x.db")).output().unwrap();
+    let out = Command::new(IDEM)
+        .args(["--ca-file"])
+        .arg(&bad)
+        .args(["reconcile", "--gateway", "https://127.0.0.1:9", "--db"])
+        .arg(dir.path().join("x.db"))
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");

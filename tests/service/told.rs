@@ -446,21 +446,27 @@ fn a_rolled_secret_signs_with_both_and_a_429_retry_after_is_honoured() {
     const NEW: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
     let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://127.0.0.1:{}/hooks", receiver.local_addr().unwrap().port());
-    let busy = "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    let busy =
+        "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
     let heard = scripted(receiver, vec![busy.into(), NO_CONTENT.into()]);
     let hook = serde_json::json!({"url": url, "secret": NEW, "previous_secret": OLD});
     let (_dir, db, _gw, s) = told_of_one(hook, &["--client-events-allow-private"]);
     let log = deliveries(&db, 2);
     assert_eq!(log.len(), 2, "{log:#?}\n{}", s.log());
-    assert_eq!((log[0]["outcome"].as_str(), log[1]["outcome"].as_str()), (Some("HTTP 429"), Some("HTTP 204")));
+    assert_eq!(
+        (log[0]["outcome"].as_str(), log[1]["outcome"].as_str()),
+        (Some("HTTP 429"), Some("HTTP 204"))
+    );
     let heard = heard.lock().unwrap().clone();
     let waited = heard[1].0 - heard[0].0;
     assert!(waited >= Duration::from_millis(1900), "tried again after {waited:?}, asked 2 s");
     for (_, headers, body) in &heard {
         let (id, t) = (&headers["webhook-id"], headers["webhook-timestamp"].parse().unwrap());
         let signatures: Vec<&str> = headers["webhook-signature"].split(' ').collect();
-        let expected: Vec<String> =
-            [NEW, OLD].iter().map(|k| idem::payout::sign_standard(k.as_bytes(), id, body.as_bytes(), t)).collect();
+        let expected: Vec<String> = [NEW, OLD]
+            .iter()
+            .map(|k| idem::payout::sign_standard(k.as_bytes(), id, body.as_bytes(), t))
+            .collect();
         assert_eq!(signatures, expected, "signed with the new secret, then the old");
     }
 }

@@ -1,8 +1,8 @@
 //! `idem gateway`: the stand-in payment gateway (see `idem::outside::gateway`).
 
 use crate::common::{Failure, announce, bind};
-use idem::{clock, https};
 use idem::outside::gateway;
+use idem::{clock, https};
 use std::path::PathBuf;
 
 /// A payment gateway to pay out through, with seeded faults (a test harness).
@@ -94,13 +94,16 @@ fn identity(args: &Gateway, address: std::net::SocketAddr) -> Result<Option<http
         return Ok(None);
     }
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-        return https::Identity::of_files(cert, key).map(Some).map_err(|e| Failure(format!("--tls-cert: {e}")));
+        return https::Identity::of_files(cert, key)
+            .map(Some)
+            .map_err(|e| Failure(format!("--tls-cert: {e}")));
     }
     let mut names: Vec<String> = ["localhost", "127.0.0.1", "::1"].map(String::from).into();
     if !address.ip().is_unspecified() && !names.contains(&address.ip().to_string()) {
         names.push(address.ip().to_string());
     }
-    let identity = https::Identity::self_signed(&names).map_err(|e| Failure(format!("the certificate: {e}")))?;
+    let identity =
+        https::Identity::self_signed(&names).map_err(|e| Failure(format!("the certificate: {e}")))?;
     if let Some(out) = &args.tls_cert_out {
         std::fs::write(out, &identity.cert_pem).map_err(|e| Failure(format!("{}: {e}", out.display())))?;
     }

@@ -59,7 +59,8 @@ impl Receiver {
 
     /// Every client's events here, as the sender takes them.
     pub(super) fn hooks(&self, clients: usize) -> std::collections::HashMap<String, crate::payout::Hook> {
-        let hook = crate::payout::Hook { url: self.url.clone(), secret: SECRET.as_bytes().to_vec(), previous: None };
+        let hook =
+            crate::payout::Hook { url: self.url.clone(), secret: SECRET.as_bytes().to_vec(), previous: None };
         (0..clients).map(|c| (format!("chaos-{c}"), hook.clone())).collect()
     }
 

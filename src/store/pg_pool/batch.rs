@@ -204,9 +204,10 @@ async fn lane<I: Item>(
         sizes.carried.fetch_add(n as u64, Ordering::Relaxed);
         sizes.micros.fetch_add(began.elapsed().as_micros() as u64, Ordering::Relaxed);
         let answers: Vec<Answer> = match sent {
-            Ok(Some(rows)) if rows.len() == n => {
-                rows.into_iter().map(|row| if I::alone(&row) { Answer::Alone } else { Answer::Row(row) }).collect()
-            }
+            Ok(Some(rows)) if rows.len() == n => rows
+                .into_iter()
+                .map(|row| if I::alone(&row) { Answer::Alone } else { Answer::Row(row) })
+                .collect(),
             Ok(None) => (0..n).map(|_| Answer::Alone).collect(),
             Ok(Some(rows)) => {
                 let wrong = format!("a batch of {n} answered {} rows", rows.len());
