@@ -76,9 +76,29 @@ impl Schedule {
     }
 }
 
-/// The id a client sees: the same on every delivery of the change.
+/// The id a client sees: the same on every delivery of the change, and
+/// no other change's, whichever database made it. The row's number alone
+/// (`evt_N`) was neither: two deployments, or a database restored from a
+/// backup, tell different changes as `evt_N`, and a receiver that
+/// deduplicates by the id drops the second. So it is a digest of what the
+/// change is and when it was made, to the microsecond: its number, the
+/// client, the payout, the time, who made it and the states, none of
+/// which ever changes.
 pub fn event_id(e: &ClientEvent) -> String {
-    format!("evt_{}", e.event_id)
+    use sha2::{Digest, Sha256};
+    let c = &e.event;
+    let change = format!(
+        "idem client event 1\n{}\n{}\n{}\n{}\n{}\n{}\n{}",
+        e.event_id,
+        e.client_id,
+        c.payout_id,
+        c.at,
+        c.actor,
+        c.was.name(),
+        c.now.name()
+    );
+    let digest = Sha256::digest(change.as_bytes());
+    format!("evt_{}", digest[..16].iter().map(|b| format!("{b:02x}")).collect::<String>())
 }
 
 /// What a client is sent: what changed, and where to fetch the payout as it
@@ -133,8 +153,10 @@ const RETRY_AFTER_CAP: Duration = Duration::from_secs(3600);
 /// One delivery, as the sender reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Told {
-    /// The event (`evt_N`).
+    /// The event's number (its row), as the runbook's commands take it.
     pub event_id: i64,
+    /// Its id, as the client sees it ([`event_id`]).
+    pub id: String,
     /// Whose it is.
     pub client_id: String,
     /// Its attempts, this one included.
@@ -203,7 +225,7 @@ pub fn deliver<S: Store + ?Sized>(
         })?;
         if let Turn::Tried(delivery, _, outcome) = turn {
             let (event_id, client_id, attempts) = (e.event_id, e.client_id.clone(), e.attempts + 1);
-            told.push(Told { event_id, client_id, attempts, delivery, outcome });
+            told.push(Told { event_id, id: self::event_id(e), client_id, attempts, delivery, outcome });
         }
     }
     Ok(told)

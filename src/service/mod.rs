@@ -292,6 +292,23 @@ fn reconcile_in_background(
     Ok(())
 }
 
+/// What the operator must see of how the service runs: batches asked for
+/// and off (a log line with why, once, and `idem_pg_batches_off`: correct
+/// without them, only slower), and every TLS handshake refused on a call
+/// out (a log line each; `idem_outbound_tls_failures_total` counts them).
+fn tell_the_operator(app: &Arc<http::App>, clock: &Clock, unbatched: Option<String>) {
+    if let Some(why) = unbatched {
+        log_line(app, clock, "pg_batches_off", serde_json::json!({"reason": why}));
+        app.metrics.batches_off();
+    }
+    let (seen, at) = (Arc::downgrade(app), clock.clone());
+    crate::https::on_tls_failure(move |host, why| {
+        if let Some(app) = seen.upgrade() {
+            log_line(&app, &at, "outbound_tls_failed", serde_json::json!({"host": host, "error": why}));
+        }
+    });
+}
+
 /// A background job's log line: the time, the `event`, then `fields`'
 /// members.
 fn log_line(app: &http::App, clock: &Clock, event: &str, fields: serde_json::Value) {
@@ -367,13 +384,6 @@ impl Service {
                 .map_err(|e| ServeError::Other(format!("cannot start the store workers: {e}")))?;
         let log = log::Log::start(log_sink, options.log_secret)
             .map_err(|e| ServeError::Other(format!("cannot start the log writer: {e}")))?;
-        let unbatched_said = unbatched.is_some();
-        if let Some(why) = unbatched {
-            // correct without batches, only slower: said once, not refused
-            let line =
-                serde_json::json!({"ts": clock().to_string(), "event": "pg_batches_off", "reason": why});
-            log.line(line.to_string());
-        }
         let payout_store = || -> Result<_, ServeError> {
             let mut store = crate::store::open(&options.db, policy, crate::store::Usage::LongLived)?;
             crate::payout::prepare(&mut *store, policy)?;
@@ -400,17 +410,7 @@ impl Service {
                 )
             }),
         ));
-        if unbatched_said {
-            app.metrics.batches_off();
-        }
-        // a handshake refused (a certificate not trusted) is the operator's
-        // to see: a log line each, and idem_outbound_tls_failures_total
-        let (seen, at) = (Arc::downgrade(&app), clock.clone());
-        crate::https::on_tls_failure(move |host, why| {
-            if let Some(app) = seen.upgrade() {
-                log_line(&app, &at, "outbound_tls_failed", serde_json::json!({"host": host, "error": why}));
-            }
-        });
+        tell_the_operator(&app, &clock, unbatched);
         if let (Some(store), Some(gateway)) = (reconciler, options.gateway) {
             reconcile_in_background(
                 store,

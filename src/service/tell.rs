@@ -91,7 +91,7 @@ pub(super) fn tell_in_background(
                     for t in &told {
                         failed += u64::from(t.delivery != crate::store::Delivery::Delivered);
                         line(serde_json::json!({
-                            "id": format!("evt_{}", t.event_id), "client_id": t.client_id,
+                            "id": t.id, "seq": t.event_id, "client_id": t.client_id,
                             "delivery": t.delivery.name(), "attempts": t.attempts, "outcome": t.outcome,
                         }));
                     }

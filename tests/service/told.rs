@@ -200,7 +200,7 @@ fn told(pg: bool) {
     // shop2's events: failed, logged, redelivered on a person's word
     let (_, failed) = payouts_cmd(&db, &["client-events", "--delivery", "failed"]);
     assert!(!failed.is_empty() && failed.iter().all(|e| e["client_id"] == "shop2"), "{failed:#?}");
-    let n: i64 = failed[0]["id"].as_str().unwrap().trim_start_matches("evt_").parse().unwrap();
+    let n = failed[0]["seq"].as_i64().unwrap();
     let (ok, log) = payouts_cmd(&db, &["deliveries", &n.to_string()]);
     assert!(ok && log.len() == 1 && log[0]["outcome"].as_str().unwrap().contains("no endpoint"), "{log:#?}");
     assert!(payouts_cmd(&db, &["redeliver", &n.to_string()]).0);
@@ -373,7 +373,7 @@ fn deliveries(db: &Path, n: usize) -> Vec<Value> {
     loop {
         let (_, events) = payouts_cmd(db, &["client-events"]);
         if let Some(e) = events.first() {
-            let id = e["id"].as_str().unwrap().trim_start_matches("evt_").to_owned();
+            let id = e["seq"].as_i64().unwrap().to_string();
             let (_, log) = payouts_cmd(db, &["deliveries", &id]);
             if log.len() >= n || Instant::now() > deadline {
                 return log;
@@ -469,4 +469,29 @@ fn a_rolled_secret_signs_with_both_and_a_429_retry_after_is_honoured() {
             .collect();
         assert_eq!(signatures, expected, "signed with the new secret, then the old");
     }
+}
+
+/// Two deployments (or a database and its restored backup) each tell a
+/// change numbered alike: the ids the clients see differ, so a receiver
+/// that deduplicates by `webhook-id` drops neither; and each change keeps
+/// its one id on every delivery.
+#[test]
+fn changes_numbered_alike_in_two_databases_are_told_under_two_ids_each_stable() {
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://127.0.0.1:{}/hooks", receiver.local_addr().unwrap().port());
+        let busy = "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let heard = scripted(receiver, vec![busy.into(), NO_CONTENT.into()]);
+        let hook = serde_json::json!({"url": url, "secret": SECRET});
+        let (_dir, db, _gw, _s) = told_of_one(hook, &["--client-events-allow-private"]);
+        assert_eq!(deliveries(&db, 2).len(), 2);
+        let (_, events) = payouts_cmd(&db, &["client-events"]);
+        let heard = heard.lock().unwrap().clone();
+        let ids: Vec<&str> = heard.iter().map(|(_, h, _)| h["webhook-id"].as_str()).collect();
+        assert_eq!(ids, [events[0]["id"].as_str().unwrap(); 2], "one id on every delivery");
+        seen.push((events[0]["seq"].as_i64().unwrap(), ids[0].to_owned()));
+    }
+    assert_eq!(seen[0].0, seen[1].0, "both databases numbered the change alike");
+    assert_ne!(seen[0].1, seen[1].1, "two changes told under one id");
 }

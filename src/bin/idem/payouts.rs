@@ -187,7 +187,7 @@ enum Action {
     Deliveries {
         #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
         db: Db,
-        /// The event's number (evt_N).
+        /// The event's number (`seq` in `idem payouts client-events`).
         id: i64,
     },
     /// Deliver a client event again, now (one failed, once the client's
@@ -196,7 +196,7 @@ enum Action {
     Redeliver {
         #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
         db: Db,
-        /// The event's number (evt_N).
+        /// The event's number (`seq` in `idem payouts client-events`).
         id: i64,
     },
 }
@@ -273,6 +273,7 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
             for e in payout::client_events(&mut *open(&db)?, delivery, limit, policy)? {
                 let mut v: serde_json::Value =
                     serde_json::from_str(&payout::event_body(&e)).unwrap_or_default();
+                v["seq"] = json!(e.event_id);
                 v["client_id"] = json!(e.client_id);
                 v["delivery"] = json!(e.delivery.name());
                 v["attempts"] = json!(e.attempts);
@@ -285,14 +286,14 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
         }
         Action::Deliveries { db, id } => {
             for (at, outcome) in payout::delivery_log(&mut *open(&db)?, id, policy)? {
-                say!("{}", json!({"id": format!("evt_{id}"), "at": at.to_string(), "outcome": outcome}));
+                say!("{}", json!({"seq": id, "at": at.to_string(), "outcome": outcome}));
             }
         }
         Action::Redeliver { db, id } => {
             if !payout::redeliver(&mut *open(&db)?, id, now()?, policy)? {
-                return Err(Failure(format!("no client event evt_{id}")));
+                return Err(Failure(format!("no client event numbered {id}")));
             }
-            say!("{}", json!({"id": format!("evt_{id}"), "delivery": "pending"}));
+            say!("{}", json!({"seq": id, "delivery": "pending"}));
         }
     }
     Ok(())
