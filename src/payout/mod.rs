@@ -38,7 +38,7 @@ pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, c
 pub use person::{Finding, events, listed, settle_by_hand, stats, stray_events};
 pub use reconcile::{Decision, reconcile};
 pub use tell::{
-    Answered, Hook, Post, Schedule, Told, body as event_body, client_events, deliver, delivery_log, event_id,
+    Answered, Hook, Post, Schedule, Sender, Told, body as event_body, client_events, delivery_log, event_id,
     headers as event_headers, post_http, redeliver,
 };
 

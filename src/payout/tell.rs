@@ -13,9 +13,10 @@
 use super::sign_standard;
 use crate::clock::Timestamp;
 use crate::policy::Policy;
-use crate::store::{self, ClientEvent, Delivery, Durability, End, Store, StoreError};
+use crate::store::{self, ClientEvent, Delivery, Durability, End, Store, StoreError, Take};
 use serde_json::json;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 /// Where a client's events go, and the secret they are signed with.
@@ -144,7 +145,7 @@ pub struct Answered {
 }
 
 /// Delivers one event: url, headers, body → the answer, or why none came.
-pub type Post = dyn Fn(&str, &[(&'static str, String)], &str) -> Result<Answered, String> + Sync;
+pub type Post = dyn Fn(&str, &[(&'static str, String)], &str) -> Result<Answered, String> + Send + Sync;
 
 /// The most a receiver's `Retry-After` puts an event off: past it, the
 /// event is tried anyway (a receiver cannot park events for days).
@@ -170,7 +171,7 @@ pub struct Told {
 /// How long a taken event is kept from other senders: past the longest
 /// delivery (whose own timeout is shorter), it is theirs to try.
 const TAKEN_FOR: Duration = Duration::from_secs(120);
-/// The most events one round takes.
+/// The most events one round takes, over all clients.
 const ROUND: i64 = 64;
 
 /// What one event's turn in a round came to: tried (where it stands now,
@@ -181,78 +182,147 @@ enum Turn {
     PutOff(Timestamp),
 }
 
-/// One round of the sender: takes up to `ROUND` (64) due events and delivers
-/// them through `post`, each client's in order on a thread of its own (a
-/// slow endpoint holds up its own client's events only); once a client's
-/// endpoint fails, its other events wait, untried, for its next try. What
-/// came of each is recorded in a transaction of its own. A client with no
-/// hook in `hooks` gets nothing: its events are failed at once, for a
-/// person to redeliver once it has one.
-pub fn deliver<S: Store + ?Sized>(
-    store: &mut S,
-    hooks: &HashMap<String, Hook>,
-    schedule: &Schedule,
-    now: Timestamp,
-    unix: i64,
-    post: &Post,
-    policy: &Policy,
-) -> Result<Vec<Told>, StoreError> {
-    let until = now.plus_millis(TAKEN_FOR.as_millis() as i64);
-    let due = store::atomically(store, Durability::Durable, policy, |tx| {
-        Ok(End::Commit(tx.take_client_events(now, until, ROUND)?))
-    })?;
-    let mut by_client: BTreeMap<&str, Vec<&ClientEvent>> = BTreeMap::new();
-    for e in &due {
-        by_client.entry(&e.client_id).or_default().push(e);
-    }
-    let turns: Vec<(&ClientEvent, Turn)> = std::thread::scope(|scope| {
-        let rounds: Vec<_> = by_client
-            .into_values()
-            .map(|events| scope.spawn(|| one_client(events, hooks, schedule, now, unix, post)))
-            .collect();
-        rounds.into_iter().flat_map(|r| r.join().unwrap_or_default()).collect()
-    });
-    let mut told = Vec::new();
-    for (e, turn) in turns {
-        store::atomically(store, Durability::Durable, policy, |tx| {
-            match &turn {
-                Turn::Tried(delivery, next, outcome) => {
-                    tx.record_delivery(e.event_id, now, outcome, *delivery, *next)?
-                }
-                Turn::PutOff(next) => drop(tx.redeliver(e.event_id, *next)?),
-            }
-            Ok(End::Commit(()))
-        })?;
-        if let Turn::Tried(delivery, _, outcome) = turn {
-            let (event_id, client_id, attempts) = (e.event_id, e.client_id.clone(), e.attempts + 1);
-            told.push(Told { event_id, id: self::event_id(e), client_id, attempts, delivery, outcome });
-        }
-    }
-    Ok(told)
+/// The most events one client's lane takes at once: a lane lasts at most
+/// this many deliveries' deadlines (8 × 15 s), within [`TAKEN_FOR`].
+const PER_CLIENT: i64 = 8;
+
+/// A lane's turns, each at its time, sent back to the round that records them.
+type Finished = Vec<(ClientEvent, Timestamp, Turn)>;
+
+/// The client events sender: every client on a lane of its own. Each
+/// [`Sender::round`] records what the lanes finished since the last one,
+/// then takes the due events of every client whose lane is idle (at most
+/// [`PER_CLIENT`] each, [`ROUND`] in all) and starts a lane for each such
+/// client, which delivers them in order on a thread of its own. No round
+/// waits for a lane, and no client's backlog takes another's turn: a slow,
+/// hung or backlogged endpoint holds up its own client's events only.
+pub struct Sender {
+    hooks: Arc<HashMap<String, Hook>>,
+    schedule: Schedule,
+    post: Arc<Post>,
+    /// Clients whose lane is out.
+    busy: Arc<Mutex<HashSet<String>>>,
+    finished: (mpsc::Sender<Finished>, mpsc::Receiver<Finished>),
+    /// A lane's turns [`Sender::wait`] received, for the next round.
+    early: Mutex<Vec<Finished>>,
 }
 
-/// One client's events of a round, in order.
-fn one_client<'e>(
-    events: Vec<&'e ClientEvent>,
+impl Sender {
+    /// Delivers to `hooks` through `post`, retrying on `schedule`. A client
+    /// with no hook gets nothing: its events are failed at once, for a
+    /// person to redeliver once it has one.
+    pub fn new(hooks: HashMap<String, Hook>, schedule: Schedule, post: Arc<Post>) -> Sender {
+        let (hooks, busy) = (Arc::new(hooks), Arc::default());
+        Sender { hooks, schedule, post, busy, finished: mpsc::channel(), early: Mutex::default() }
+    }
+
+    /// Waits at most `up_to` for a lane to finish: a loop of rounds that
+    /// waits here rather than sleeps records each lane's turns at once (a
+    /// process stopped before they are recorded leaves their events taken,
+    /// untried, for [`TAKEN_FOR`]).
+    pub fn wait(&self, up_to: Duration) {
+        if let Ok(turns) = self.finished.1.recv_timeout(up_to) {
+            self.early.lock().unwrap_or_else(|e| e.into_inner()).push(turns);
+        }
+    }
+
+    /// One round at `now` (`unix`, in seconds, signs): what lanes finished,
+    /// each recorded in a transaction of its own, then new lanes for the
+    /// idle clients' due events. Returns the deliveries recorded.
+    pub fn round<S: Store + ?Sized>(
+        &self,
+        store: &mut S,
+        now: Timestamp,
+        unix: i64,
+        policy: &Policy,
+    ) -> Result<Vec<Told>, StoreError> {
+        let told = self.record(store, policy)?;
+        let busy: Vec<String> = self.busy.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+        let take = Take {
+            now,
+            until: now.plus_millis(TAKEN_FOR.as_millis() as i64),
+            limit: ROUND,
+            per_client: PER_CLIENT,
+            busy: &busy,
+        };
+        let due = store::atomically(store, Durability::Durable, policy, |tx| {
+            Ok(End::Commit(tx.take_client_events(&take)?))
+        })?;
+        let mut by_client: BTreeMap<String, Vec<ClientEvent>> = BTreeMap::new();
+        for e in due {
+            by_client.entry(e.client_id.clone()).or_default().push(e);
+        }
+        for (client, events) in by_client {
+            self.busy.lock().unwrap_or_else(|e| e.into_inner()).insert(client.clone());
+            let (hooks, post, busy) = (self.hooks.clone(), self.post.clone(), self.busy.clone());
+            let (schedule, done) = (self.schedule, self.finished.0.clone());
+            let lane = move || {
+                let turns = one_client(events, &hooks, &schedule, now, unix, &*post);
+                // its events stay taken (TAKEN_FOR) until the turns are recorded
+                busy.lock().unwrap_or_else(|e| e.into_inner()).remove(&client);
+                let _ = done.send(turns);
+            };
+            if let Err(e) = std::thread::Builder::new().name("idem-tell-lane".into()).spawn(lane) {
+                // its events are taken until TAKEN_FOR, then tried again
+                return Err(StoreError::Backend(format!("cannot start a client's lane: {e}").into()));
+            }
+        }
+        Ok(told)
+    }
+
+    /// Records the turns of every lane that finished, each in a
+    /// transaction of its own.
+    fn record<S: Store + ?Sized>(&self, store: &mut S, policy: &Policy) -> Result<Vec<Told>, StoreError> {
+        let mut told = Vec::new();
+        let early = std::mem::take(&mut *self.early.lock().unwrap_or_else(|e| e.into_inner()));
+        for turns in early.into_iter().chain(std::iter::from_fn(|| self.finished.1.try_recv().ok())) {
+            for (e, at, turn) in turns {
+                store::atomically(store, Durability::Durable, policy, |tx| {
+                    match &turn {
+                        Turn::Tried(delivery, next, outcome) => {
+                            tx.record_delivery(e.event_id, at, outcome, *delivery, *next)?
+                        }
+                        Turn::PutOff(next) => drop(tx.redeliver(e.event_id, *next)?),
+                    }
+                    Ok(End::Commit(()))
+                })?;
+                if let Turn::Tried(delivery, _, outcome) = turn {
+                    let (event_id, id, attempts) = (e.event_id, event_id(&e), e.attempts + 1);
+                    told.push(Told { event_id, id, client_id: e.client_id, attempts, delivery, outcome });
+                }
+            }
+        }
+        Ok(told)
+    }
+}
+
+/// One client's events, in order, each at its own time (a lane may last
+/// minutes behind a slow endpoint: the round's `now` and `unix` move on).
+fn one_client(
+    events: Vec<ClientEvent>,
     hooks: &HashMap<String, Hook>,
     schedule: &Schedule,
     now: Timestamp,
     unix: i64,
     post: &Post,
-) -> Vec<(&'e ClientEvent, Turn)> {
+) -> Finished {
+    let began = std::time::Instant::now();
     let mut failed_until = None;
     let mut turns = Vec::new();
     for e in events {
+        let elapsed = began.elapsed();
+        let now = now.plus_millis(i64::try_from(elapsed.as_millis()).unwrap_or(i64::MAX));
+        let unix = unix.saturating_add(i64::try_from(elapsed.as_secs()).unwrap_or(i64::MAX));
         if let Some(next) = failed_until {
-            turns.push((e, Turn::PutOff(next)));
+            turns.push((e, now, Turn::PutOff(next)));
             continue;
         }
         let Some(hook) = hooks.get(&e.client_id) else {
             let why = format!("no endpoint for client {:?}", e.client_id);
-            turns.push((e, Turn::Tried(Delivery::Failed, None, why)));
+            turns.push((e, now, Turn::Tried(Delivery::Failed, None, why)));
             continue;
         };
-        let turn = match post(&hook.url, &headers(e, hook, unix), &body(e)) {
+        let turn = match post(&hook.url, &headers(&e, hook, unix), &body(&e)) {
             Ok(Answered { status: status @ 200..=299, .. }) => {
                 Turn::Tried(Delivery::Delivered, None, format!("HTTP {status}"))
             }
@@ -273,7 +343,7 @@ fn one_client<'e>(
                 }
             }
         };
-        turns.push((e, turn));
+        turns.push((e, now, turn));
     }
     turns
 }

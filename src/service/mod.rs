@@ -423,8 +423,8 @@ impl Service {
             .map_err(|e| ServeError::Other(format!("cannot start the reconciler: {e}")))?;
         }
         if let Some((store, hooks)) = sender {
-            let (schedule, reach) = (options.client_events_schedule, options.client_events_reach);
-            tell::tell_in_background(store, hooks, schedule, reach, TELL_EVERY, policy, clock, app.clone())
+            let sender = tell::sender(hooks, options.client_events_schedule, options.client_events_reach);
+            tell::tell_in_background(store, sender, TELL_EVERY, policy, clock, app.clone())
                 .map_err(|e| ServeError::Other(format!("cannot start the client events sender: {e}")))?;
         }
         Ok(Service { app, max_connections: options.max_connections.max(1) })

@@ -3,7 +3,7 @@
 //! beside the reconciler (`crate::payout::deliver`, one round a second).
 
 use super::{ServeError, http::App, parse_pairs};
-use crate::payout::{Hook, Schedule};
+use crate::payout::{Hook, Schedule, Sender};
 use crate::policy::Policy;
 use crate::store::Store;
 use std::collections::HashMap;
@@ -67,26 +67,30 @@ pub fn load_hooks(path: &Path) -> Result<HashMap<String, Hook>, ServeError> {
 /// Webhooks recommends 15 to 30 s; Svix waits 15 s).
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// The sender, on a connection of its own, a round every `every`: a log
-/// line per delivery, the counts in `/metrics` after each round.
+/// The sender of `hooks`' events, retrying on `schedule`, to the addresses
+/// `reach` allows.
+pub(super) fn sender(hooks: HashMap<String, Hook>, schedule: Schedule, reach: crate::https::Reach) -> Sender {
+    Sender::new(hooks, schedule, Arc::new(crate::payout::post_http(DELIVERY_TIMEOUT, reach)))
+}
+
+/// `sender`, on a connection of its own, a round every `every` (or as soon
+/// as a client's lane finishes): a log line per delivery, the counts in
+/// `/metrics` after each round.
 pub(super) fn tell_in_background(
     mut store: Box<dyn Store + Send>,
-    hooks: HashMap<String, Hook>,
-    schedule: Schedule,
-    reach: crate::https::Reach,
+    sender: Sender,
     every: Duration,
     policy: &'static Policy,
     clock: super::executor::Clock,
     app: Arc<App>,
 ) -> std::io::Result<()> {
-    let post = crate::payout::post_http(DELIVERY_TIMEOUT, reach);
     std::thread::Builder::new().name("idem-tell".into()).spawn(move || {
         loop {
             let now = clock();
             let unix = crate::clock::unix_now();
             let line = |fields| super::log_line(&app, &clock, "client_event", fields);
             let mut failed = 0;
-            match crate::payout::deliver(&mut *store, &hooks, &schedule, now, unix, &post, policy) {
+            match sender.round(&mut *store, now, unix, policy) {
                 Ok(told) => {
                     for t in &told {
                         failed += u64::from(t.delivery != crate::store::Delivery::Delivered);
@@ -105,7 +109,7 @@ pub(super) fn tell_in_background(
             {
                 app.metrics.client_events_counted(now, stats, failed);
             }
-            std::thread::sleep(every);
+            sender.wait(every);
         }
     })?;
     Ok(())

@@ -367,6 +367,30 @@ pub struct ClientEventStats {
     pub failed: i64,
 }
 
+/// Which due client events a sender takes: those due at `now`, at most
+/// `per_client` of each client and `limit` in all, none of a client in
+/// `busy` (its lane is still out), each until `until`.
+pub struct Take<'a> {
+    pub now: Timestamp,
+    pub until: Timestamp,
+    pub limit: i64,
+    pub per_client: i64,
+    pub busy: &'a [String],
+}
+
+/// The ids of the due client events a [`Take`] names, for both stores,
+/// given how each spells the time `now`, the set of `busy` clients and the
+/// number `per_client` of each client.
+pub(crate) fn due_by_client(now: &str, busy: &str, per_client: &str) -> String {
+    format!(
+        "SELECT w.event_id FROM (
+           SELECT d.event_id, ROW_NUMBER() OVER (PARTITION BY q.client_id ORDER BY d.next_at, d.event_id) AS n
+           FROM payout_event d JOIN payout q ON q.payout_id = d.payout_id
+           WHERE d.delivery = 'pending' AND d.next_at <= {now} AND NOT q.client_id IN ({busy})) w
+         WHERE w.n <= {per_client}"
+    )
+}
+
 /// What both stores select for a [`ClientEvent`], in [`ClientEventText`]'s order.
 pub(crate) const CLIENT_EVENT_COLUMNS: &str =
     "e.event_id, p.client_id, e.payout_id, e.at, e.actor, e.was, e.now,
@@ -505,14 +529,9 @@ pub trait PayoutTx {
     fn insert_payout_event(&mut self, _event: &PayoutEvent, _tell: bool) -> Result<(), StoreError> {
         Err(no_payouts())
     }
-    /// Up to `limit` pending client events due at `now`, oldest first, each
-    /// taken until `until` (no other sender tries it meanwhile).
-    fn take_client_events(
-        &mut self,
-        _now: Timestamp,
-        _until: Timestamp,
-        _limit: i64,
-    ) -> Result<Vec<ClientEvent>, StoreError> {
+    /// The pending client events [`Take`] names, oldest first, each taken
+    /// until `take.until` (no other sender tries it meanwhile).
+    fn take_client_events(&mut self, _take: &Take<'_>) -> Result<Vec<ClientEvent>, StoreError> {
         Err(no_payouts())
     }
     /// Records one delivery of event `id` at `at` and what came of it

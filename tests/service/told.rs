@@ -495,3 +495,65 @@ fn changes_numbered_alike_in_two_databases_are_told_under_two_ids_each_stable() 
     assert_eq!(seen[0].0, seen[1].0, "both databases numbered the change alike");
     assert_ne!(seen[0].1, seen[1].1, "two changes told under one id");
 }
+
+/// Every client on a lane of its own: one client's endpoint hangs (reads
+/// each delivery, never answers) with a backlog of twenty events, and
+/// another client's event made meanwhile still arrives within a round or
+/// two; no round waits for the hung one's deadline (15 s).
+#[test]
+fn a_hung_endpoint_with_a_backlog_does_not_hold_another_clients_events() {
+    let (dir, db) = bank_on(false).unwrap();
+    let hung = TcpListener::bind("127.0.0.1:0").unwrap();
+    let hung_url = format!("http://127.0.0.1:{}/hooks", hung.local_addr().unwrap().port());
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let holding = held.clone();
+    std::thread::spawn(move || {
+        for stream in hung.incoming().flatten() {
+            holding.lock().unwrap().push(stream); // read by nobody, answered never
+        }
+    });
+    let prompt = TcpListener::bind("127.0.0.1:0").unwrap();
+    let prompt_url = format!("http://127.0.0.1:{}/hooks", prompt.local_addr().unwrap().port());
+    let heard = scripted(prompt, vec![NO_CONTENT.into()]);
+    let hooks = dir.path().join("hooks.json");
+    let file = serde_json::json!({"shop": {"url": hung_url, "secret": SECRET}, "shop2": {"url": prompt_url, "secret": SECRET}});
+    std::fs::write(&hooks, file.to_string()).unwrap();
+    let gw = Gateway::start(&["--drop-answer", "100"]);
+    let args = [
+        "--gateway",
+        &gw.url,
+        "--gateway-timeout",
+        "2s",
+        "--reconcile-every",
+        "300ms",
+        "--gateway-backoff",
+        "100ms",
+        "--client-events",
+        hooks.to_str().unwrap(),
+        "--client-events-allow-private",
+    ];
+    let s = Serve::start(&db, &[("tok", "shop"), ("tok2", "shop2")], &args, &[]);
+    for i in 0..20 {
+        assert_eq!(pay(&s, "tok", &format!("backlog-{i}")), 202);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while held.lock().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the hung endpoint was never called\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(1500)); // the hung delivery is well under way
+    let paid = Instant::now();
+    assert_eq!(pay(&s, "tok2", "other"), 202);
+    while heard.lock().unwrap().is_empty() {
+        assert!(paid.elapsed() < Duration::from_secs(20), "the other client was never told");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let waited = heard.lock().unwrap()[0].0 - paid;
+    eprintln!(
+        "another client's event, beside a hung endpoint with a backlog of 20: told {waited:?} after its payout"
+    );
+    assert!(
+        waited < Duration::from_secs(4),
+        "the other client's event waited {waited:?} behind the hung endpoint"
+    );
+}

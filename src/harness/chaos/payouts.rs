@@ -162,6 +162,7 @@ fn tell_to_the_end(
     };
     // the receiver is on loopback
     let post = payout::post_http(Duration::from_secs(5), crate::https::Reach::Any);
+    let sender = payout::Sender::new(hooks, schedule, std::sync::Arc::new(post));
     let deadline = Instant::now() + Duration::from_secs(30);
     let pending =
         |store: &mut dyn store::Store| payout::client_events(store, Some(Delivery::Pending), 1, policy);
@@ -169,8 +170,8 @@ fn tell_to_the_end(
         let unix = crate::clock::unix_now();
         // on the final reconciliation's clock, which ran ahead: its changes are due
         let ahead = Timestamp::now().plus_seconds(60);
-        payout::deliver(&mut *store, &hooks, &schedule, ahead, unix, &post, policy)?;
-        std::thread::sleep(Duration::from_millis(100));
+        sender.round(&mut *store, ahead, unix, policy)?;
+        sender.wait(Duration::from_millis(100));
     }
     let changes = untold(&mut *store, rows, policy)?;
     let got = receiver.got();

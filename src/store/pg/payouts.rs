@@ -286,17 +286,16 @@ impl PayoutTx for PgTx<'_> {
             .map_err(pg)
     }
 
-    fn take_client_events(
-        &mut self,
-        now: Timestamp,
-        until: Timestamp,
-        limit: i64,
-    ) -> Result<Vec<ClientEvent>, StoreError> {
+    fn take_client_events(&mut self, take: &crate::store::Take<'_>) -> Result<Vec<ClientEvent>, StoreError> {
         // skipped, not waited for, while another sender takes them
         let due = self.client_events_where(
-            "e.delivery = 'pending' AND e.next_at <= $1 ORDER BY e.next_at, e.event_id LIMIT $2 FOR UPDATE OF e SKIP LOCKED",
-            &[&now.to_string(), &limit],
+            &format!(
+                "e.event_id IN ({}) ORDER BY e.next_at, e.event_id LIMIT $2 FOR UPDATE OF e SKIP LOCKED",
+                crate::store::due_by_client("$1", "SELECT unnest($3::text[])", "$4")
+            ),
+            &[&take.now.to_string(), &take.limit, &take.busy, &take.per_client],
         )?;
+        let until = take.until;
         let ids: Vec<i64> = due.iter().map(|e| e.event_id).collect();
         self.client
             .execute(

@@ -311,16 +311,16 @@ impl PayoutTx for SqliteTx<'_> {
             .map_err(backend)
     }
 
-    fn take_client_events(
-        &mut self,
-        now: Timestamp,
-        until: Timestamp,
-        limit: i64,
-    ) -> Result<Vec<ClientEvent>, StoreError> {
+    fn take_client_events(&mut self, take: &crate::store::Take<'_>) -> Result<Vec<ClientEvent>, StoreError> {
+        let busy = serde_json::to_string(take.busy).map_err(|e| StoreError::Backend(e.to_string().into()))?;
         let due = self.client_events_where(
-            "e.delivery = 'pending' AND e.next_at <= ?1 ORDER BY e.next_at, e.event_id LIMIT ?2",
-            &[&now.to_string(), &limit],
+            &format!(
+                "e.event_id IN ({}) ORDER BY e.next_at, e.event_id LIMIT ?2",
+                crate::store::due_by_client("?1", "SELECT value FROM json_each(?3)", "?4")
+            ),
+            &[&take.now.to_string(), &take.limit, &busy, &take.per_client],
         )?;
+        let until = take.until;
         let mut take = self
             .conn
             .prepare_cached("UPDATE payout_event SET next_at = ?2 WHERE event_id = ?1")
