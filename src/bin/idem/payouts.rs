@@ -227,6 +227,21 @@ fn payout_line(p: &idem::store::PayoutRow) -> serde_json::Value {
     v
 }
 
+/// A client event as `idem payouts client-events` prints it: the body its
+/// client is sent, then its number (`seq`, which the other commands take)
+/// and where its delivery stands.
+fn client_event_line(e: &idem::store::ClientEvent) -> serde_json::Value {
+    let mut v: serde_json::Value = serde_json::from_str(&payout::event_body(e)).unwrap_or_default();
+    v["seq"] = json!(e.event_id);
+    v["client_id"] = json!(e.client_id);
+    v["delivery"] = json!(e.delivery.name());
+    v["attempts"] = json!(e.attempts);
+    let next_at = e.next_at.filter(|_| e.delivery == idem::store::Delivery::Pending);
+    v["next_at"] = json!(next_at.map(|t| t.to_string()));
+    v["delivered_at"] = json!(e.delivered_at.map(|t| t.to_string()));
+    v
+}
+
 pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failure> {
     let open = |db: &Db| -> Result<Box<dyn idem::store::Store>, Failure> {
         let mut store = store::open(db, policy, Usage::LongLived)?;
@@ -271,17 +286,7 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
         }
         Action::ClientEvents { db, delivery, limit } => {
             for e in payout::client_events(&mut *open(&db)?, delivery, limit, policy)? {
-                let mut v: serde_json::Value =
-                    serde_json::from_str(&payout::event_body(&e)).unwrap_or_default();
-                v["seq"] = json!(e.event_id);
-                v["client_id"] = json!(e.client_id);
-                v["delivery"] = json!(e.delivery.name());
-                v["attempts"] = json!(e.attempts);
-                v["next_at"] = json!(
-                    e.next_at.filter(|_| e.delivery == idem::store::Delivery::Pending).map(|t| t.to_string())
-                );
-                v["delivered_at"] = json!(e.delivered_at.map(|t| t.to_string()));
-                say!("{v}");
+                say!("{}", client_event_line(&e));
             }
         }
         Action::Deliveries { db, id } => {
