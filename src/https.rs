@@ -17,35 +17,44 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 use tokio_rustls::rustls;
 use ureq::tls::{Certificate, PemItem, RootCerts, TlsConfig};
 
 /// The roots the operator named ([`trust`]); Mozilla's when none.
-static ROOTS: OnceLock<Arc<Vec<Certificate<'static>>>> = OnceLock::new();
+static ROOTS: RwLock<Option<Arc<Vec<Certificate<'static>>>>> = RwLock::new(None);
 static TLS_FAILURES: AtomicU64 = AtomicU64::new(0);
 type Listener = Box<dyn Fn(&str, &str) + Send + Sync>;
 static ON_TLS_FAILURE: OnceLock<Listener> = OnceLock::new();
 
 /// Trusts the PEM certificates in `path` instead of Mozilla's roots, for
-/// every call this process makes from now on (once per process). Returns
-/// how many it read; a file without one is an error, not an empty trust.
+/// every call this process makes from now on. Returns how many it read; a
+/// file without one is an error, not an empty trust.
 pub fn trust(path: &Path) -> Result<usize, String> {
     let pem = std::fs::read(path).map_err(|e| format!("the CA file {}: {e}", path.display()))?;
+    trust_pem(&pem).map_err(|e| format!("the CA file {}: {e}", path.display()))
+}
+
+/// [`trust`] of PEM text; certificates trusted before stay trusted (a
+/// harness that starts several providers of its own trusts each).
+pub fn trust_pem(pem: &[u8]) -> Result<usize, String> {
     let mut certs = Vec::new();
-    for item in ureq::tls::parse_pem(&pem) {
+    for item in ureq::tls::parse_pem(pem) {
         match item {
-            Ok(PemItem::Certificate(cert)) => certs.push(cert),
+            Ok(PemItem::Certificate(cert)) => certs.push(cert.to_owned()),
             Ok(_) => {}
-            Err(e) => return Err(format!("the CA file {}: {e}", path.display())),
+            Err(e) => return Err(e.to_string()),
         }
     }
     if certs.is_empty() {
-        return Err(format!("the CA file {} holds no PEM certificate", path.display()));
+        return Err("holds no PEM certificate".into());
     }
     let n = certs.len();
-    ROOTS.set(Arc::new(certs)).map_err(|_| "a CA file was already given".to_owned())?;
+    let mut roots = ROOTS.write().unwrap_or_else(|e| e.into_inner());
+    let mut all = roots.as_deref().cloned().unwrap_or_default();
+    all.extend(certs);
+    *roots = Some(Arc::new(all));
     Ok(n)
 }
 
@@ -74,7 +83,7 @@ pub fn agent_reaching(timeout: Duration, reach: Reach) -> ureq::Agent {
 }
 
 fn config(timeout: Duration) -> ureq::config::Config {
-    let roots = match ROOTS.get() {
+    let roots = match &*ROOTS.read().unwrap_or_else(|e| e.into_inner()) {
         Some(certs) => RootCerts::Specific(certs.clone()),
         None => RootCerts::WebPki,
     };
@@ -303,7 +312,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ca.pem");
         std::fs::write(&path, "not a certificate").unwrap();
-        assert!(trust(&path).unwrap_err().contains("no PEM certificate"));
+        assert!(trust(&path).unwrap_err().contains("holds no PEM certificate"));
         assert!(trust(&dir.path().join("absent.pem")).unwrap_err().contains("absent.pem"));
     }
 }

@@ -49,8 +49,11 @@ impl Room {
         let extra = match &gateway {
             Some(gw) => ["--gateway", &gw.url, "--gateway-timeout", "1s", "--reconcile-every", "1s"]
                 .into_iter()
+                .chain(["--ca-file", &gw.ca.to_string_lossy()])
                 .chain(["--gateway-events-secret", EVENTS_SECRET])
                 .chain(["--client-events", &hooks.to_string_lossy(), "--client-events-retry", "200ms"])
+                // the clients' receiver is on loopback
+                .chain(["--client-events-allow-private"])
                 .map(String::from)
                 .collect(),
             None => Vec::new(),
@@ -181,7 +184,7 @@ impl GatewayProcess {
     fn send_events_to(&self, server: SocketAddr) -> Result<(), HarnessError> {
         let body =
             serde_json::json!({"url": format!("http://{server}"), "secret": EVENTS_SECRET}).to_string();
-        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let agent = crate::https::agent(std::time::Duration::from_secs(10));
         match agent.post(format!("{}/webhook_endpoints", self.url)).send(body.as_str()) {
             Ok(r) if r.status().is_success() => Ok(()),
             Ok(r) => Err(HarnessError::Stopped(format!(
@@ -193,11 +196,13 @@ impl GatewayProcess {
     }
 }
 
-/// A running `idem gateway` and its ledger file.
+/// A running `idem gateway`, its ledger file, and the certificate it
+/// serves HTTPS with.
 pub(super) struct GatewayProcess {
     child: Child,
     pub url: String,
     pub ledger: PathBuf,
+    pub ca: PathBuf,
 }
 
 /// A day that stops early (a fault's command failed) leaves no server
@@ -220,12 +225,18 @@ fn start_gateway(command: &[String], out: &Path) -> Result<GatewayProcess, Harne
         command.split_first().ok_or_else(|| HarnessError::Stopped("empty gateway command".into()))?;
     let ledger = out.join("gateway.db");
     bank::remove_files(&ledger)?;
+    let ca = out.join("gateway-ca.pem");
     let log = out.join("gateway.log");
     let mut child = std::process::Command::new(program)
         .args(args)
         .arg("--db")
         .arg(&ledger)
         .args(["--listen", "127.0.0.1:0"])
+        // over TLS, as real providers are: its certificate is trusted by
+        // the servers (--ca-file) and by the harness's own reconciler
+        .arg("--tls")
+        .arg("--tls-cert-out")
+        .arg(&ca)
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log).map_err(io_at(&log))?)
         .spawn()
@@ -237,10 +248,12 @@ fn start_gateway(command: &[String], out: &Path) -> Result<GatewayProcess, Harne
         .read_line(&mut line)
         .map_err(HarnessError::io("reading the gateway's first line"))?;
     let url = line.trim().to_owned();
-    if !url.starts_with("http://") {
+    if !url.starts_with("https://") {
         return Err(HarnessError::Stopped(format!("the gateway's first line was {line:?}, not its URL")));
     }
-    Ok(GatewayProcess { child, url, ledger })
+    let pem = std::fs::read(&ca).map_err(io_at(&ca))?;
+    crate::https::trust_pem(&pem).map_err(|e| HarnessError::Stopped(format!("{}: {e}", ca.display())))?;
+    Ok(GatewayProcess { child, url, ledger, ca })
 }
 
 /// Every claim left in progress is released: the service that held them was
