@@ -38,8 +38,8 @@ pub use gateway::{Call, Gateway, HttpGateway, Limits, Lookup, classify_lookup, c
 pub use person::{Finding, events, listed, settle_by_hand, stats, stray_events};
 pub use reconcile::{Decision, reconcile};
 pub use tell::{
-    Answered, Hook, Post, Schedule, Sender, Told, body as event_body, client_events, delivery_log, event_id,
-    headers as event_headers, post_http, redeliver,
+    Answered, Hook, Post, Schedule, Sender, Told, body as event_body, client_events, delivery_log,
+    disabled_endpoints, enable, event_id, headers as event_headers, post_http, redeliver, redeliver_since,
 };
 
 use crate::clock::Timestamp;

@@ -48,6 +48,9 @@ pub struct Schedule {
     pub cap: Duration,
     /// No attempt is made this long after the change: the event is failed.
     pub give_up: Duration,
+    /// An endpoint whose deliveries have all failed for this long is
+    /// disabled until a person enables it (as Svix does, after 5 days).
+    pub disable_after: Duration,
 }
 
 impl Default for Schedule {
@@ -57,6 +60,7 @@ impl Default for Schedule {
             first: Duration::from_secs(10),
             cap: Duration::from_secs(3600),
             give_up: Duration::from_secs(3 * 24 * 3600),
+            disable_after: Duration::from_secs(5 * 24 * 3600),
         }
     }
 }
@@ -166,6 +170,8 @@ pub struct Told {
     pub delivery: Delivery,
     /// What came of this attempt (`HTTP 204`, why no answer came).
     pub outcome: String,
+    /// Why this attempt disabled its client's endpoint, if it did.
+    pub disabled: Option<String>,
 }
 
 /// How long a taken event is kept from other senders: past the longest
@@ -180,6 +186,8 @@ const ROUND: i64 = 64;
 enum Turn {
     Tried(Delivery, Option<Timestamp>, String),
     PutOff(Timestamp),
+    /// Answered 410 Gone: the endpoint is disabled, the event pending.
+    Gone(Timestamp, String),
 }
 
 /// The most events one client's lane takes at once: a lane lasts at most
@@ -238,14 +246,12 @@ impl Sender {
     ) -> Result<Vec<Told>, StoreError> {
         let told = self.record(store, policy)?;
         let busy: Vec<String> = self.busy.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
-        let take = Take {
-            now,
-            until: now.plus_millis(TAKEN_FOR.as_millis() as i64),
-            limit: ROUND,
-            per_client: PER_CLIENT,
-            busy: &busy,
-        };
         let due = store::atomically(store, Durability::Durable, policy, |tx| {
+            // a disabled endpoint's events wait, pending, for a person
+            let mut skip = busy.clone();
+            skip.extend(tx.disabled_endpoints()?.into_iter().map(|d| d.client_id));
+            let until = now.plus_millis(TAKEN_FOR.as_millis() as i64);
+            let take = Take { now, until, limit: ROUND, per_client: PER_CLIENT, busy: &skip };
             Ok(End::Commit(tx.take_client_events(&take)?))
         })?;
         let mut by_client: BTreeMap<String, Vec<ClientEvent>> = BTreeMap::new();
@@ -277,23 +283,67 @@ impl Sender {
         let early = std::mem::take(&mut *self.early.lock().unwrap_or_else(|e| e.into_inner()));
         for turns in early.into_iter().chain(std::iter::from_fn(|| self.finished.1.try_recv().ok())) {
             for (e, at, turn) in turns {
-                store::atomically(store, Durability::Durable, policy, |tx| {
-                    match &turn {
-                        Turn::Tried(delivery, next, outcome) => {
-                            tx.record_delivery(e.event_id, at, outcome, *delivery, *next)?
-                        }
-                        Turn::PutOff(next) => drop(tx.redeliver(e.event_id, *next)?),
-                    }
-                    Ok(End::Commit(()))
+                let reached = self.hooks.contains_key(&e.client_id);
+                let span = self.schedule.disable_after;
+                let disabled = store::atomically(store, Durability::Durable, policy, |tx| {
+                    record_turn(tx, &e, at, &turn, reached, span).map(End::Commit)
                 })?;
-                if let Turn::Tried(delivery, _, outcome) = turn {
-                    let (event_id, id, attempts) = (e.event_id, event_id(&e), e.attempts + 1);
-                    told.push(Told { event_id, id, client_id: e.client_id, attempts, delivery, outcome });
-                }
+                let (delivery, outcome) = match turn {
+                    Turn::Tried(delivery, _, outcome) => (delivery, outcome),
+                    Turn::Gone(_, outcome) => (Delivery::Pending, outcome),
+                    Turn::PutOff(_) => continue,
+                };
+                let (event_id, id, attempts) = (e.event_id, event_id(&e), e.attempts + 1);
+                told.push(Told {
+                    event_id,
+                    id,
+                    client_id: e.client_id,
+                    attempts,
+                    delivery,
+                    outcome,
+                    disabled,
+                });
             }
         }
         Ok(told)
     }
+}
+
+/// Records one turn of event `e` at `at`, and where its client's endpoint
+/// stands: a 410 disables it at once; a failure of an endpoint (`reached`:
+/// the client has one) that has failed for `span` disables it. Returns why
+/// it was disabled, if this turn did.
+fn record_turn(
+    tx: &mut dyn store::Tx,
+    e: &ClientEvent,
+    at: Timestamp,
+    turn: &Turn,
+    reached: bool,
+    span: Duration,
+) -> Result<Option<String>, StoreError> {
+    let (delivery, outcome) = match turn {
+        Turn::PutOff(next) => return tx.redeliver(e.event_id, *next).map(|_| None),
+        Turn::Gone(next, outcome) => {
+            tx.record_delivery(e.event_id, at, outcome, Delivery::Pending, Some(*next))?;
+            let why = format!("{outcome}: the endpoint is gone");
+            return Ok(tx.set_endpoint(&e.client_id, at, Some(&why))?.then_some(why));
+        }
+        Turn::Tried(delivery, next, outcome) => {
+            tx.record_delivery(e.event_id, at, outcome, *delivery, *next)?;
+            (*delivery, outcome)
+        }
+    };
+    if !reached {
+        return Ok(None);
+    }
+    let Some(since) = tx.endpoint_tried(&e.client_id, at, delivery == Delivery::Delivered)? else {
+        return Ok(None);
+    };
+    if !at.is_at_least(i64::try_from(span.as_secs()).unwrap_or(i64::MAX), since) {
+        return Ok(None);
+    }
+    let why = format!("{outcome}: every delivery failed since {since}");
+    Ok(tx.set_endpoint(&e.client_id, at, Some(&why))?.then_some(why))
 }
 
 /// One client's events, in order, each at its own time (a lane may last
@@ -325,6 +375,11 @@ fn one_client(
         let turn = match post(&hook.url, &headers(&e, hook, unix), &body(&e)) {
             Ok(Answered { status: status @ 200..=299, .. }) => {
                 Turn::Tried(Delivery::Delivered, None, format!("HTTP {status}"))
+            }
+            // gone for good: no more tries until a person enables it again
+            Ok(Answered { status: 410, .. }) => {
+                failed_until = Some(now);
+                Turn::Gone(now, "HTTP 410".into())
             }
             sent => {
                 let outcome = sent.as_ref().map_or_else(|why| why.clone(), |a| format!("HTTP {}", a.status));
@@ -409,6 +464,43 @@ pub fn redeliver<S: Store + ?Sized>(
     })
 }
 
+/// The client endpoints disabled until a person enables them.
+pub fn disabled_endpoints<S: Store + ?Sized>(
+    store: &mut S,
+    policy: &Policy,
+) -> Result<Vec<store::Disabled>, StoreError> {
+    store::atomically(store, Durability::Lazy, policy, |tx| Ok(End::Rollback(tx.disabled_endpoints()?)))
+}
+
+/// Enables `client`'s endpoint again (its events pending flow at once);
+/// `false` if it was not disabled.
+pub fn enable<S: Store + ?Sized>(
+    store: &mut S,
+    client: &str,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<bool, StoreError> {
+    store::atomically(store, Durability::Durable, policy, |tx| {
+        Ok(End::Commit(tx.set_endpoint(client, now, None)?))
+    })
+}
+
+/// Sends again, from `now`, every event of `client` whose change was made
+/// at or after `since` and that was delivered or failed (an outage the
+/// client recovered from, as Svix's "recover since"); how many, each under
+/// its one id.
+pub fn redeliver_since<S: Store + ?Sized>(
+    store: &mut S,
+    client: &str,
+    since: Timestamp,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<u64, StoreError> {
+    store::atomically(store, Durability::Durable, policy, |tx| {
+        Ok(End::Commit(tx.redeliver_since(client, since, now)?))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,6 +511,7 @@ mod tests {
             first: Duration::from_secs(10),
             cap: Duration::from_secs(3600),
             give_up: Duration::from_secs(72 * 3600),
+            disable_after: Duration::from_secs(5 * 24 * 3600),
         };
         let at = Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
         let wait = |attempts: i64, now: Timestamp| s.next(7, attempts, at, now).map(|t| t.seconds_since(now));

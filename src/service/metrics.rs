@@ -27,7 +27,7 @@ pub struct Metrics {
     /// The payouts as the reconciler last counted them, and when.
     payouts: Mutex<Option<(Timestamp, Vec<PayoutStat>)>>,
     /// The client events as the sender last counted them, and when.
-    client_events: Mutex<Option<(Timestamp, ClientEventStats)>>,
+    client_events: Mutex<Option<(Timestamp, ClientEventStats, usize)>>,
     /// Deliveries of client events that got no 2xx.
     deliveries_failed: AtomicU64,
     /// PostgreSQL batches were asked for and are off (the log says why).
@@ -84,16 +84,24 @@ impl Metrics {
 
     /// The client events, counted at `at` (by the sender, after each round),
     /// and the round's deliveries that got no 2xx.
-    pub fn client_events_counted(&self, at: Timestamp, stats: ClientEventStats, failed: u64) {
+    /// The client events as the sender counted them at `at`, its failed
+    /// deliveries since, and the endpoints disabled for a person.
+    pub fn client_events_counted(
+        &self,
+        at: Timestamp,
+        stats: ClientEventStats,
+        failed: u64,
+        disabled: usize,
+    ) {
         self.deliveries_failed.fetch_add(failed, Ordering::Relaxed);
         if let Ok(mut counted) = self.client_events.lock() {
-            *counted = Some((at, stats));
+            *counted = Some((at, stats, disabled));
         }
     }
 
     fn render_client_events(&self, out: &mut String) {
         let Ok(counted) = self.client_events.lock() else { return };
-        let Some((at, stats)) = counted.as_ref() else { return };
+        let Some((at, stats, disabled)) = counted.as_ref() else { return };
         let age = stats.oldest_pending.map_or(0, |t| at.seconds_since(t).max(0));
         let _ = write!(
             out,
@@ -105,7 +113,10 @@ impl Metrics {
              idem_client_event_oldest_pending_seconds {age}\n\
              # HELP idem_client_event_deliveries_failed_total Deliveries of client events that got no 2xx.\n\
              # TYPE idem_client_event_deliveries_failed_total counter\n\
-             idem_client_event_deliveries_failed_total {}\n",
+             idem_client_event_deliveries_failed_total {}\n\
+             # HELP idem_client_endpoints_disabled Client endpoints disabled until a person enables them (a 410, or \
+             failing past --client-events-disable-after); their events wait, pending.\n\
+             # TYPE idem_client_endpoints_disabled gauge\nidem_client_endpoints_disabled {disabled}\n",
             stats.pending,
             stats.failed,
             self.deliveries_failed.load(Ordering::Relaxed)

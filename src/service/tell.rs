@@ -98,16 +98,23 @@ pub(super) fn tell_in_background(
                             "id": t.id, "seq": t.event_id, "client_id": t.client_id,
                             "delivery": t.delivery.name(), "attempts": t.attempts, "outcome": t.outcome,
                         }));
+                        if let Some(why) = &t.disabled {
+                            let fields = serde_json::json!({"client_id": t.client_id, "reason": why});
+                            super::log_line(&app, &clock, "client_endpoint_disabled", fields);
+                        }
                     }
                 }
                 Err(e) => line(serde_json::json!({"error": e.to_string()})),
             }
-            if let Ok(stats) =
+            if let Ok((stats, disabled)) =
                 crate::store::atomically(&mut *store, crate::store::Durability::Lazy, policy, |tx| {
-                    Ok(crate::store::End::Rollback(tx.client_event_stats()?))
+                    Ok(crate::store::End::Rollback((
+                        tx.client_event_stats()?,
+                        tx.disabled_endpoints()?.len(),
+                    )))
                 })
             {
-                app.metrics.client_events_counted(now, stats, failed);
+                app.metrics.client_events_counted(now, stats, failed, disabled);
             }
             sender.wait(every);
         }

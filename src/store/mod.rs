@@ -33,6 +33,7 @@
 #[cfg(feature = "cli")]
 pub mod bank;
 mod db;
+mod endpoints;
 pub(crate) mod keys;
 mod payouts;
 #[cfg(feature = "cli")]
@@ -48,6 +49,8 @@ pub mod sqlite;
 pub mod workers;
 
 pub use db::Db;
+pub(crate) use endpoints::*;
+pub use endpoints::{Disabled, Take};
 pub use keys::{Dialect, KeyTable};
 pub use payouts::*;
 #[cfg(feature = "cli")]

@@ -297,7 +297,7 @@ pub(crate) const DELIVERY_COLUMNS: [&str; 4] = [
 /// [`PAYOUT_SCHEMA`] with its delivery columns, before each store fills in
 /// its types.
 pub(crate) fn payout_schema() -> String {
-    PAYOUT_SCHEMA.replace("{delivery}", &DELIVERY_COLUMNS.join(",\n    "))
+    PAYOUT_SCHEMA.replace("{delivery}", &DELIVERY_COLUMNS.join(",\n    ")) + super::ENDPOINT_SCHEMA
 }
 
 /// Where telling a client of a change stands.
@@ -365,30 +365,6 @@ pub struct ClientEventStats {
     pub oldest_pending: Option<Timestamp>,
     /// Events given up, for a person.
     pub failed: i64,
-}
-
-/// Which due client events a sender takes: those due at `now`, at most
-/// `per_client` of each client and `limit` in all, none of a client in
-/// `busy` (its lane is still out), each until `until`.
-pub struct Take<'a> {
-    pub now: Timestamp,
-    pub until: Timestamp,
-    pub limit: i64,
-    pub per_client: i64,
-    pub busy: &'a [String],
-}
-
-/// The ids of the due client events a [`Take`] names, for both stores,
-/// given how each spells the time `now`, the set of `busy` clients and the
-/// number `per_client` of each client.
-pub(crate) fn due_by_client(now: &str, busy: &str, per_client: &str) -> String {
-    format!(
-        "SELECT w.event_id FROM (
-           SELECT d.event_id, ROW_NUMBER() OVER (PARTITION BY q.client_id ORDER BY d.next_at, d.event_id) AS n
-           FROM payout_event d JOIN payout q ON q.payout_id = d.payout_id
-           WHERE d.delivery = 'pending' AND d.next_at <= {now} AND NOT q.client_id IN ({busy})) w
-         WHERE w.n <= {per_client}"
-    )
 }
 
 /// What both stores select for a [`ClientEvent`], in [`ClientEventText`]'s order.
@@ -529,9 +505,9 @@ pub trait PayoutTx {
     fn insert_payout_event(&mut self, _event: &PayoutEvent, _tell: bool) -> Result<(), StoreError> {
         Err(no_payouts())
     }
-    /// The pending client events [`Take`] names, oldest first, each taken
+    /// The pending client events [`super::Take`] names, oldest first, each taken
     /// until `take.until` (no other sender tries it meanwhile).
-    fn take_client_events(&mut self, _take: &Take<'_>) -> Result<Vec<ClientEvent>, StoreError> {
+    fn take_client_events(&mut self, _take: &super::Take<'_>) -> Result<Vec<ClientEvent>, StoreError> {
         Err(no_payouts())
     }
     /// Records one delivery of event `id` at `at` and what came of it
@@ -566,6 +542,38 @@ pub trait PayoutTx {
     }
     /// The client events, counted.
     fn client_event_stats(&mut self) -> Result<ClientEventStats, StoreError> {
+        Err(no_payouts())
+    }
+    /// Records a delivery to `client`'s endpoint at `at`: one taken ends its
+    /// failing streak (`None`); one failed returns since when it fails.
+    fn endpoint_tried(
+        &mut self,
+        _client: &str,
+        _at: Timestamp,
+        _ok: bool,
+    ) -> Result<Option<Timestamp>, StoreError> {
+        Err(no_payouts())
+    }
+    /// Disables `client`'s endpoint (`why`) or enables it (`None`); whether it changed.
+    fn set_endpoint(
+        &mut self,
+        _client: &str,
+        _at: Timestamp,
+        _why: Option<&str>,
+    ) -> Result<bool, StoreError> {
+        Err(no_payouts())
+    }
+    /// The endpoints disabled until a person enables them.
+    fn disabled_endpoints(&mut self) -> Result<Vec<super::Disabled>, StoreError> {
+        Err(no_payouts())
+    }
+    /// [`super::REDELIVER_SINCE`]: `client`'s events since `since`, pending at `now`; how many.
+    fn redeliver_since(
+        &mut self,
+        _client: &str,
+        _since: Timestamp,
+        _now: Timestamp,
+    ) -> Result<u64, StoreError> {
         Err(no_payouts())
     }
     /// A payout's audit trail, oldest first.

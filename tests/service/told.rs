@@ -340,7 +340,16 @@ fn scripted(listener: TcpListener, answers: Vec<String>) -> Arc<Mutex<Vec<Heard>
 /// reconciler settles it, and client `shop` is told at `hook` (its entry
 /// in the client events file), with `extra` arguments.
 fn told_of_one(hook: Value, extra: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, Gateway, Serve) {
-    let (dir, db) = bank_on(false).unwrap();
+    told_of_one_on(false, hook, extra).unwrap()
+}
+
+/// [`told_of_one`] on SQLite or (`pg`) PostgreSQL; `None` without it.
+fn told_of_one_on(
+    pg: bool,
+    hook: Value,
+    extra: &[&str],
+) -> Option<(tempfile::TempDir, std::path::PathBuf, Gateway, Serve)> {
+    let (dir, db) = bank_on(pg)?;
     let hooks = dir.path().join("hooks.json");
     std::fs::write(&hooks, serde_json::json!({ "shop": hook }).to_string()).unwrap();
     let gw = Gateway::start(&["--drop-answer", "100"]);
@@ -364,7 +373,7 @@ fn told_of_one(hook: Value, extra: &[&str]) -> (tempfile::TempDir, std::path::Pa
     .concat();
     let s = Serve::start(&db, &[("tok", "shop")], &args, &[]);
     assert_eq!(pay(&s, "tok", "one"), 202, "the gateway's answer is lost: 202");
-    (dir, db, gw, s)
+    Some((dir, db, gw, s))
 }
 
 /// The deliveries of the first client event, once there are `n` (or after 20 s).
@@ -556,4 +565,97 @@ fn a_hung_endpoint_with_a_backlog_does_not_hold_another_clients_events() {
         waited < Duration::from_secs(4),
         "the other client's event waited {waited:?} behind the hung endpoint"
     );
+}
+
+/// Waits up to 10 s for `done` to hold of what `heard` holds.
+fn until_heard(heard: &Arc<Mutex<Vec<Heard>>>, done: impl Fn(&[Heard]) -> bool) -> Vec<Heard> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = heard.lock().unwrap().clone();
+        if done(&now) || Instant::now() > deadline {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A 410 Gone disables the client's endpoint at once: no more tries, its
+/// events wait, pending; a log line, the metric, and `idem payouts
+/// endpoints` say so. A person enables it, and the event goes out; after
+/// the client's outage, `redeliver --since` sends it again under its id.
+#[test]
+fn a_410_disables_the_endpoint_until_a_person_enables_it_and_redeliver_since_sends_again() {
+    gone(false);
+}
+
+#[test]
+fn on_postgres_a_410_disables_the_endpoint_until_a_person_enables_it_and_redeliver_since_sends_again() {
+    gone(true);
+}
+
+fn gone(pg: bool) {
+    let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://127.0.0.1:{}/hooks", receiver.local_addr().unwrap().port());
+    let gone = "HTTP/1.1 410 Gone\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    let heard = scripted(receiver, vec![gone.into(), NO_CONTENT.into()]);
+    let hook = serde_json::json!({"url": url, "secret": SECRET});
+    let before = idem::clock::Timestamp::now().to_string();
+    let Some((_dir, db, _gw, s)) = told_of_one_on(pg, hook, &["--client-events-allow-private"]) else {
+        return;
+    };
+    let log = deliveries(&db, 1);
+    assert_eq!(log[0]["outcome"], "HTTP 410", "{log:#?}");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(heard.lock().unwrap().len(), 1, "tried again after a 410");
+    let (ok, disabled) = payouts_cmd(&db, &["endpoints"]);
+    assert!(ok && disabled.len() == 1 && disabled[0]["client_id"] == "shop", "{disabled:?}");
+    assert!(disabled[0]["reason"].as_str().unwrap().contains("410"), "{disabled:?}");
+    let (_, pending) = payouts_cmd(&db, &["client-events", "--delivery", "pending"]);
+    assert_eq!(pending.len(), 1, "the event waits, pending");
+    assert!(s.log_when(|l| l.contains("client_endpoint_disabled")).contains("client_endpoint_disabled"));
+    assert!(s.get("/metrics", None).body.contains("idem_client_endpoints_disabled 1\n"));
+
+    assert!(payouts_cmd(&db, &["enable", "shop"]).0);
+    assert!(!payouts_cmd(&db, &["enable", "shop"]).0, "enabled twice: exit 1");
+    let got = until_heard(&heard, |h| h.len() >= 2);
+    assert_eq!(got.len(), 2, "not sent after the endpoint was enabled");
+    assert_eq!(got[0].1["webhook-id"], got[1].1["webhook-id"]);
+    assert!(payouts_cmd(&db, &["endpoints"]).1.is_empty());
+    let (_, delivered) = payouts_cmd(&db, &["client-events", "--delivery", "delivered"]);
+    assert_eq!(delivered.len(), 1, "{delivered:?}");
+
+    let (ok, again) = payouts_cmd(&db, &["redeliver", "--since", &before, "--client", "shop"]);
+    assert!(ok && again[0]["pending"] == 1, "{again:?}");
+    let (ok, none) = payouts_cmd(&db, &["redeliver", "--since", &before, "--client", "nobody"]);
+    assert!(ok && none[0]["pending"] == 0, "{none:?}");
+    let got = until_heard(&heard, |h| h.len() >= 3);
+    assert_eq!(got.len(), 3, "not sent again after redeliver --since");
+    assert_eq!(got[2].1["webhook-id"], got[0].1["webhook-id"], "one id on every delivery");
+}
+
+/// An endpoint whose every delivery fails past `--client-events-disable-after`
+/// is disabled, and tried no more.
+#[test]
+fn an_endpoint_failing_past_its_span_is_disabled_and_tried_no_more() {
+    let receiver = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://127.0.0.1:{}/hooks", receiver.local_addr().unwrap().port());
+    let broken = "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    let heard = scripted(receiver, vec![broken.into()]);
+    let hook = serde_json::json!({"url": url, "secret": SECRET});
+    let args = ["--client-events-allow-private", "--client-events-disable-after", "2s"];
+    let (_dir, db, _gw, _s) = told_of_one(hook, &args);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let disabled = loop {
+        let (_, disabled) = payouts_cmd(&db, &["endpoints"]);
+        if !disabled.is_empty() || Instant::now() > deadline {
+            break disabled;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(disabled.len(), 1, "never disabled");
+    assert!(disabled[0]["reason"].as_str().unwrap().contains("every delivery failed since"), "{disabled:?}");
+    let tries = heard.lock().unwrap().len();
+    assert!(tries >= 3, "disabled after {tries} tries: the span is 2 s of failures");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(heard.lock().unwrap().len(), tries, "tried after it was disabled");
 }

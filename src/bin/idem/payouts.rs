@@ -193,12 +193,74 @@ enum Action {
     /// Deliver a client event again, now (one failed, once the client's
     /// endpoint is back; or one delivered, that the client lost): the same
     /// id, so the client's deduplication holds. Exit 1 if there is no such event.
+    ///
+    /// With --since T --client C instead: every event of client C whose
+    /// change was made at or after T and that was delivered or failed
+    /// (after the client's outage), each under its one id.
     Redeliver {
         #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
         db: Db,
         /// The event's number (`seq` in `idem payouts client-events`).
-        id: i64,
+        #[arg(required_unless_present = "since", conflicts_with = "since")]
+        id: Option<i64>,
+        /// An RFC 3339 instant: the changes made at or after it.
+        #[arg(long, requires = "client", value_parser = instant)]
+        since: Option<Timestamp>,
+        /// With --since: whose events.
+        #[arg(long, requires = "since")]
+        client: Option<String>,
     },
+    /// The client endpoints disabled until a person enables them (a 410
+    /// Gone, or every delivery failed past --client-events-disable-after),
+    /// one JSON line each: the client, since when, why.
+    Endpoints {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+    },
+    /// Enables a client's endpoint again: its pending events go out at once.
+    /// Exit 1 if it was not disabled.
+    Enable {
+        #[arg(long, env = "IDEM_DB", hide_env_values = true, value_parser = db)]
+        db: Db,
+        client: String,
+    },
+}
+
+fn instant(text: &str) -> Result<Timestamp, String> {
+    Timestamp::parse(text).map_err(|e| e.to_string())
+}
+
+/// `idem payouts redeliver`, `endpoints` and `enable`: a person's hand on
+/// the client events.
+fn endpoints(action: Action, store: &mut dyn idem::store::Store, policy: &Policy) -> Result<(), Failure> {
+    match action {
+        Action::Redeliver { id: Some(id), .. } => {
+            if !payout::redeliver(store, id, now()?, policy)? {
+                return Err(Failure(format!("no client event numbered {id}")));
+            }
+            say!("{}", json!({"seq": id, "delivery": "pending"}));
+        }
+        Action::Redeliver { since: Some(since), client: Some(client), .. } => {
+            let n = payout::redeliver_since(store, &client, since, now()?, policy)?;
+            say!("{}", json!({"client_id": client, "since": since.to_string(), "pending": n}));
+        }
+        Action::Endpoints { .. } => {
+            for d in payout::disabled_endpoints(store, policy)? {
+                say!(
+                    "{}",
+                    json!({"client_id": d.client_id, "disabled_at": d.since.to_string(), "reason": d.why})
+                );
+            }
+        }
+        Action::Enable { client, .. } => {
+            if !payout::enable(store, &client, now()?, policy)? {
+                return Err(Failure(format!("client {client:?}'s endpoint is not disabled")));
+            }
+            say!("{}", json!({"client_id": client, "enabled": true}));
+        }
+        _ => return Err(Failure("not a client events action".into())),
+    }
+    Ok(())
 }
 
 fn delivery(text: &str) -> Result<idem::store::Delivery, String> {
@@ -294,11 +356,9 @@ pub fn payouts(Payouts { action }: Payouts, policy: &Policy) -> Result<(), Failu
                 say!("{}", json!({"seq": id, "at": at.to_string(), "outcome": outcome}));
             }
         }
-        Action::Redeliver { db, id } => {
-            if !payout::redeliver(&mut *open(&db)?, id, now()?, policy)? {
-                return Err(Failure(format!("no client event numbered {id}")));
-            }
-            say!("{}", json!({"seq": id, "delivery": "pending"}));
+        Action::Redeliver { ref db, .. } | Action::Endpoints { ref db } | Action::Enable { ref db, .. } => {
+            let mut store = open(db)?;
+            endpoints(action, &mut *store, policy)?;
         }
     }
     Ok(())

@@ -86,6 +86,11 @@ pub struct Serve {
     /// delivery to one is refused before any connection is made.
     #[arg(long)]
     client_events_allow_private: bool,
+    /// A client endpoint whose every delivery has failed for this long is
+    /// disabled until a person enables it (`idem payouts enable CLIENT`);
+    /// a 410 Gone disables it at once.
+    #[arg(long, default_value = "5d", value_parser = clock::parse_positive_duration)]
+    client_events_disable_after: std::time::Duration,
 }
 
 pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> {
@@ -119,6 +124,7 @@ pub fn serve(args: Serve, policy: &'static Policy) -> Result<ExitCode, Failure> 
         client_events_schedule: idem::payout::Schedule {
             first: args.client_events_retry,
             give_up: args.client_events_give_up,
+            disable_after: args.client_events_disable_after,
             ..Default::default()
         },
         client_events_reach: match args.client_events_allow_private {

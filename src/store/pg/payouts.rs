@@ -368,6 +368,45 @@ impl PayoutTx for PgTx<'_> {
             .map_err(pg)
     }
 
+    fn endpoint_tried(
+        &mut self,
+        client: &str,
+        at: Timestamp,
+        ok: bool,
+    ) -> Result<Option<Timestamp>, StoreError> {
+        use crate::store::{DELIVERED, FAILED, dollars};
+        if ok {
+            self.client.execute(&dollars(DELIVERED), &[&client]).map_err(pg)?;
+            return Ok(None);
+        }
+        let row = self.client.query_one(&dollars(FAILED), &[&client, &at.to_string()]).map_err(pg)?;
+        crate::store::event_time(row.get(0)).map(Some)
+    }
+
+    fn set_endpoint(&mut self, client: &str, at: Timestamp, why: Option<&str>) -> Result<bool, StoreError> {
+        use crate::store::{DISABLE, ENABLE, dollars};
+        let changed = match why {
+            Some(why) => self.client.execute(&dollars(DISABLE), &[&client, &at.to_string(), &why]),
+            None => self.client.execute(&dollars(ENABLE), &[&client]),
+        };
+        changed.map(|n| n == 1).map_err(pg)
+    }
+
+    fn disabled_endpoints(&mut self) -> Result<Vec<crate::store::Disabled>, StoreError> {
+        let rows = self.client.query(crate::store::DISABLED, &[]).map_err(pg)?;
+        rows.iter()
+            .map(|r| {
+                let since = crate::store::event_time(r.get(1))?;
+                Ok(crate::store::Disabled { client_id: r.get(0), since, why: r.get(2) })
+            })
+            .collect()
+    }
+
+    fn redeliver_since(&mut self, client: &str, since: Timestamp, now: Timestamp) -> Result<u64, StoreError> {
+        let sql = crate::store::dollars(crate::store::REDELIVER_SINCE);
+        self.client.execute(&sql, &[&client, &since.to_string(), &now.to_string()]).map_err(pg)
+    }
+
     fn client_event_stats(&mut self) -> Result<ClientEventStats, StoreError> {
         let r = self
             .client

@@ -394,6 +394,51 @@ impl PayoutTx for SqliteTx<'_> {
             .map_err(backend)
     }
 
+    fn endpoint_tried(
+        &mut self,
+        client: &str,
+        at: Timestamp,
+        ok: bool,
+    ) -> Result<Option<Timestamp>, StoreError> {
+        if ok {
+            self.conn.execute(crate::store::DELIVERED, [client]).map_err(backend)?;
+            return Ok(None);
+        }
+        let since: String = self
+            .conn
+            .query_row(crate::store::FAILED, (client, at.to_string()), |r| r.get(0))
+            .map_err(backend)?;
+        crate::store::event_time(&since).map(Some)
+    }
+
+    fn set_endpoint(&mut self, client: &str, at: Timestamp, why: Option<&str>) -> Result<bool, StoreError> {
+        let changed = match why {
+            Some(why) => self.conn.execute(crate::store::DISABLE, (client, at.to_string(), why)),
+            None => self.conn.execute(crate::store::ENABLE, [client]),
+        };
+        changed.map(|n| n == 1).map_err(backend)
+    }
+
+    fn disabled_endpoints(&mut self) -> Result<Vec<crate::store::Disabled>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(crate::store::DISABLED).map_err(backend)?;
+        let rows: Vec<(String, String, String)> = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .and_then(Iterator::collect)
+            .map_err(backend)?;
+        rows.into_iter()
+            .map(|(client_id, at, why)| {
+                Ok(crate::store::Disabled { client_id, since: crate::store::event_time(&at)?, why })
+            })
+            .collect()
+    }
+
+    fn redeliver_since(&mut self, client: &str, since: Timestamp, now: Timestamp) -> Result<u64, StoreError> {
+        self.conn
+            .execute(crate::store::REDELIVER_SINCE, (client, since.to_string(), now.to_string()))
+            .map(|n| n as u64)
+            .map_err(backend)
+    }
+
     fn client_event_stats(&mut self) -> Result<ClientEventStats, StoreError> {
         let (pending, oldest, failed): (i64, Option<String>, i64) = self
             .conn
