@@ -200,7 +200,7 @@ type Finished = Vec<(ClientEvent, Timestamp, Turn)>;
 /// The client events sender: every client on a lane of its own. Each
 /// [`Sender::round`] records what the lanes finished since the last one,
 /// then takes the due events of every client whose lane is idle (at most
-/// [`PER_CLIENT`] each, [`ROUND`] in all) and starts a lane for each such
+/// `PER_CLIENT` each, `ROUND` in all) and starts a lane for each such
 /// client, which delivers them in order on a thread of its own. No round
 /// waits for a lane, and no client's backlog takes another's turn: a slow,
 /// hung or backlogged endpoint holds up its own client's events only.
@@ -227,7 +227,7 @@ impl Sender {
     /// Waits at most `up_to` for a lane to finish: a loop of rounds that
     /// waits here rather than sleeps records each lane's turns at once (a
     /// process stopped before they are recorded leaves their events taken,
-    /// untried, for [`TAKEN_FOR`]).
+    /// untried, for `TAKEN_FOR`).
     pub fn wait(&self, up_to: Duration) {
         if let Ok(turns) = self.finished.1.recv_timeout(up_to) {
             self.early.lock().unwrap_or_else(|e| e.into_inner()).push(turns);

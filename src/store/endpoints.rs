@@ -52,11 +52,14 @@ pub(crate) fn dollars(sql: &str) -> String {
     sql.replace('?', "$")
 }
 
-/// A disabled endpoint, as [`DISABLED`] reads it.
+/// A disabled endpoint, as `DISABLED` reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Disabled {
+    /// Whose endpoint.
     pub client_id: String,
+    /// Disabled since.
     pub since: crate::clock::Timestamp,
+    /// Why, in words.
     pub why: String,
 }
 
@@ -64,10 +67,15 @@ pub struct Disabled {
 /// `per_client` of each client and `limit` in all, none of a client in
 /// `busy` (its lane is still out), each until `until`.
 pub struct Take<'a> {
+    /// Due at.
     pub now: crate::clock::Timestamp,
+    /// Taken until.
     pub until: crate::clock::Timestamp,
+    /// The most in all.
     pub limit: i64,
+    /// The most of one client.
     pub per_client: i64,
+    /// The clients none is taken of.
     pub busy: &'a [String],
 }
 

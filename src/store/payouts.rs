@@ -567,7 +567,7 @@ pub trait PayoutTx {
     fn disabled_endpoints(&mut self) -> Result<Vec<super::Disabled>, StoreError> {
         Err(no_payouts())
     }
-    /// [`super::REDELIVER_SINCE`]: `client`'s events since `since`, pending at `now`; how many.
+    /// `REDELIVER_SINCE`: `client`'s events since `since`, pending at `now`; how many.
     fn redeliver_since(
         &mut self,
         _client: &str,

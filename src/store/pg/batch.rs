@@ -171,7 +171,7 @@ impl PgStore {
     /// under the schema's lock as the tables are: the service does it once
     /// as it starts, and runs without batches if it cannot (a role that may
     /// not create in the schema).
-    /// A function at its name that is not idem's ([`Found::Foreign`]) is
+    /// A function at its name that is not idem's (`Found::Foreign`) is
     /// an error: batches stay off.
     pub fn make_batch_function(&mut self) -> Result<(), StoreError> {
         let function = BatchFunction::of(&self.shape);
