@@ -256,6 +256,11 @@ impl Identity {
         Ok(Identity { config: Arc::new(config), cert_pem })
     }
 
+    /// Its rustls configuration, for a server of its own making (a test's).
+    pub fn server_config(&self) -> Arc<rustls::ServerConfig> {
+        self.config.clone()
+    }
+
     /// The acceptor that makes a TCP connection a TLS one.
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.config.clone())

@@ -659,3 +659,70 @@ fn an_endpoint_failing_past_its_span_is_disabled_and_tried_no_more() {
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(heard.lock().unwrap().len(), tries, "tried after it was disabled");
 }
+
+/// A receiver of client events over TLS, with a certificate of its own:
+/// answers 204 to each delivery it reads whole; the `webhook-id`s read.
+fn tls_receiver(identity: &idem::https::Identity) -> (String, Arc<Mutex<Vec<String>>>) {
+    use tokio_rustls::rustls;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://127.0.0.1:{}/hooks", listener.local_addr().unwrap().port());
+    let (config, heard) = (identity.server_config(), Arc::new(Mutex::new(Vec::new())));
+    let kept = heard.clone();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().flatten() {
+            let Ok(conn) = rustls::ServerConnection::new(config.clone()) else { continue };
+            let mut tls = rustls::StreamOwned::new(conn, tcp);
+            let mut got = Vec::new();
+            let mut chunk = [0u8; 4096];
+            let whole = loop {
+                match tls.read(&mut chunk) {
+                    Ok(0) | Err(_) => break None,
+                    Ok(n) => got.extend_from_slice(&chunk[..n]),
+                }
+                let text = String::from_utf8_lossy(&got).into_owned();
+                let Some((head, body)) = text.split_once("\r\n\r\n") else { continue };
+                let length = head
+                    .lines()
+                    .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length: ").map(str::to_owned))
+                    .and_then(|l| l.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                if body.len() >= length {
+                    break Some(head.to_owned());
+                }
+            };
+            let Some(head) = whole else { continue };
+            let id = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("webhook-id: ").map(str::to_owned));
+            kept.lock().unwrap().push(id.unwrap_or_default());
+            let _ = tls.write_all(NO_CONTENT.as_bytes());
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
+        }
+    });
+    (url, heard)
+}
+
+/// A client event goes out over TLS to a receiver whose certificate the
+/// operator trusts (`--ca-file`): delivered, under its id. Without that
+/// trust, nothing is delivered and the attempt says TLS.
+#[test]
+fn a_client_event_goes_out_over_https_to_a_receiver_the_operator_trusts() {
+    let identity = idem::https::Identity::self_signed(&["127.0.0.1".to_owned()]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("receiver.pem");
+    std::fs::write(&ca, &identity.cert_pem).unwrap();
+    let (url, heard) = tls_receiver(&identity);
+    let hook = serde_json::json!({"url": url, "secret": SECRET});
+    let args = ["--client-events-allow-private", "--ca-file", ca.to_str().unwrap()];
+    let (_dir, db, _gw, s) = told_of_one(hook.clone(), &args);
+    let log = deliveries(&db, 1);
+    assert_eq!(log[0]["outcome"], "HTTP 204", "{log:#?}\n{}", s.log());
+    let (_, events) = payouts_cmd(&db, &["client-events", "--delivery", "delivered"]);
+    assert_eq!(heard.lock().unwrap().clone(), [events[0]["id"].as_str().unwrap()]);
+
+    let (_dir, db, _gw, _s) = told_of_one(hook, &["--client-events-allow-private"]);
+    let log = deliveries(&db, 1);
+    assert!(log[0]["outcome"].as_str().unwrap().contains("TLS: "), "{log:#?}");
+    assert_eq!(heard.lock().unwrap().len(), 1, "a delivery went through without trust");
+}
