@@ -416,12 +416,8 @@ pub fn post_http(
             req = req.header(*name, value);
         }
         let answer = req.send(body).map_err(|e| format!("no answer: {}", crate::https::why(url, &e)))?;
-        let retry_after = answer
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
+        let retry_after =
+            answer.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(retry_after);
         Ok(Answered { status: answer.status().as_u16(), retry_after })
     }
 }
@@ -464,6 +460,21 @@ pub fn redeliver<S: Store + ?Sized>(
     })
 }
 
+/// A `Retry-After` value (RFC 9110, 10.2.3) as a wait from now: seconds,
+/// or an HTTP-date (a date past is no wait).
+fn retry_after(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    if let Ok(seconds) = text.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let imf = time::macros::format_description!(
+        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+    );
+    let at = time::PrimitiveDateTime::parse(text, &imf).ok()?.assume_utc();
+    let wait = (at - time::OffsetDateTime::now_utc()).whole_seconds();
+    Some(Duration::from_secs(u64::try_from(wait).unwrap_or(0)))
+}
+
 /// The client endpoints disabled until a person enables them.
 pub fn disabled_endpoints<S: Store + ?Sized>(
     store: &mut S,
@@ -504,6 +515,20 @@ pub fn redeliver_since<S: Store + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retry_after_is_read_in_seconds_or_as_an_http_date() {
+        assert_eq!(retry_after(" 120 "), Some(Duration::from_secs(120)));
+        let imf = time::macros::format_description!(
+            "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+        );
+        let in_an_hour = (time::OffsetDateTime::now_utc() + time::Duration::hours(1)).format(&imf).unwrap();
+        let wait = retry_after(&in_an_hour).unwrap().as_secs();
+        assert!((3595..=3600).contains(&wait), "{in_an_hour}: {wait} s");
+        assert_eq!(retry_after("Sun, 06 Nov 1994 08:49:37 GMT"), Some(Duration::ZERO), "a date past");
+        assert_eq!(retry_after("soon"), None);
+        assert_eq!(retry_after("-5"), None);
+    }
 
     #[test]
     fn the_wait_doubles_to_its_cap_half_of_it_drawn_and_stops_at_giving_up() {
