@@ -831,13 +831,8 @@ fn stalled_event_uploads_hold_no_transfer_up() {
 #[test]
 fn stalled_uploads_with_fresh_fake_signatures_leave_genuine_events_answered() {
     use std::io::Write;
-    let (_dir, db) = bank();
-    let gw = Gateway::start(&[]);
-    let secret = b"whsec_test_0123456789abcdef";
-    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test_0123456789abcdef"]);
-    let paid = pay(&s, "p-1", &payout("bob", 700));
-    assert_eq!(paid.status, 201);
-    let key = payouts(&db)[0].2.clone();
+    let (_dir, _db, _gw, s, _paid, key) = paid_one_taking_events(false).unwrap();
+    let secret = EVENTS_SECRET.as_bytes();
     let address = s.url.strip_prefix("http://").unwrap().to_owned();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     let stalled: Vec<_> = (0..64)
@@ -860,14 +855,25 @@ fn stalled_uploads_with_fresh_fake_signatures_leave_genuine_events_answered() {
     drop(stalled);
 }
 
-fn provider_events(pg: bool) {
-    let Some((_dir, db)) = bank_on(pg) else { return };
+const EVENTS_SECRET: &str = "whsec_test_0123456789abcdef";
+
+/// A service taking provider events signed with [`EVENTS_SECRET`], one
+/// payout paid: its answer and its downstream key. `None` without PostgreSQL.
+type Taking = (tempfile::TempDir, PathBuf, Gateway, Serve, Http, String);
+
+fn paid_one_taking_events(pg: bool) -> Option<Taking> {
+    let (dir, db) = bank_on(pg)?;
     let gw = Gateway::start(&[]);
-    let secret = b"whsec_test_0123456789abcdef";
-    let s = serve(&db, &gw.url, &["--gateway-events-secret", "whsec_test_0123456789abcdef"]);
+    let s = serve(&db, &gw.url, &["--gateway-events-secret", EVENTS_SECRET]);
     let paid = pay(&s, "p-1", &payout("bob", 700));
     assert_eq!(paid.status, 201);
     let key = payouts(&db)[0].2.clone();
+    Some((dir, db, gw, s, paid, key))
+}
+
+fn provider_events(pg: bool) {
+    let Some((_dir, db, _gw, s, paid, key)) = paid_one_taking_events(pg) else { return };
+    let secret = EVENTS_SECRET.as_bytes();
     // unsigned, forged, stale, or for another body: refused, nothing changes
     let returned = payout_event("evt_1", "payout.returned", &key, 700);
     assert_eq!(event(&s, b"wrong", &returned, None).status, 401);
