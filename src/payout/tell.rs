@@ -259,6 +259,7 @@ impl Sender {
             by_client.entry(e.client_id.clone()).or_default().push(e);
         }
         for (client, events) in by_client {
+            let name = client.clone();
             self.busy.lock().unwrap_or_else(|e| e.into_inner()).insert(client.clone());
             let (hooks, post, busy) = (self.hooks.clone(), self.post.clone(), self.busy.clone());
             let (schedule, done) = (self.schedule, self.finished.0.clone());
@@ -269,7 +270,9 @@ impl Sender {
                 let _ = done.send(turns);
             };
             if let Err(e) = std::thread::Builder::new().name("idem-tell-lane".into()).spawn(lane) {
-                // its events are taken until TAKEN_FOR, then tried again
+                // its events are taken until TAKEN_FOR, then tried again;
+                // the client is not left busy for ever
+                self.busy.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
                 return Err(StoreError::Backend(format!("cannot start a client's lane: {e}").into()));
             }
         }

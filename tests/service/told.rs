@@ -350,8 +350,24 @@ fn told_of_one_on(
     extra: &[&str],
 ) -> Option<(tempfile::TempDir, std::path::PathBuf, Gateway, Serve)> {
     let (dir, db) = bank_on(pg)?;
-    let hooks = dir.path().join("hooks.json");
-    std::fs::write(&hooks, serde_json::json!({ "shop": hook }).to_string()).unwrap();
+    let (gw, s) =
+        serve_telling(dir.path(), &db, serde_json::json!({ "shop": hook }), &[("tok", "shop")], extra);
+    assert_eq!(pay(&s, "tok", "one"), 202, "the gateway's answer is lost: 202");
+    Some((dir, db, gw, s))
+}
+
+/// `idem serve` on `db` for `clients`, told of by `hooks` (the client
+/// events file, written in `dir`), through a gateway that loses every
+/// answer: each payout is settled by the reconciler, and its client told.
+fn serve_telling(
+    dir: &Path,
+    db: &Path,
+    hooks: Value,
+    clients: &[(&str, &str)],
+    extra: &[&str],
+) -> (Gateway, Serve) {
+    let file = dir.join("hooks.json");
+    std::fs::write(&file, hooks.to_string()).unwrap();
     let gw = Gateway::start(&["--drop-answer", "100"]);
     let args = [
         &[
@@ -364,16 +380,15 @@ fn told_of_one_on(
             "--gateway-backoff",
             "100ms",
             "--client-events",
-            hooks.to_str().unwrap(),
+            file.to_str().unwrap(),
             "--client-events-retry",
             "200ms",
         ][..],
         extra,
     ]
     .concat();
-    let s = Serve::start(&db, &[("tok", "shop")], &args, &[]);
-    assert_eq!(pay(&s, "tok", "one"), 202, "the gateway's answer is lost: 202");
-    Some((dir, db, gw, s))
+    let s = Serve::start(db, clients, &args, &[]);
+    (gw, s)
 }
 
 /// The deliveries of the first client event, once there are `n` (or after 20 s).
@@ -524,24 +539,9 @@ fn a_hung_endpoint_with_a_backlog_does_not_hold_another_clients_events() {
     let prompt = TcpListener::bind("127.0.0.1:0").unwrap();
     let prompt_url = format!("http://127.0.0.1:{}/hooks", prompt.local_addr().unwrap().port());
     let heard = scripted(prompt, vec![NO_CONTENT.into()]);
-    let hooks = dir.path().join("hooks.json");
-    let file = serde_json::json!({"shop": {"url": hung_url, "secret": SECRET}, "shop2": {"url": prompt_url, "secret": SECRET}});
-    std::fs::write(&hooks, file.to_string()).unwrap();
-    let gw = Gateway::start(&["--drop-answer", "100"]);
-    let args = [
-        "--gateway",
-        &gw.url,
-        "--gateway-timeout",
-        "2s",
-        "--reconcile-every",
-        "300ms",
-        "--gateway-backoff",
-        "100ms",
-        "--client-events",
-        hooks.to_str().unwrap(),
-        "--client-events-allow-private",
-    ];
-    let s = Serve::start(&db, &[("tok", "shop"), ("tok2", "shop2")], &args, &[]);
+    let hooks = serde_json::json!({"shop": {"url": hung_url, "secret": SECRET}, "shop2": {"url": prompt_url, "secret": SECRET}});
+    let clients = [("tok", "shop"), ("tok2", "shop2")];
+    let (_gw, s) = serve_telling(dir.path(), &db, hooks, &clients, &["--client-events-allow-private"]);
     for i in 0..20 {
         assert_eq!(pay(&s, "tok", &format!("backlog-{i}")), 202);
     }
