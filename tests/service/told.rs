@@ -39,20 +39,7 @@ fn receiver(listener: TcpListener, after: Duration, got: Arc<Mutex<Vec<Delivery>
                 continue; // down: dropped unread
             }
             n += 1;
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut headers = BTreeMap::new();
-            let mut line = String::new();
-            while reader.read_line(&mut line).unwrap_or(0) > 2 {
-                if let Some((name, value)) = line.trim_end().split_once(": ") {
-                    headers.insert(name.to_ascii_lowercase(), value.to_owned());
-                }
-                line.clear();
-            }
-            let length = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
-            let mut body = vec![0; length];
-            if reader.read_exact(&mut body).is_err() {
-                continue;
-            }
+            let Some((headers, body)) = read_delivery(&stream) else { continue };
             got.lock().unwrap().push((headers, String::from_utf8(body).unwrap()));
             let answer: &[u8] = match n {
                 k if k % 5 == 0 => continue, // read, kept, the answer lost
@@ -64,6 +51,24 @@ fn receiver(listener: TcpListener, after: Duration, got: Arc<Mutex<Vec<Delivery>
             let _ = stream.write_all(answer);
         }
     });
+}
+
+/// One delivery read from `stream`: its headers (lowercase) and its body;
+/// `None` when the body did not arrive whole.
+fn read_delivery(stream: &std::net::TcpStream) -> Option<(BTreeMap<String, String>, Vec<u8>)> {
+    let mut reader = BufReader::new(stream.try_clone().ok()?);
+    let mut headers = BTreeMap::new();
+    let mut line = String::new();
+    while reader.read_line(&mut line).unwrap_or(0) > 2 {
+        if let Some((name, value)) = line.trim_end().split_once(": ") {
+            headers.insert(name.to_ascii_lowercase(), value.to_owned());
+        }
+        line.clear();
+    }
+    let length = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).ok()?;
+    Some((headers, body))
 }
 
 /// `idem payouts ARGS --db DB`: whether it succeeded, and its JSON lines.
@@ -312,18 +317,7 @@ fn scripted(listener: TcpListener, answers: Vec<String>) -> Arc<Mutex<Vec<Heard>
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
             let at = Instant::now();
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut headers = BTreeMap::new();
-            let mut line = String::new();
-            while reader.read_line(&mut line).unwrap_or(0) > 2 {
-                if let Some((name, value)) = line.trim_end().split_once(": ") {
-                    headers.insert(name.to_ascii_lowercase(), value.to_owned());
-                }
-                line.clear();
-            }
-            let length = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
-            let mut body = vec![0; length];
-            let _ = reader.read_exact(&mut body);
+            let Some((headers, body)) = read_delivery(&stream) else { continue };
             let n = {
                 let mut heard = kept.lock().unwrap();
                 heard.push((at, headers, String::from_utf8_lossy(&body).into_owned()));
