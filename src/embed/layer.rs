@@ -49,10 +49,8 @@
 //! request, a 5xx) rolls back the handler's writes with the claim, and the
 //! key stays free for the corrected request.
 
-use super::{Answer, Keys, Reply, Scope, Stop, gone};
-use crate::protocol::conduct;
+use super::{Answer, Keys, Scope, Stop, gone};
 use crate::request::{AcctId, ScopedKey};
-use crate::store::keys::Kept;
 use crate::store::{Claim, KeyRecord, KeySteps, StoreError};
 use axum::body::{Body, to_bytes};
 use axum::extract::{OriginalUri, Request, State};
@@ -60,18 +58,19 @@ use axum::http::{HeaderName, HeaderValue, StatusCode, header, request::Parts};
 use axum::middleware::Next;
 use axum::response::Response;
 use std::sync::Arc;
-use tokio::sync::Mutex;
 
 mod answer;
 mod conn;
 mod key;
 mod lend;
+mod run;
 mod service;
 mod tx;
-use answer::{Business, answer_of, unavailable};
+use answer::unavailable;
 pub use answer::{business, problem};
-use conn::{Held, Store};
+use conn::Store;
 pub use key::IdemKey;
+pub use run::Counts;
 pub use service::{IdempotencyLayer, IdempotentService};
 pub use tx::Tx;
 #[cfg(feature = "postgres")]
@@ -105,9 +104,18 @@ pub struct Idempotency {
     /// `Content-Type`, each value as the handler set it. Default:
     /// `Location` (a created resource's address).
     pub replayed_headers: Vec<HeaderName>,
+    /// How long a handler may run before it is stopped: its writes rolled
+    /// back, its key left free, 503 `handler_timed_out` with `Retry-After`
+    /// answered, and its connection (on SQLite the one the others wait
+    /// for) let go. Shorter than the key's lease, so a stopped run never
+    /// outlives its claim. Default 30 s.
+    pub max_run: std::time::Duration,
     /// Which statuses of the handler's answers are stored with the key
     /// (and replayed), besides those marked [`business`]: 2xx by default.
     keeps: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
+    /// A request without a key runs unprotected instead of 400.
+    key_optional: bool,
+    counters: Arc<run::Counters>,
 }
 
 impl Idempotency {
@@ -146,6 +154,24 @@ impl Idempotency {
     pub fn keep_when(mut self, keep: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.keeps = Arc::new(keep);
         self
+    }
+
+    /// The same state, letting a request that sends no `Idempotency-Key`
+    /// through instead of answering 400: its handler runs in a transaction
+    /// of its own, unprotected (a retry of it runs again), and is counted
+    /// ([`Counts::unkeyed`]) and logged (`tracing`, target `idem`). For the
+    /// routes of a live API whose clients do not all send keys yet: put the
+    /// layer of this state on those routes alone. A key sent malformed is
+    /// still 400. A handler that reads `Extension<IdemKey>` reads it as an
+    /// `Option` there.
+    pub fn key_optional(mut self) -> Self {
+        self.key_optional = true;
+        self
+    }
+
+    /// How the requests behind this state ended, so far.
+    pub fn counts(&self) -> Counts {
+        self.counters.counts()
     }
 
     /// A connection, or the answer when none is to be had: 503 `busy`
@@ -235,19 +261,23 @@ where
         parts.headers.get_all("idempotency-key").iter().map(HeaderValue::as_bytes),
         255,
     ) {
-        Ok(key) => key,
+        Ok(key) => Some(key),
+        Err(("missing_idempotency_key", _)) if idem.key_optional => None,
         Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail),
     };
     let Ok(bytes) = to_bytes(body, idem.max_body).await else {
         return problem(StatusCode::PAYLOAD_TOO_LARGE, "too_large", "The body is past the limit.");
     };
-    // not mended into text: two bodies that differ only in bytes that are
-    // not UTF-8 would share a fingerprint, and the second replay the first
-    let Ok(text) = std::str::from_utf8(&bytes) else {
-        let why = "The body is not UTF-8 text (JSON is, RFC 8259).";
-        return problem(StatusCode::BAD_REQUEST, "invalid_request", why);
+    parts.extensions.insert(Caller(client.clone()));
+    let Some(key) = key else {
+        let request = Request::from_parts(parts, Body::from(bytes));
+        return finished(tokio::spawn(run::unkeyed(idem, client, request, next)).await);
     };
-    let fingerprint = match idem.keys.admit::<String>(&key, text) {
+    // any body: JSON canonically, anything else by its media type and bytes
+    // exactly (never mended into text: two bodies that differ only in bytes
+    // that are not UTF-8 would share a fingerprint)
+    let media_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    let fingerprint = match idem.keys.admit_body::<String>(&key, media_type, &bytes) {
         Ok(f) => f,
         Err(e) => return problem(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string()),
     };
@@ -260,7 +290,6 @@ where
         Some(query) => with_query(&fingerprint, query),
         None => fingerprint,
     };
-    parts.extensions.insert(Caller(client.clone()));
     let scope = Scope::new(client, format!("{} {}", parts.method, sent.path()));
     let (client, endpoint) = (scope.client.clone(), scope.endpoint.clone());
     parts.extensions.insert(IdemKey { client, endpoint, key: key.clone() });
@@ -271,74 +300,27 @@ where
     // finishes). A handler that panics ends its task: its writes and its
     // claim roll back (`Held`'s drop), and the retry runs it afresh.
     let request = Request::from_parts(parts, Body::from(bytes));
-    match tokio::spawn(run(idem, scope, key, fingerprint, request, next)).await {
-        Ok(response) => response,
-        Err(_) => problem(
+    let span = tracing::info_span!(target: "idem", "idempotent", client = %scope.client, endpoint = %scope.endpoint, key = %key, status = tracing::field::Empty, replayed = tracing::field::Empty);
+    let run = tracing::Instrument::instrument(
+        run::keyed(idem, scope, key, fingerprint, request, next),
+        span.clone(),
+    );
+    let response = finished(tokio::spawn(run).await);
+    span.record("status", response.status().as_u16());
+    span.record("replayed", response.headers().contains_key("idempotent-replayed"));
+    response
+}
+
+/// The answer of a request's task: a handler that panicked ended it, and
+/// its writes and claim rolled back with its transaction.
+fn finished(task: Result<Response, tokio::task::JoinError>) -> Response {
+    task.unwrap_or_else(|_| {
+        problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "handler_failed",
             "The handler failed; nothing it did was kept, and the key is free.",
-        ),
-    }
-}
-
-/// Claims the key, runs the handler in the claim's transaction, stores its
-/// answer and commits: `protocol::conduct`, with the handler as the work.
-async fn run<Fut: std::future::Future<Output = Response>>(
-    idem: Idempotency,
-    scope: Scope,
-    key: String,
-    fingerprint: String,
-    mut request: Request,
-    next: impl FnOnce(Request) -> Fut,
-) -> Response {
-    let conn = match idem.connection().await {
-        Ok(conn) => conn,
-        Err(answer) => return answer,
-    };
-    let Ok(token) = Keys::token::<()>() else { return unavailable() };
-    let key = scope.key(&key);
-    let held = Held { conn, keys: idem.keys.clone(), kept: Kept::default(), open: true };
-    let tx = Tx(Arc::new(Mutex::new(Some(held))));
-    let ctx = idem.keys.ctx(&token);
-    let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
-        request.extensions_mut().insert(slot.0.clone());
-        let (head, body) = next(request).await.into_parts();
-        let kept = (idem.keeps)(head.status) || head.extensions.get::<Business>().is_some();
-        let Ok(bytes) = to_bytes(body, usize::MAX).await else {
-            let why = "The answer could not be read.";
-            return Err(Stop::Work(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", why)));
-        };
-        if !kept {
-            // not an answer to keep: the handler's writes go with the claim
-            return Err(Stop::Work(Response::from_parts(head, Body::from(bytes))));
-        }
-        let mut answer = Answer::new(head.status.as_u16(), bytes.to_vec());
-        answer.content_type =
-            head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
-        for name in &idem.replayed_headers {
-            for value in head.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
-                answer.headers.push((name.as_str().to_owned(), value.to_owned()));
-            }
-        }
-        if !slot.complete_and_commit(&key, &token, &answer).await {
-            // whether it committed is unknown: the retry replays it or runs it
-            let why = "Whether it was done is unknown: retry.";
-            return Err(Stop::Work(problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", why)));
-        }
-        Ok(Response::from_parts(head, Body::from(bytes)))
+        )
     })
-    .await;
-    let Some(mut held) = tx.0.lock().await.take() else {
-        return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
-    };
-    // whatever did not commit rolls back: a decision, a failure, an answer not kept
-    held.rollback().await;
-    match conducted {
-        Ok(Ok(response)) | Err(Stop::Work(response)) => response,
-        Ok(Err(decision)) => answer_of(Keys::decided(decision, std::mem::take(&mut held.kept))),
-        Err(Stop::Store(StoreError::Busy)) => answer_of(Reply::InFlight),
-        Err(Stop::Store(_)) => unavailable(),
-    }
 }
 
 /// The fingerprint of a body sent under `query`. A request without a query

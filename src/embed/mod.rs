@@ -188,7 +188,8 @@ pub enum Error<E> {
     /// The caller's work failed: its writes and the key's claim rolled back,
     /// and the key is free for a retry.
     Work(E),
-    /// The request body is not JSON (it cannot be fingerprinted).
+    /// The request body is not JSON (it cannot be fingerprinted), or was
+    /// declared JSON and is not.
     Body(String),
     /// The key is empty or longer than 255 characters.
     Key,
@@ -307,11 +308,44 @@ impl Keys {
 
     /// The body's fingerprint, or why it has none; and the key, checked.
     fn admit<E>(&self, key: &str, body: &str) -> Result<String, Error<E>> {
-        if key.is_empty() || key.chars().count() > self.policy.max_field_chars {
-            return Err(Error::Key);
-        }
+        self.check_key(key)?;
         let json = Json::parse(body).map_err(|e| Error::Body(e.to_string()))?;
         Ok(fingerprint(&json))
+    }
+
+    fn check_key<E>(&self, key: &str) -> Result<(), Error<E>> {
+        match key.is_empty() || key.chars().count() > self.policy.max_field_chars {
+            true => Err(Error::Key),
+            false => Ok(()),
+        }
+    }
+
+    /// The fingerprint of a request body of any kind, or why it has none;
+    /// and the key, checked. A body that is JSON (declared so, or sent
+    /// without saying: `curl -d` calls JSON a form) is fingerprinted as
+    /// [`Keys::admit`] does, canonically, so a re-spaced or reordered retry is
+    /// the same request; a body declared JSON that is not is refused. Any
+    /// other body (empty, a form, bytes) is fingerprinted over its media
+    /// type and its bytes exactly: another type or another byte is another
+    /// request.
+    fn admit_body<E>(&self, key: &str, media_type: Option<&str>, bytes: &[u8]) -> Result<String, Error<E>> {
+        let declared_json = media_type.is_some_and(is_json);
+        match std::str::from_utf8(bytes) {
+            Ok(text) if declared_json || Json::parse(text).is_ok() => self.admit(key, text),
+            Err(_) if declared_json => Err(Error::Body("a JSON body is UTF-8 text (RFC 8259)".into())),
+            _ => {
+                self.check_key(key)?;
+                use sha2::{Digest, Sha256};
+                let media_type = media_type.unwrap_or("").trim().to_ascii_lowercase();
+                let digest = Sha256::new()
+                    .chain_update("idem body\0")
+                    .chain_update(media_type)
+                    .chain_update("\0")
+                    .chain_update(bytes)
+                    .finalize();
+                Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
+            }
+        }
     }
 
     /// A fresh claim token.
@@ -363,6 +397,13 @@ impl Keys {
     fn migrations(&self, dialect: Dialect) -> Vec<String> {
         crate::store::keys::migrations(&self.table, &self.index, dialect)
     }
+}
+
+/// Whether a media type is JSON's: `application/json`, or a `+json`
+/// suffix (RFC 6839), whatever its parameters.
+fn is_json(media_type: &str) -> bool {
+    let essence = media_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ mod client;
 mod failover;
 mod gateway;
 mod group_commit;
+mod layer_bodies;
 mod layer_scope;
 mod layer_trips;
 mod ledger;

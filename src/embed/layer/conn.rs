@@ -216,6 +216,58 @@ impl Held {
         !self.open
     }
 
+    /// Begins a transaction with no key in it (a request the layer lets
+    /// through unprotected): what the claim would have begun, and on sqlx,
+    /// where the connection came with it begun for a claim, the lock wait
+    /// the claim would have put back.
+    pub(super) async fn begin(&mut self) -> bool {
+        match &mut self.conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(c) => match c {
+                Some(c) => c.client().batch_execute("BEGIN").await.is_ok(),
+                None => false,
+            },
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => c.execute_batch("BEGIN IMMEDIATE").is_ok(),
+            #[cfg(feature = "sqlx-postgres")]
+            Conn::SqlxPg(tx) => match tx.as_deref_mut() {
+                Some(c) => {
+                    let restore = sqlx::AssertSqlSafe(crate::store::keys::WAIT_AS_BEFORE);
+                    sqlx::raw_sql(restore).execute(c).await.is_ok()
+                }
+                None => false,
+            },
+            #[cfg(feature = "sqlx-sqlite")]
+            Conn::SqlxLite(tx, _) => tx.is_some(),
+        }
+    }
+
+    /// Commits the transaction; whether it committed (`false`: it may
+    /// have, or not).
+    pub(super) async fn commit(&mut self) -> bool {
+        let done = match &mut self.conn {
+            #[cfg(feature = "postgres")]
+            Conn::Pg(c) => match c {
+                Some(c) => c.client().batch_execute("COMMIT").await.is_ok(),
+                None => false,
+            },
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(c) => c.execute_batch("COMMIT").is_ok(),
+            #[cfg(feature = "sqlx-postgres")]
+            Conn::SqlxPg(tx) => match tx.take() {
+                Some(tx) => tx.commit().await.is_ok(),
+                None => false,
+            },
+            #[cfg(feature = "sqlx-sqlite")]
+            Conn::SqlxLite(tx, _) => match tx.take() {
+                Some(tx) => tx.commit().await.is_ok(),
+                None => false,
+            },
+        };
+        self.open = !done;
+        done
+    }
+
     /// Rolls the transaction back; if that fails, dropping `self` ends it.
     // `&mut self` throughout: a SQLite connection is not `Sync`, so a
     // shared borrow of one held across an await would make the

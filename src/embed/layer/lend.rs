@@ -305,7 +305,10 @@ impl Idempotency {
             max_body: 64 * 1024,
             max_wait: Duration::from_secs(2),
             replayed_headers: vec![header::LOCATION],
+            max_run: Duration::from_secs(30),
             keeps: Arc::new(|status| status.is_success()),
+            key_optional: false,
+            counters: Arc::default(),
         }
     }
 }

@@ -1,0 +1,230 @@
+//! A request's run behind the layer, from its connection to its answer:
+//! under its key (claim, handler, stored answer, one commit), or without
+//! one on a route whose key is optional; each bounded in time, counted and
+//! traced.
+
+use super::answer::{Business, answer_of, unavailable};
+use super::conn::Held;
+use super::{Idempotency, OnSlot, Stop, Tx, problem};
+use crate::embed::{Answer, Keys, Reply, Scope};
+use crate::protocol::conduct;
+use crate::store::StoreError;
+use crate::store::keys::Kept;
+use axum::body::{Body, to_bytes};
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::Response;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::Mutex;
+
+/// How the layer's requests ended, counted since its state was made
+/// ([`Idempotency::counts`]): what a team exports as metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Ran under a new key, their answers stored with it.
+    pub fresh: u64,
+    /// Answered with a key's stored answer, the handler not run.
+    pub replayed: u64,
+    /// Refused by the key: in flight (409) or used with another request (422).
+    pub refused: u64,
+    /// Ran without a key, unprotected, on a route whose key is optional.
+    pub unkeyed: u64,
+    /// Stopped past [`Idempotency::max_run`]: rolled back, the key free, 503.
+    pub timed_out: u64,
+}
+
+/// The counters behind [`Counts`], shared by every clone of the state.
+#[derive(Debug, Default)]
+pub(super) struct Counters([AtomicU64; 5]);
+
+#[derive(Clone, Copy)]
+enum Ended {
+    Fresh,
+    Replayed,
+    Refused,
+    Unkeyed,
+    TimedOut,
+}
+
+impl Counters {
+    fn add(&self, ended: Ended) {
+        self.0[ended as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn counts(&self) -> Counts {
+        let n = |e: Ended| self.0[e as usize].load(Ordering::Relaxed);
+        Counts {
+            fresh: n(Ended::Fresh),
+            replayed: n(Ended::Replayed),
+            refused: n(Ended::Refused),
+            unkeyed: n(Ended::Unkeyed),
+            timed_out: n(Ended::TimedOut),
+        }
+    }
+}
+
+/// 503 for a handler stopped past its bound.
+fn timed_out(idem: &Idempotency) -> Response {
+    idem.counters.add(Ended::TimedOut);
+    let why = format!(
+        "The handler ran past its bound of {} ms: nothing it did was kept, and the key is free.",
+        idem.max_run.as_millis()
+    );
+    let mut r = problem(StatusCode::SERVICE_UNAVAILABLE, "handler_timed_out", &why);
+    r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
+/// The handler's answer, read whole, and whether it is one to keep; or
+/// the layer's 500 if it could not be read.
+async fn answered(
+    idem: &Idempotency,
+    response: Response,
+) -> Result<(axum::http::response::Parts, axum::body::Bytes, bool), Response> {
+    let (head, body) = response.into_parts();
+    let kept = (idem.keeps)(head.status) || head.extensions.get::<Business>().is_some();
+    match to_bytes(body, usize::MAX).await {
+        Ok(bytes) => Ok((head, bytes, kept)),
+        Err(_) => Err(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", "The answer could not be read.")),
+    }
+}
+
+/// Claims the key, runs the handler in the claim's transaction, stores its
+/// answer and commits: `protocol::conduct`, with the handler as the work.
+/// The handler runs for at most [`Idempotency::max_run`]; past it, it is
+/// dropped, its transaction ended (a PostgreSQL connection closed, so a
+/// statement it left running ends with it) and the key left free.
+pub(super) async fn keyed<Fut: Future<Output = Response>>(
+    idem: Idempotency,
+    scope: Scope,
+    key: String,
+    fingerprint: String,
+    mut request: Request,
+    next: impl FnOnce(Request) -> Fut,
+) -> Response {
+    let conn = match idem.connection().await {
+        Ok(conn) => conn,
+        Err(answer) => return answer,
+    };
+    let Ok(token) = Keys::token::<()>() else { return unavailable() };
+    let key = scope.key(&key);
+    let held = Held { conn, keys: idem.keys.clone(), kept: Kept::default(), open: true };
+    let tx = Tx(Arc::new(Mutex::new(Some(held))));
+    let ctx = idem.keys.ctx(&token);
+    let mut late = false;
+    let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
+        request.extensions_mut().insert(slot.0.clone());
+        let Ok(response) = tokio::time::timeout(idem.max_run, next(request)).await else {
+            late = true;
+            return Err(Stop::Work(timed_out(&idem)));
+        };
+        let (head, bytes, kept) = answered(&idem, response).await.map_err(Stop::Work)?;
+        if !kept {
+            // not an answer to keep: the handler's writes go with the claim
+            return Err(Stop::Work(Response::from_parts(head, Body::from(bytes))));
+        }
+        let mut answer = Answer::new(head.status.as_u16(), bytes.to_vec());
+        answer.content_type =
+            head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
+        for name in &idem.replayed_headers {
+            for value in head.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
+                answer.headers.push((name.as_str().to_owned(), value.to_owned()));
+            }
+        }
+        if !slot.complete_and_commit(&key, &token, &answer).await {
+            // whether it committed is unknown: the retry replays it or runs it
+            let why = "Whether it was done is unknown: retry.";
+            return Err(Stop::Work(problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", why)));
+        }
+        Ok(Response::from_parts(head, Body::from(bytes)))
+    })
+    .await;
+    // A handler stopped late may have left a statement running, or a task of
+    // its own holding the transaction: its transaction is dropped unfinished
+    // (`Held`'s drop ends it), never waited for.
+    if late {
+        drop(tx.0.try_lock().ok().and_then(|mut slot| slot.take()));
+        return conducted.err().map_or_else(unavailable, |stop| match stop {
+            Stop::Work(response) => response,
+            Stop::Store(_) => unavailable(),
+        });
+    }
+    let Some(mut held) = tx.0.lock().await.take() else {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
+    };
+    // whatever did not commit rolls back: a decision, a failure, an answer not kept
+    held.rollback().await;
+    match conducted {
+        Ok(Ok(response)) => {
+            idem.counters.add(Ended::Fresh);
+            response
+        }
+        Err(Stop::Work(response)) => response,
+        Ok(Err(decision)) => {
+            let reply = Keys::decided(decision, std::mem::take(&mut held.kept));
+            idem.counters.add(match reply {
+                Reply::Replayed(_) | Reply::Fresh(_) => Ended::Replayed,
+                Reply::InFlight | Reply::Mismatch => Ended::Refused,
+            });
+            answer_of(reply)
+        }
+        Err(Stop::Store(StoreError::Busy)) => {
+            idem.counters.add(Ended::Refused);
+            answer_of(Reply::InFlight)
+        }
+        Err(Stop::Store(_)) => unavailable(),
+    }
+}
+
+/// Runs the handler without a key (a route whose key is optional, a
+/// request that sent none): in a transaction of its own, committed if its
+/// answer is one the layer keeps and rolled back otherwise, bounded as a
+/// keyed run is. Nothing protects it from running twice: counted
+/// ([`Counts::unkeyed`]) and logged, so that a team sees how many of its
+/// clients still send no key.
+pub(super) async fn unkeyed<Fut: Future<Output = Response>>(
+    idem: Idempotency,
+    client: String,
+    mut request: Request,
+    next: impl FnOnce(Request) -> Fut,
+) -> Response {
+    idem.counters.add(Ended::Unkeyed);
+    tracing::info!(target: "idem", %client, method = %request.method(), path = %request.uri().path(), "a request without an idempotency key ran unprotected");
+    let conn = match idem.connection().await {
+        Ok(conn) => conn,
+        Err(answer) => return answer,
+    };
+    let mut held = Held { conn, keys: idem.keys.clone(), kept: Kept::default(), open: true };
+    if !held.begin().await {
+        return unavailable();
+    }
+    let tx = Tx(Arc::new(Mutex::new(Some(held))));
+    request.extensions_mut().insert(tx.clone());
+    let Ok(response) = tokio::time::timeout(idem.max_run, next(request)).await else {
+        drop(tx.0.try_lock().ok().and_then(|mut slot| slot.take()));
+        return timed_out(&idem);
+    };
+    let answer = answered(&idem, response).await;
+    let Some(mut held) = tx.0.lock().await.take() else {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
+    };
+    match answer {
+        Ok((head, bytes, true)) => match held.commit().await {
+            true => Response::from_parts(head, Body::from(bytes)),
+            false => {
+                let why = "Whether it was done is unknown.";
+                problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", why)
+            }
+        },
+        Ok((head, bytes, false)) => {
+            held.rollback().await;
+            Response::from_parts(head, Body::from(bytes))
+        }
+        Err(response) => {
+            held.rollback().await;
+            response
+        }
+    }
+}
