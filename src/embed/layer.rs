@@ -66,6 +66,7 @@ mod lend;
 mod run;
 mod service;
 mod tx;
+mod upkeep;
 use answer::unavailable;
 pub use answer::{business, problem};
 use conn::Store;

@@ -263,3 +263,66 @@ fn the_local_databases_url_is_one_sqlx_and_tokio_postgres_both_take() {
     );
     assert!(sqlx::postgres::PgConnectOptions::from_str("host=/work/target/pg/sock user=postgres").is_err());
 }
+
+/// Keys past retention are purged by the layer's own state, on each store
+/// it runs on, and on a schedule; keys within retention are kept.
+#[test]
+fn the_layer_purges_keys_past_retention_on_every_store_and_on_a_schedule() {
+    let (rt, dir) = (runtime(), tempfile::tempdir().unwrap());
+    let file = dir.path().join("purge.db");
+    let db = file.display().to_string();
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute_batch("CREATE TABLE orders (id INTEGER PRIMARY KEY, len INTEGER)")
+        .unwrap();
+    let who = |_: &axum::http::HeaderMap| Some("c1".to_owned());
+    let kept = |db: &str, table: &str| -> i64 {
+        rusqlite::Connection::open(db)
+            .unwrap()
+            .query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
+            .unwrap()
+    };
+    // three keys under a retention of 0 hours (past at once), three under 72
+    let (gone, young) = rt.block_on(async {
+        let gone =
+            Idempotency::connect(&db, Keys::new("gone_").unwrap().retention_hours(0), 1, who).await.unwrap();
+        let young = Idempotency::connect(&db, Keys::new("young_").unwrap(), 1, who).await.unwrap();
+        (gone, young)
+    });
+    for (idem, keys) in [(&gone, 4), (&young, 3)] {
+        let address = rt.block_on(serve(idem.clone(), Arc::default()));
+        for k in 0..keys {
+            assert_eq!(post_to(address, "/orders", Some(&format!("\"{k}\"")), None, b"{}").status, 201);
+        }
+    }
+    assert_eq!((kept(&db, "gone_idem_keys"), kept(&db, "young_idem_keys")), (4, 3));
+    assert_eq!(rt.block_on(gone.purge(1)).unwrap(), 1, "at most the limit");
+    assert_eq!(rt.block_on(young.purge(100)).unwrap(), 0, "within retention: kept");
+    // on a schedule: its first round purges the other three, a batch of one at a time
+    let purging = rt.block_on(async { gone.purge_every(Duration::from_secs(3600), 1) });
+    let until = Instant::now() + Duration::from_secs(5);
+    while kept(&db, "gone_idem_keys") > 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    purging.abort();
+    assert_eq!((kept(&db, "gone_idem_keys"), kept(&db, "young_idem_keys")), (0, 3));
+
+    // on the application's sqlx pool, and on PostgreSQL
+    let pool = rt.block_on(sqlx::SqlitePool::connect(&format!("sqlite://{db}"))).unwrap();
+    let on_sqlx = rt
+        .block_on(Idempotency::on_sqlx_sqlite(pool, Keys::new("young_").unwrap().retention_hours(0), who))
+        .unwrap();
+    assert_eq!(rt.block_on(on_sqlx.purge(100)).unwrap(), 3);
+    let Some(server) = crate::common::pg::server() else { return };
+    let spec = server.fresh_schema(false);
+    postgres::Client::connect(&spec, postgres::NoTls)
+        .unwrap()
+        .batch_execute("CREATE TABLE orders (id bigserial PRIMARY KEY, len bigint)")
+        .unwrap();
+    let on_pg = rt
+        .block_on(Idempotency::connect(&spec, Keys::new("p_").unwrap().retention_hours(0), 1, who))
+        .unwrap();
+    let address = rt.block_on(serve(on_pg.clone(), Arc::default()));
+    assert_eq!(post_to(address, "/orders", Some("\"a\""), None, b"{}").status, 201);
+    assert_eq!(rt.block_on(on_pg.purge(100)).unwrap(), 1);
+}

@@ -7,7 +7,7 @@ use super::answer::{Business, answer_of, unavailable};
 use super::conn::Held;
 use super::{Idempotency, OnSlot, Stop, Tx, problem};
 use crate::embed::{Answer, Keys, Reply, Scope};
-use crate::protocol::conduct;
+use crate::protocol::{Decision, conduct};
 use crate::store::StoreError;
 use crate::store::keys::Kept;
 use axum::body::{Body, to_bytes};
@@ -156,6 +156,16 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
     };
     // whatever did not commit rolls back: a decision, a failure, an answer not kept
     held.rollback().await;
+    let kept = std::mem::take(&mut held.kept);
+    counted(&idem, conducted, kept)
+}
+
+/// The answer a conducted run gives, counted.
+fn counted(
+    idem: &Idempotency,
+    conducted: Result<Result<Response, Decision>, Stop<Response>>,
+    kept: Kept,
+) -> Response {
     match conducted {
         Ok(Ok(response)) => {
             idem.counters.add(Ended::Fresh);
@@ -163,7 +173,7 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
         }
         Err(Stop::Work(response)) => response,
         Ok(Err(decision)) => {
-            let reply = Keys::decided(decision, std::mem::take(&mut held.kept));
+            let reply = Keys::decided(decision, kept);
             idem.counters.add(match reply {
                 Reply::Replayed(_) | Reply::Fresh(_) => Ended::Replayed,
                 Reply::InFlight | Reply::Mismatch => Ended::Refused,
