@@ -299,7 +299,11 @@ fn the_layer_purges_keys_past_retention_on_every_store_and_on_a_schedule() {
     assert_eq!(rt.block_on(gone.purge(1)).unwrap(), 1, "at most the limit");
     assert_eq!(rt.block_on(young.purge(100)).unwrap(), 0, "within retention: kept");
     // on a schedule: its first round purges the other three, a batch of one at a time
-    let purging = rt.block_on(async { gone.purge_every(Duration::from_secs(3600), 1) });
+    // spawned on the runtime the state's connections live on
+    let purging = {
+        let _in = rt.enter();
+        gone.purge_every(Duration::from_secs(3600), 1)
+    };
     let until = Instant::now() + Duration::from_secs(5);
     while kept(&db, "gone_idem_keys") > 0 && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
