@@ -228,11 +228,22 @@ enum Attempt {
     Lost(String),
 }
 
-fn attempt(endpoint: &Endpoint, route: &str, key: &str, body: &str, timeout: Duration) -> Attempt {
+/// One try, with the key and the time the transfer was first sent (OASIS
+/// Repeatable Requests: a try that arrives after its key may be gone is
+/// refused 412, never paid again).
+fn attempt(
+    endpoint: &Endpoint,
+    route: &str,
+    key: &str,
+    first_sent: &str,
+    body: &str,
+    timeout: Duration,
+) -> Attempt {
     let sent = crate::https::agent(timeout)
         .post(format!("{}{route}", endpoint.url.trim_end_matches('/')))
         .header("Authorization", format!("Bearer {}", endpoint.token))
         .header("Idempotency-Key", sf_string(key))
+        .header("Repeatability-First-Sent", first_sent)
         .header("Content-Type", "application/json")
         .send(body);
     match sent {
@@ -295,6 +306,7 @@ pub fn send_to(
     rng: &mut Rng,
 ) -> Report {
     let started = Instant::now();
+    let first_sent = crate::clock::to_http_date(time::OffsetDateTime::now_utc());
     let deadline = started + policy.budget;
     let mut tries: Vec<Try> = Vec::new();
     // Whether some attempt may have reached the server: from then on only
@@ -311,7 +323,8 @@ pub fn send_to(
         let endpoint = tries.len() % endpoints.len();
         let mut at_least = Duration::ZERO;
         let sent = Instant::now();
-        let answer = attempt(&endpoints[endpoint], route, key, body, policy.attempt_timeout.min(left));
+        let answer =
+            attempt(&endpoints[endpoint], route, key, &first_sent, body, policy.attempt_timeout.min(left));
         let (status, replayed) = match &answer {
             Attempt::Answer { status, replayed, .. } => (Some(*status), *replayed),
             _ => (None, false),

@@ -136,6 +136,32 @@ impl fmt::Display for Timestamp {
     }
 }
 
+/// An HTTP-date (RFC 9110, 5.6.7) in its one form a sender may send,
+/// IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`); `None` for anything else.
+///
+/// ```
+/// let at = idem::clock::http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+/// assert_eq!(at.unix_timestamp(), 784111777);
+/// assert!(idem::clock::http_date("1994-11-06T08:49:37Z").is_none());
+/// ```
+pub fn http_date(text: &str) -> Option<OffsetDateTime> {
+    Some(time::PrimitiveDateTime::parse(text.trim(), IMF_FIXDATE).ok()?.assume_utc())
+}
+
+/// `at` as an HTTP-date ([`http_date`] reads it back).
+///
+/// ```
+/// let at = time::macros::datetime!(1994-11-06 08:49:37 UTC);
+/// assert_eq!(idem::clock::to_http_date(at), "Sun, 06 Nov 1994 08:49:37 GMT");
+/// ```
+pub fn to_http_date(at: OffsetDateTime) -> String {
+    at.to_offset(UtcOffset::UTC).format(IMF_FIXDATE).unwrap_or_default()
+}
+
+const IMF_FIXDATE: &[time::format_description::BorrowedFormatItem<'static>] = time::macros::format_description!(
+    "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+);
+
 /// Whole seconds since the Unix epoch, by the machine's clock (what
 /// signatures carry; 0 on a clock set before 1970).
 pub fn unix_now() -> i64 {

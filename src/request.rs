@@ -11,6 +11,9 @@ use crate::policy::Policy;
 use crate::reason::Reason;
 use std::fmt;
 
+mod first_sent;
+pub use first_sent::{FIRST_SENT, FIRST_SENT_MARGIN_SECONDS, first_sent};
+
 /// 2^53 − 1: the largest integer that every JSON parser, RFC 8785 and a
 /// double-precision column keep exact. Amounts and integer account ids
 /// beyond it would round, and two different ids could share a fingerprint.

@@ -266,6 +266,13 @@ where
         Err(("missing_idempotency_key", _)) if idem.key_optional => None,
         Err((reason, detail)) => return problem(StatusCode::BAD_REQUEST, reason, &detail),
     };
+    let sent = parts.headers.get_all(crate::request::FIRST_SENT).iter().map(HeaderValue::as_bytes);
+    let retention = idem.keys.policy.retention_seconds();
+    if let Err((status, reason, detail)) =
+        crate::request::first_sent(sent, time::OffsetDateTime::now_utc(), retention)
+    {
+        return problem(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST), reason, &detail);
+    }
     let Ok(bytes) = to_bytes(body, idem.max_body).await else {
         return problem(StatusCode::PAYLOAD_TOO_LARGE, "too_large", "The body is past the limit.");
     };

@@ -470,10 +470,7 @@ fn retry_after(text: &str) -> Option<Duration> {
     if let Ok(seconds) = text.parse::<u64>() {
         return Some(Duration::from_secs(seconds));
     }
-    let imf = time::macros::format_description!(
-        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
-    );
-    let at = time::PrimitiveDateTime::parse(text, &imf).ok()?.assume_utc();
+    let at = crate::clock::http_date(text)?;
     let wait = (at - time::OffsetDateTime::now_utc()).whole_seconds();
     Some(Duration::from_secs(u64::try_from(wait).unwrap_or(0)))
 }
@@ -522,10 +519,8 @@ mod tests {
     #[test]
     fn a_retry_after_is_read_in_seconds_or_as_an_http_date() {
         assert_eq!(retry_after(" 120 "), Some(Duration::from_secs(120)));
-        let imf = time::macros::format_description!(
-            "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
-        );
-        let in_an_hour = (time::OffsetDateTime::now_utc() + time::Duration::hours(1)).format(&imf).unwrap();
+        let in_an_hour =
+            crate::clock::to_http_date(time::OffsetDateTime::now_utc() + time::Duration::hours(1));
         let wait = retry_after(&in_an_hour).unwrap().as_secs();
         assert!((3595..=3600).contains(&wait), "{in_an_hour}: {wait} s");
         assert_eq!(retry_after("Sun, 06 Nov 1994 08:49:37 GMT"), Some(Duration::ZERO), "a date past");

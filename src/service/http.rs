@@ -243,6 +243,13 @@ async fn read_request(
         Err((reason, detail)) => return Err(problem(StatusCode::BAD_REQUEST, reason, &detail, note)),
     };
     note.key = Some(key.clone());
+    let sent = req.headers().get_all(request::FIRST_SENT).iter().map(HeaderValue::as_bytes);
+    if let Err((status, reason, detail)) =
+        request::first_sent(sent, time::OffsetDateTime::now_utc(), app.policy.retention_seconds())
+    {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+        return Err(problem(status, reason, &detail, note));
+    }
     let Some(incoming) = body.take() else { return Err(failed(note)) };
     match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
         Err(_) => Err(problem(

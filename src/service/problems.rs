@@ -22,7 +22,7 @@ pub struct Problem {
 pub const REFUSED: &str = "refused";
 
 /// Every problem type, in the order the page lists them.
-pub const PROBLEMS: [Problem; 20] = [
+pub const PROBLEMS: [Problem; 22] = [
     Problem {
         reason: "invalid_request",
         title: "Malformed request",
@@ -35,6 +35,20 @@ pub const PROBLEMS: [Problem; 20] = [
         title: "Idempotency-Key required",
         doc: "A POST that moves money needs an `Idempotency-Key` header: a new unique key (a UUID) for each \
               operation, and the same key for every retry of it.",
+    },
+    Problem {
+        reason: "first_sent_too_long_ago",
+        title: "First sent before the key's retention",
+        doc: "The request's `Repeatability-First-Sent` is older than the keys' retention less its margin (both in \
+              `openapi.json`, `x-idempotency-key-lifetime`): its key may be gone, so it is not run again, and \
+              nothing was done now. Find out whether the first try was done (`GET` the resource, or ask) before \
+              sending it again under a new key.",
+    },
+    Problem {
+        reason: "invalid_first_sent",
+        title: "Malformed Repeatability-First-Sent",
+        doc: "`Repeatability-First-Sent` must appear once, as an HTTP-date (`Sun, 06 Nov 1994 08:49:37 GMT`): \
+              the time the request was first sent, the same on every retry. Nothing was done.",
     },
     Problem {
         reason: "invalid_idempotency_key",

@@ -331,3 +331,53 @@ fn with_several_urls_each_retry_goes_to_the_next_instance_with_the_same_key() {
     assert_eq!(t["amount"], 9);
     assert_eq!(bank.transfers().len(), 1, "paid twice");
 }
+
+/// `idem transfer` says when the transfer was first sent, the same on
+/// every try (OASIS Repeatable Requests), so that a try arriving after its
+/// key may be gone is refused (412) instead of paid again.
+#[test]
+fn every_try_of_one_transfer_says_when_it_was_first_sent() {
+    use std::io::Write;
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (bank.accounts[0].as_str().unwrap(), bank.accounts[1].as_str().unwrap());
+    let serve = Serve::start(&bank.db, &[("tok", "shop-1")], &[], &[]);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let upstream = serve.url.trim_start_matches("http://").to_owned();
+    let recorder = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for (n, stream) in listener.incoming().enumerate() {
+            let mut stream = stream.unwrap();
+            let request = read_request(&mut stream);
+            let head = String::from_utf8_lossy(&request).into_owned();
+            let first_sent = head.lines().find_map(|l| {
+                let (name, value) = l.split_once(':')?;
+                name.eq_ignore_ascii_case("repeatability-first-sent").then(|| value.trim().to_owned())
+            });
+            seen.push(first_sent);
+            if n < 2 {
+                let busy = "HTTP/1.1 503 Service Unavailable\r\nretry-after: 0\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                stream.write_all(busy.as_bytes()).unwrap();
+                continue;
+            }
+            let mut up = std::net::TcpStream::connect(&upstream).unwrap();
+            up.write_all(&request).unwrap();
+            std::io::copy(&mut up, &mut stream).unwrap();
+            return seen;
+        }
+        seen
+    });
+    let args: Vec<String> =
+        ["--src", s, "--dst", d, "--amount", "5", "--key", "k-fs"].map(String::from).to_vec();
+    let (code, _, _, stderr) = run(&url, &args);
+    assert_eq!(code, Some(0), "{stderr}");
+    let seen = recorder.join().unwrap();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    let first = seen[0].clone().expect("the first try says when it was sent");
+    assert!(seen.iter().all(|s| s.as_deref() == Some(first.as_str())), "one date on every try: {seen:?}");
+    let at = idem::clock::http_date(&first).expect("an HTTP-date");
+    let age = time::OffsetDateTime::now_utc() - at;
+    assert!(age >= time::Duration::ZERO && age < time::Duration::minutes(1), "{first}: {age}");
+    assert_eq!(bank.transfers().len(), 1);
+}

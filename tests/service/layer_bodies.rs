@@ -191,6 +191,36 @@ fn a_route_whose_key_is_optional_runs_a_keyless_request_unprotected_and_counts_i
     assert_eq!((counts.unkeyed, counts.fresh, counts.replayed), (3, 1, 1), "{counts:?}");
 }
 
+/// The layer refuses a request first sent longer ago than its keys are
+/// kept (`Repeatability-First-Sent`), running nothing, and reads no other
+/// date than an HTTP-date.
+#[test]
+fn the_layer_refuses_a_request_first_sent_past_retention_and_runs_nothing() {
+    let (rt, dir) = (runtime(), tempfile::tempdir().unwrap());
+    let (idem, db) = on_sqlite(&rt, &dir);
+    let address = rt.block_on(serve(idem, Arc::default()));
+    let with_first_sent = |key: &str, value: &str| {
+        let body = b"{}";
+        let request = format!(
+            "POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\nRepeatability-First-Sent: {value}\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{}",
+            body.len(),
+            std::str::from_utf8(body).unwrap()
+        );
+        exchange(address, request.as_bytes()).unwrap()
+    };
+    let old = with_first_sent("\"old\"", "Sun, 06 Nov 1994 08:49:37 GMT");
+    assert_eq!((old.status, reason(&old).as_str()), (412, "first_sent_too_long_ago"), "{old:?}");
+    let bad = with_first_sent("\"bad\"", "1994-11-06");
+    assert_eq!((bad.status, reason(&bad).as_str()), (400, "invalid_first_sent"), "{bad:?}");
+    let imf = time::macros::format_description!(
+        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+    );
+    let now = time::OffsetDateTime::now_utc().format(&imf).unwrap();
+    assert_eq!(with_first_sent("\"now\"", &now).status, 201);
+    assert_eq!(orders_on_sqlite(&db), 1, "only the request sent now ran");
+}
+
 /// A handler that never ends (`stuck`) while five other keys arrive behind
 /// it: the other five are answered at once after the bound, the stuck one
 /// is 503 `handler_timed_out`, its write rolled back and its key free.

@@ -20,6 +20,7 @@ mod layer_bodies;
 mod layer_scope;
 mod layer_trips;
 mod ledger;
+mod lifetime;
 mod payouts;
 mod serve;
 mod tls;

@@ -117,9 +117,23 @@ impl Serve {
 
     /// `POST /v1/transfers` with an optional bearer token and key header.
     pub fn post(&self, token: Option<&str>, key: Option<&str>, body: &str) -> Http {
+        self.post_with(token, key, &[], body)
+    }
+
+    /// [`Serve::post`] with more headers.
+    pub fn post_with(
+        &self,
+        token: Option<&str>,
+        key: Option<&str>,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Http {
         let mut req = Self::agent()
             .post(format!("{}/v1/transfers", self.url))
             .header("Content-Type", "application/json");
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
         if let Some(token) = token {
             req = req.header("Authorization", format!("Bearer {token}"));
         }
