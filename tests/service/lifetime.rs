@@ -85,3 +85,26 @@ fn a_request_first_sent_past_retention_is_412_and_runs_nothing_and_the_lifetime_
         assert_eq!(bank.transfers().len(), 2);
     }
 }
+
+/// A 64-bit integer key, as a browser that adds keys itself sends one
+/// (Firefox 135+: "a unique 64-bit key"), bare or as an sf-string: one key,
+/// taken like any other; a negative one and the largest are keys too.
+#[test]
+fn a_64_bit_integer_key_bare_or_quoted_is_one_key() {
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
+    let serve = Serve::start(&bank.db, &[SHOP], &[], &[]);
+    for (n, key) in ["9223372036854775807", "-42", "1733562000123456789"].into_iter().enumerate() {
+        let amount = 10 + i64::try_from(n).unwrap();
+        let bare = serve.post(TOKEN, Some(key), &body(s, d, amount));
+        let quoted = serve.post(TOKEN, Some(&format!("\"{key}\"")), &body(s, d, amount));
+        assert_eq!((bare.status, quoted.status), (201, 201), "{key}: {} {}", bare.body, quoted.body);
+        assert_eq!(
+            (quoted.header("idempotent-replayed"), quoted.body == bare.body),
+            (Some("true"), true),
+            "{key}"
+        );
+    }
+    assert_eq!(bank.transfers().len(), 3);
+}
