@@ -447,6 +447,9 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         ("no-key-processed", &["no key"], &[]),
         ("no-fingerprint", &["mismatch"], &[]),
         ("raw-fingerprint", &["reorder"], &[]),
+        // another body differs from the first in each field in turn
+        ("fingerprint-no-dst", &["mismatch"], &[]),
+        ("fingerprint-one-part", &["mismatch"], &[]),
         // a key forgotten once answered: every retry after an answer is made again
         (
             "in-flight-only",
@@ -602,16 +605,25 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
     let fixed_path = dir.path().join("fixed.json");
     std::fs::write(&fixed_path, fixed.to_string()).unwrap();
     let fixed_path = fixed_path.display().to_string();
-    let mistaken = format!("{serve} --mistake raw-fingerprint");
-    let runs: Vec<(&str, Vec<&str>)> = vec![
+    // each fingerprint mistake in this shape, and the property it must fail
+    let mistakes = [
+        ("raw-fingerprint", "a retry with members reordered"),
+        ("fingerprint-top-sort", "a retry with members reordered"),
+        ("fingerprint-one-part", "the same key with another body"),
+        ("fingerprint-no-dst", "the same key with another body"),
+    ];
+    let mistaken: Vec<String> = mistakes.iter().map(|(m, _)| format!("{serve} --mistake {m}")).collect();
+    let mut runs: Vec<(&str, Vec<&str>)> = vec![
         ("orders.json", vec!["--serve", &serve, "--profile", &orders]),
         ("no profile", vec!["--serve", &serve]),
         ("no accounts", vec!["--serve", &serve, "--profile", &fixed_path]),
-        (
-            "raw-fingerprint",
-            vec!["--serve", &mistaken, "--profile", &orders, "--only", "reorder", "--only", "mismatch"],
-        ),
     ];
+    for ((m, _), command) in mistakes.iter().zip(&mistaken) {
+        runs.push((
+            m,
+            vec!["--serve", command, "--profile", &orders, "--only", "reorder", "--only", "mismatch"],
+        ));
+    }
     let jobs: Vec<Job<'_, Run>> = runs
         .iter()
         .map(|(_, args)| -> Job<'_, Run> {
@@ -628,7 +640,7 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
             .map(|(_, n)| n.split(" (").next().unwrap().to_owned())
             .collect()
     };
-    let [with, without, accountless, mistake] = &done[..] else { unreachable!() };
+    let [with, without, accountless, wrong @ ..] = &done[..] else { unreachable!() };
     assert!(
         with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 19,
         "{}",
@@ -650,12 +662,14 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
         assert!(passed.iter().any(|s| s.starts_with(judged)), "{judged}: {passed:?}\n{}", accountless.stdout);
     }
     assert!(accountless.code == Some(0), "{}", accountless.stdout);
-    let failed = verdicts(mistake, "FAIL");
-    assert!(
-        failed.len() == 1 && failed.iter().all(|f| f.starts_with("a retry with members reordered")),
-        "{failed:?}\n{}",
-        mistake.stdout
-    );
+    for ((m, must), run) in mistakes.iter().zip(wrong) {
+        let failed = verdicts(run, "FAIL");
+        assert!(
+            failed.len() == 1 && failed.iter().all(|f| f.starts_with(must)),
+            "--mistake {m}: must fail {must:?} alone, failed {failed:?}\n{}",
+            run.stdout
+        );
+    }
 }
 
 /// Three idempotency libraries nobody here wrote, each around a minimal

@@ -56,6 +56,14 @@ it breaks:
   no-key-processed     a request without a key is processed
   no-fingerprint       another body under a used key replays the first answer
   raw-fingerprint      the fingerprint is of the bytes sent, not the JSON
+  fingerprint-no-dst   the fingerprint leaves out the destination: the key
+                       paying C replays the earlier transfer to B
+  fingerprint-one-part the fingerprint covers one sub-object of the body
+                       (--shape orders: `total`; the transfers shape: the
+                       amount and currency)
+  fingerprint-top-sort the fingerprint is of the body as sent with only its
+                       top-level members sorted (--shape orders: a retry
+                       with nested members reordered is another request)
   in-flight-only       a key is held only while its request runs, then
                        forgotten: a retry after the answer is made again
   unknown-500          an unknown account is not looked for: the KeyError is
@@ -85,9 +93,12 @@ CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after
            "other-statuses", "replay-header-always"]
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
           "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
-          "no-fingerprint", "raw-fingerprint", "in-flight-only", "unknown-500", "stuck-on-hangup",
+          "no-fingerprint", "raw-fingerprint", "fingerprint-no-dst", "fingerprint-one-part", "in-flight-only", "unknown-500", "stuck-on-hangup",
           "drop-on-hangup", "stuck-in-lock-wait", "claim-committed-apart", "sigterm-ignored", "shutdown-abandons"]
-MISTAKES = CHOICES + ERRORS
+# a mistake only in the orders shape (the transfers body is flat: sorting its
+# top level is sorting it all)
+SHAPE_ERRORS = ["fingerprint-top-sort"]
+MISTAKES = CHOICES + ERRORS + SHAPE_ERRORS
 p = argparse.ArgumentParser()
 p.add_argument("--db", required=True)
 p.add_argument("--listen", default="127.0.0.1:0")
@@ -124,6 +135,20 @@ def save():
 
 def canonical(body):
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def fingerprint(raw, t):
+    """The request's fingerprint: of its normalized transfer `t`, or as a mistake says."""
+    if mistake == "raw-fingerprint":
+        return hashlib.sha256(raw).hexdigest()
+    if mistake == "fingerprint-no-dst":
+        return canonical({k: v for k, v in t.items() if k != "dst"})
+    sent = json.loads(raw)
+    if mistake == "fingerprint-one-part":
+        return canonical(sent["total"] if a.shape == "orders" else {"amount": t["amount"], "currency": t["currency"]})
+    if mistake == "fingerprint-top-sort":
+        return hashlib.sha256(json.dumps({k: sent[k] for k in sorted(sent)}, separators=(",", ":")).encode()).hexdigest()
+    return canonical(t)
 
 
 def made_id(body):
@@ -240,7 +265,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                     "body": json.dumps({"reason": "invalid_request", "status": 400})})
             return self.problem(400, "invalid_request")
         scope = ("" if mistake == "no-scope" else who, key if key is not None else str(time.time_ns()))
-        fp = hashlib.sha256(raw).hexdigest() if mistake == "raw-fingerprint" else canonical(t)
+        fp = fingerprint(raw, t)
         if mistake == "lookup-insert":
             with lock:
                 seen = keys.get(scope)
