@@ -52,6 +52,13 @@ struct Args {
     /// the service's `sqlx` pool (`--db` a PostgreSQL URL).
     #[arg(long, default_value = "own", value_parser = ["own", "sqlx"])]
     pool: String,
+    /// Where the handler writes a transfer: through the layer's `tx` (its
+    /// writes commit with the key), or, the mistake a checker must catch,
+    /// through a `pool` connection of the service's own (PostgreSQL: each
+    /// statement commits apart from the key). With `IDEM_FAULT=crash-before-commit`
+    /// in the environment the layer's fault point is on (`faults_from_env`).
+    #[arg(long, default_value = "tx", value_parser = ["tx", "pool"])]
+    writes: String,
 }
 
 /// The ledger's own tables; `{serial}` and `{now}` are each dialect's.
@@ -80,6 +87,16 @@ async fn main() -> Result<(), Error> {
         }
         _ => Idempotency::connect(&args.db, keys, 16, who).await?,
     };
+    let idem = idem.faults_from_env();
+    let pool = match (args.writes.as_str(), idem::store::Db::parse(&args.db)) {
+        ("pool", idem::store::Db::Postgres(spec)) => {
+            let (client, conn) = tokio_postgres::connect(&spec, tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            Some(Arc::new(client))
+        }
+        ("pool", _) => return Err("--writes pool runs on PostgreSQL".into()),
+        _ => None,
+    };
     let app = match args.keys.as_str() {
         "beside" => Router::new().route("/v1/transfers", post(transfer_beside)),
         _ => Router::new()
@@ -90,6 +107,7 @@ async fn main() -> Result<(), Error> {
         db: Arc::new(reader),
         tokens,
         die: args.die_after_writes,
+        pool,
     });
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("http://{}", listener.local_addr()?);
@@ -180,6 +198,8 @@ struct Shared {
     db: Arc<Reader>,
     tokens: Arc<HashMap<String, String>>,
     die: bool,
+    /// `--writes pool`: the connection the handler writes through instead of its `Tx`
+    pool: Option<Arc<tokio_postgres::Client>>,
 }
 
 async fn read_transfer(
@@ -275,7 +295,10 @@ async fn transfer(
         Ok(m) => m,
         Err(why) => return problem(StatusCode::BAD_REQUEST, "invalid_request", why),
     };
-    let done = if let Some(c) = tx.client().await {
+    let done = if let Some(c) = &app.pool {
+        // the mistake: autocommitted apart from the key the layer completes
+        move_pg(c, &m).await.map_err(|e| e.to_string())
+    } else if let Some(c) = tx.client().await {
         move_pg(&c, &m).await.map_err(|e| e.to_string())
     } else if let Some(c) = tx.sqlite().await {
         move_sqlite(&c, &m).map_err(|e| e.to_string())

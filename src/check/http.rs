@@ -79,6 +79,11 @@ pub struct Profile {
     /// How long, in seconds, the service may take to exit after SIGTERM
     /// (`--serve` only): it answers the requests it accepted meanwhile.
     pub shutdown_seconds: u64,
+    /// The environment, `NAME=VALUE`, that turns on the service's fault
+    /// point between a handler's writes and their commit (`--serve` only;
+    /// idem's layer: `IDEM_FAULT=crash-before-commit`); `null`: it has
+    /// none, and the property that needs it is skipped.
+    pub crash_before_commit_env: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -114,6 +119,7 @@ impl Default for Profile {
             drain: None,
             lease_seconds: 30,
             shutdown_seconds: 30,
+            crash_before_commit_env: None,
         }
     }
 }

@@ -13,7 +13,7 @@
 //! get the signals too), its output kept in the check's directory.
 
 use super::http::{Drain, Http, Profile, Target, exchange, read_answer};
-use super::walk::{headers, holds_all, is_final, paid_once, retried};
+use super::walk::{InFlight, headers, holds_all, is_final, paid_once, retried};
 use super::{CheckError, Property, Trace};
 use crate::rng::Rng;
 use serde_json::json;
@@ -36,7 +36,8 @@ pub struct Process {
 }
 
 /// The accounts the check's bank holds, and their balances.
-const ACCOUNTS: [(&str, i64); 5] = [("A", 1_000_000_000), ("B", 0), ("D", 800), ("K", PAID), ("T", PAID)];
+const ACCOUNTS: [(&str, i64); 6] =
+    [("A", 1_000_000_000), ("B", 0), ("D", 800), ("K", PAID), ("T", PAID), ("F", PAID)];
 /// The tokens the check's clients file holds, and whose they are.
 const CLIENTS: [(&str, &str); 3] = [("tok-1", "shop-1"), ("tok-2", "shop-2"), ("tok-1b", "shop-1")];
 /// Keys a property sends, each of an amount 1, 2, … [`KEYS`].
@@ -112,6 +113,11 @@ impl Process {
     /// Starts the command and waits until its port takes connections; how
     /// long that took.
     fn spawn(&self) -> Result<Duration, CheckError> {
+        self.spawn_with(None)
+    }
+
+    /// [`Process::spawn`], with one more variable in its environment.
+    fn spawn_with(&self, env: Option<(&str, &str)>) -> Result<Duration, CheckError> {
         use std::os::unix::process::CommandExt;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -120,7 +126,11 @@ impl Process {
             .map_err(CheckError::io("the service's log"))?;
         let err = log.try_clone().map_err(CheckError::io("the service's log"))?;
         let begun = Instant::now();
-        let mut child = Command::new(&self.command[0])
+        let mut command = Command::new(&self.command[0]);
+        if let Some((name, value)) = env {
+            command.env(name, value);
+        }
+        let mut child = command
             .args(&self.command[1..])
             .stdin(Stdio::null())
             .stdout(log)
@@ -285,9 +295,10 @@ fn settle(
     let lease = Duration::from_secs(target.profile.lease_seconds);
     let deadline = Instant::now() + lease;
     let mut settled = true;
+    let mut met = InFlight::default();
     for ((k, amount), first) in keys.iter().zip(before) {
         let body = target.body(&drain.src, &drain.dst, *amount);
-        let Some(last) = retried(target, &headers(target, k), &body, deadline) else {
+        let Some(last) = retried(target, &headers(target, k), &body, deadline, &mut met) else {
             settled = t.expect(false, || {
                 format!(
                     "key {k} is still in flight {}s after the restart (the profile's lease_seconds)",
@@ -308,6 +319,7 @@ fn settle(
             });
         }
     }
+    met.judge(target, t);
     if !settled {
         t.step("(keys left in flight: the money moved is not counted)");
         return Ok(());
@@ -416,8 +428,54 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     settle(target, t, &keys, &before, &drain, 410)
 }
 
+/// How many keys are sent to a service whose fault point is on.
+const CRASHES: usize = 3;
+
+/// The service's own fault point (declared in the profile): started with
+/// it on, each of [`CRASHES`] keys is sent once and the service must end
+/// between the handler's writes and their commit, unanswered; restarted
+/// without it, every key is settled and the money counted, so a handler
+/// whose writes committed apart from the key (through a pool of its own)
+/// shows as a key paid twice.
+fn crashed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
+    let Some(process) = process(target, t) else { return Ok(()) };
+    let Some(assign) = target.profile.crash_before_commit_env.clone() else {
+        t.skip("the profile declares no fault point (crash_before_commit_env)");
+        return Ok(());
+    };
+    let Some((name, value)) = assign.split_once('=') else {
+        return Err(format!("the profile's crash_before_commit_env {assign:?} is not NAME=VALUE").into());
+    };
+    let drain = Drain { src: json!("F"), dst: json!("B"), balance: PAID };
+    let keys = keys(target, 700);
+    let mut before = vec![None; keys.len()];
+    let mut ended = 0;
+    for (k, amount) in &keys[..CRASHES] {
+        process.kill();
+        process.spawn_with(Some((name, value)))?;
+        let body = target.body(&drain.src, &drain.dst, *amount);
+        let got = exchange(target.address, &target.post_bytes(&headers(target, k), &body)).ok();
+        let exited = process.exited(Duration::from_secs(10));
+        ended += usize::from(got.is_none() && exited.is_some());
+        t.expect(got.is_none(), || {
+            format!(
+                "key {k}: the declared fault point did not fire (answered {})",
+                got.as_ref().map_or(String::new(), Http::short)
+            )
+        });
+        before[keys.iter().position(|(x, _)| x == k).unwrap_or(0)] = got;
+    }
+    process.kill();
+    process.spawn()?;
+    t.step(format!(
+        "{CRASHES} keys, each sent to the service started with {assign}: ended unanswered before its commit {ended}/{CRASHES}; restarted without it"
+    ));
+    // the money counted under keys of its own (the keys sent are 701..=724)
+    settle(target, t, &keys, &before, &drain, 420)
+}
+
 /// The properties that need the service's process (`--serve`).
-pub static PROPERTIES: [Property<Target>; 2] = [
+pub static PROPERTIES: [Property<Target>; 3] = [
     Property {
         name: "a service killed under load and restarted pays every key once and replays what it answered",
         contract: "draft §1 and §2.6: the retry of a request must not repeat its effect, and a completed request's response is stored, so a crash (SIGKILL at a random moment) loses no answer given and holds no key past the lease (profile lease_seconds)",
@@ -427,5 +485,10 @@ pub static PROPERTIES: [Property<Target>; 2] = [
         name: "a service stopped (SIGTERM) under load answers what it accepted, exits, and loses nothing",
         contract: "RFC 9110 §9.2.2 and draft §2.6: a request accepted is answered or left undone, never half-done; a shutdown ends within the profile's shutdown_seconds, and after a restart every key replays or runs once",
         judge: terminated,
+    },
+    Property {
+        name: "a service crashed between a handler's writes and their commit pays the key once",
+        contract: "draft §2.6: the retry of a request must not repeat its effect; a handler's writes commit with its key's completion or not at all (the service's own fault point, declared in the profile's crash_before_commit_env)",
+        judge: crashed,
     },
 ];

@@ -17,6 +17,7 @@
 //! every failure a property found; a property that cannot be decided
 //! without guessing the implementation's choices is a SKIP, with why.
 
+mod bodies;
 pub mod engine;
 pub mod http;
 pub mod lab;

@@ -54,8 +54,9 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
     ));
     let lease = Duration::from_secs(p.lease_seconds);
     let deadline = Instant::now() + lease;
+    let mut met = InFlight::default();
     for (k, amount) in &keys {
-        let Some(last) = retried(target, &headers(target, k), &body(*amount), deadline) else {
+        let Some(last) = retried(target, &headers(target, k), &body(*amount), deadline, &mut met) else {
             t.expect(false, || {
                 format!(
                     "key {k} is still in flight {}s after its client hung up (the profile's lease_seconds)",
@@ -72,6 +73,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
             format!("key {k}: the retry after a final answer {} got {}", last.short(), again.short())
         });
     }
+    met.judge(target, t);
     match drain {
         Some(d) => paid_once(target, t, d, all * (all + 1) / 2, 300),
         None => {
@@ -124,21 +126,52 @@ pub(super) fn headers(target: &Target, k: &str) -> [(&'static str, String); 2] {
     [("Authorization", format!("Bearer {}", target.tokens[0])), ("Idempotency-Key", target.key_header(k))]
 }
 
+/// The in-flight answers a property's retries met, and how many of them
+/// came without `Retry-After`.
+#[derive(Debug, Default)]
+pub(super) struct InFlight {
+    pub seen: usize,
+    pub bare: usize,
+}
+
+impl InFlight {
+    /// Says what was met and, when the profile declares `Retry-After` on
+    /// in-flight answers, holds every one of them to it: judged wherever
+    /// the check meets one, not only in the races made for it.
+    pub(super) fn judge(&self, target: &Target, t: &mut Trace) {
+        if self.seen == 0 {
+            return;
+        }
+        t.step(format!(
+            "{} in-flight answers met while retrying, {} without Retry-After",
+            self.seen, self.bare
+        ));
+        if target.profile.in_flight_retry_after {
+            let bare = self.bare;
+            t.expect(bare == 0, || format!("{bare} in-flight answers without Retry-After (declared)"));
+        }
+    }
+}
+
 /// Sends the request until an answer that is final (not in flight, not a
 /// 5xx or 429, not a lost connection), as a client retries; `None` if none
-/// came before `deadline`.
+/// came before `deadline`. Each in-flight answer is counted in `met`.
 pub(super) fn retried(
     target: &Target,
     headers: &[(&str, String)],
     body: &str,
     deadline: Instant,
+    met: &mut InFlight,
 ) -> Option<Http> {
     let request = target.post_bytes(headers, body);
     loop {
-        if let Ok(h) = exchange(target.address, &request)
-            && is_final(target, &h)
-        {
-            return Some(h);
+        match exchange(target.address, &request) {
+            Ok(h) if is_final(target, &h) => return Some(h),
+            Ok(h) if h.status == target.profile.in_flight_status => {
+                met.seen += 1;
+                met.bare += usize::from(h.header("retry-after").is_none());
+            }
+            _ => {}
         }
         if Instant::now() > deadline {
             return None;

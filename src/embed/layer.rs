@@ -116,6 +116,9 @@ pub struct Idempotency {
     keeps: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
     /// A request without a key runs unprotected instead of 400.
     key_optional: bool,
+    /// The fault point, for a checker: the process aborts after a keyed
+    /// handler's writes, before their commit.
+    crash_before_commit: bool,
     counters: Arc<run::Counters>,
 }
 
@@ -167,6 +170,20 @@ impl Idempotency {
     /// `Option` there.
     pub fn key_optional(mut self) -> Self {
         self.key_optional = true;
+        self
+    }
+
+    /// The same state, with the layer's fault point on when the
+    /// environment says so: with `IDEM_FAULT=crash-before-commit`, the
+    /// process aborts (as a SIGKILL would end it) after a keyed handler's
+    /// writes and answer, before their commit. A checker that starts the
+    /// service with it (`idem check --serve`, a profile's
+    /// `crash_before_commit_env`) then retries the key on a restarted
+    /// service: a handler that wrote through `Tx` ran once, one that wrote
+    /// through a pool of its own is seen running twice. Call it in the
+    /// builds a checker runs; without the variable it does nothing.
+    pub fn faults_from_env(mut self) -> Self {
+        self.crash_before_commit = std::env::var_os("IDEM_FAULT").is_some_and(|v| v == "crash-before-commit");
         self
     }
 

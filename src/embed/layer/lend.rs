@@ -308,6 +308,7 @@ impl Idempotency {
             max_run: Duration::from_secs(30),
             keeps: Arc::new(|status| status.is_success()),
             key_optional: false,
+            crash_before_commit: false,
             counters: Arc::default(),
         }
     }

@@ -133,6 +133,11 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
                 answer.headers.push((name.as_str().to_owned(), value.to_owned()));
             }
         }
+        if idem.crash_before_commit {
+            // the fault point (`faults_from_env`): the handler's writes and
+            // the key's claim are uncommitted, and end with the process
+            std::process::abort();
+        }
         if !slot.complete_and_commit(&key, &token, &answer).await {
             // whether it committed is unknown: the retry replays it or runs it
             let why = "Whether it was done is unknown: retry.";
