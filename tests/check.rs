@@ -349,7 +349,7 @@ fn serve(program: &[&str], dir: &std::path::Path) -> (String, std::process::Chil
     (line.trim().replace("127.0.0.1", "localhost"), child)
 }
 
-const URL_PROPERTIES: [(&str, &str); 17] = [
+const URL_PROPERTIES: [(&str, &str); 18] = [
     ("new", "a new key is created"),
     (
         "replay",
@@ -376,6 +376,10 @@ const URL_PROPERTIES: [(&str, &str); 17] = [
     ("GET", "a transfer is read by its own client only"),
     ("errors", "errors show no internals (and are problem+json, if the profile says so)"),
     ("drain", "concurrent transfers on one account lose no update"),
+    (
+        "first sent",
+        "a request first sent past the keys' retention is refused (412), if the profile declares it",
+    ),
 ];
 
 /// `idem check --url` with the profile `tests/peers/NAME`.
@@ -512,7 +516,7 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
     for ((name, _, _), (run, again)) in correct.iter().zip(&runs) {
         println!("{}", row(name, run, &URL_PROPERTIES));
         for run in std::iter::once(run).chain(again) {
-            if run.code != Some(0) || run.verdicts.len() != 17 || !failed(run).is_empty() {
+            if run.code != Some(0) || run.verdicts.len() != URL_PROPERTIES.len() || !failed(run).is_empty() {
                 wrong.push(format!("{name} (correct) did not pass:\n{}", run.stdout));
             }
         }
@@ -647,7 +651,7 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
     };
     let [with, without, accountless, wrong @ ..] = &done[..] else { unreachable!() };
     assert!(
-        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 20,
+        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 21,
         "{}",
         with.stdout
     );
@@ -729,7 +733,7 @@ fn third_party_libraries_fail_what_their_design_gets_wrong_and_nothing_else() {
             let run =
                 read(Command::new(tool).arg(peer).env("SEED", seed).env("IDEM", IDEM).output().unwrap());
             let wanted: BTreeSet<String> = fails.iter().map(|f| f.to_string()).collect();
-            assert!(run.verdicts.len() == 17, "{peer}, seed {seed}:\n{}", run.stdout);
+            assert!(run.verdicts.len() == URL_PROPERTIES.len(), "{peer}, seed {seed}:\n{}", run.stdout);
             assert_eq!(failed(&run), wanted, "{peer}, seed {seed}:\n{}", run.stdout);
         }
     }
@@ -769,6 +773,41 @@ fn a_handler_that_writes_around_the_layers_transaction_fails_the_fault_point_pro
             failed(&run).into_iter().map(|f| f.split(" (").next().unwrap_or_default().to_owned()).collect();
         if run.verdicts.len() != 1 || failed != must {
             wrong.push(format!("--writes {writes}: must fail {must:?}, failed {failed:?}:\n{}", run.stdout));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+/// `Repeatability-First-Sent`, judged only where a profile declares it:
+/// `idem serve`, which reads it, passes; a service that does not read it
+/// fails that property alone when it is declared, and is never asked for
+/// it when it is not (a SKIP).
+#[test]
+fn a_first_sent_date_is_judged_only_where_the_profile_declares_it() {
+    const FIRST_SENT: &str =
+        "a request first sent past the keys' retention is refused (412), if the profile declares it";
+    let service = format!("{PEERS}/http_service.py");
+    let cohort: Vec<(&str, Vec<String>, &str, Option<&str>)> = vec![
+        ("idem serve", vec![IDEM.into(), "serve".into()], "first-sent.json", Some("PASS")),
+        ("idem serve", vec![IDEM.into(), "serve".into()], DECLARED, Some("SKIP")),
+        ("http_service.py", vec!["python3".into(), service.clone()], "first-sent.json", Some("FAIL")),
+        ("http_service.py", vec!["python3".into(), service], DECLARED, Some("SKIP")),
+    ];
+    let mut wrong = Vec::new();
+    for (name, program, profile, want) in &cohort {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, mut child) = serve(&program.iter().map(String::as_str).collect::<Vec<_>>(), dir.path());
+        let run = check_url(&url, "5", profile);
+        let _ = child.kill();
+        let _ = child.wait();
+        let got = verdict(&run, FIRST_SENT);
+        let others = failed(&run).into_iter().filter(|f| !f.starts_with(FIRST_SENT)).collect::<Vec<_>>();
+        println!("{name} with {profile}: {got:?}, other failures {others:?}");
+        if got != *want || !others.is_empty() {
+            wrong.push(format!(
+                "{name} with {profile}: wanted {want:?} and no other failure, got {got:?}, {others:?}\n{}",
+                run.stdout
+            ));
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));

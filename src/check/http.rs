@@ -52,6 +52,11 @@ pub struct Profile {
     /// Whether an in-flight answer must carry `Retry-After` (the draft does
     /// not ask for it).
     pub in_flight_retry_after: bool,
+    /// Whether the service reads `Repeatability-First-Sent` (OASIS
+    /// Repeatable Requests): a request first sent longer ago than its keys
+    /// are kept is 412 and runs nothing, a malformed date 400 (the draft
+    /// names neither: judged only when declared).
+    pub first_sent: bool,
     pub missing_key_status: u16,
     /// The status of a malformed body; `null`: any 4xx.
     pub invalid_status: Option<u16>,
@@ -108,6 +113,7 @@ impl Default for Profile {
             mismatch_status: 422,
             in_flight_status: 409,
             in_flight_retry_after: false,
+            first_sent: false,
             missing_key_status: 400,
             invalid_status: None,
             unauthorized_status: None,

@@ -86,6 +86,43 @@ fn mismatch(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     Ok(())
 }
 
+/// A request first sent 30 days ago (past any key's retention) under a new
+/// key: 412, and nothing done (the key, sent again as a request first sent
+/// now, makes a transfer then, not a replay); a malformed date: 400.
+fn first_sent(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
+    if !target.profile.first_sent {
+        t.skip("the profile does not declare Repeatability-First-Sent (first_sent)");
+        return Ok(());
+    }
+    let k = key(target, 17);
+    let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
+    let idem = ("Idempotency-Key", target.key_header(&k));
+    let long_ago = crate::clock::to_http_date(time::OffsetDateTime::now_utc() - time::Duration::days(30));
+    let old = target.send(
+        t,
+        &[auth.clone(), idem.clone(), ("Repeatability-First-Sent", long_ago)],
+        &target.transfer(9),
+    )?;
+    t.expect(old.status == 412, || format!("first sent 30 days ago: wanted 412, got {}", old.short()));
+    let bad = target.send(
+        t,
+        &[auth.clone(), idem.clone(), ("Repeatability-First-Sent", "yesterday".into())],
+        &target.transfer(9),
+    )?;
+    t.expect(bad.status == 400, || {
+        format!("a first-sent date that is no HTTP-date: wanted 400, got {}", bad.short())
+    });
+    let now = crate::clock::to_http_date(time::OffsetDateTime::now_utc());
+    let fresh = target.send(t, &[auth, idem, ("Repeatability-First-Sent", now)], &target.transfer(9))?;
+    t.expect(target.made(&fresh) && !target.replayed(&fresh), || {
+        format!(
+            "the key, first sent now: wanted a transfer made, not a replay (was the refused one run?): {}",
+            fresh.short()
+        )
+    });
+    Ok(())
+}
+
 fn missing_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let r = target.post(t, Some(&target.tokens[0]), None, &target.transfer(7))?;
     let want = target.profile.missing_key_status;
@@ -465,7 +502,7 @@ macro_rules! property {
 }
 
 /// The properties an HTTP implementation must have, each with its sentence.
-pub static PROPERTIES: [Property<Target>; 17] = [
+pub static PROPERTIES: [Property<Target>; 18] = [
     property!(
         "a new key is created",
         "draft §2: the first request with a key is processed as usual (any 2xx; profile created_status)",
@@ -550,5 +587,10 @@ pub static PROPERTIES: [Property<Target>; 17] = [
         "concurrent transfers on one account lose no update",
         "DESIGN §1: balances move by guarded updates; no more is paid than the account holds",
         no_lost_update
+    ),
+    property!(
+        "a request first sent past the keys' retention is refused (412), if the profile declares it",
+        "OASIS Repeatable Requests: a request whose Repeatability-First-Sent is older than the server tracks is 412 and not run, a malformed one 400 (judged only if the profile declares first_sent)",
+        first_sent
     ),
 ];
