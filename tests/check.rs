@@ -395,6 +395,9 @@ fn check_url(url: &str, seed: &str, profile: &str) -> Run {
 
 /// The profile that leaves every choice open (but names the clients and the drain).
 const OPEN: &str = "service.json";
+/// The open profile, declaring no lease: a key whose request died may stay
+/// in flight for good (the lab's two transactions).
+const NO_LEASE: &str = "no-lease.json";
 /// The same, declaring every choice `idem serve` and `http_service.py` make.
 const DECLARED: &str = "service-declared.json";
 
@@ -561,10 +564,15 @@ fn served_services_survive_kill_and_stop_and_each_lifecycle_mistake_fails() {
         (ledger("inside"), "layer-declared.json", &[]),
         // idem's library before the key's one home: the claim committed apart, held 72 h
         (py("--mistake claim-committed-apart"), OPEN, &[KILLED]),
+        // the same design is the lab's own choice when declared (no lease):
+        // its stuck keys are counted, its money still judged
+        (py("--mistake claim-committed-apart"), NO_LEASE, &[]),
         (py("--mistake sigterm-ignored"), OPEN, &[STOPPED]),
         (py("--mistake shutdown-abandons"), OPEN, &[STOPPED]),
         // the key's record written after the transfer's commit: a kill between pays twice
         (ledger("beside"), OPEN, &[KILLED]),
+        // and no declared liveness rescues money paid twice
+        (ledger("beside"), NO_LEASE, &[KILLED]),
     ];
     let jobs: Vec<Job<'_, Run>> = cohort
         .iter()

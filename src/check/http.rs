@@ -79,8 +79,10 @@ pub struct Profile {
     /// updates by draining it (spent by the check: give a fresh one).
     pub drain: Option<Drain>,
     /// How long, in seconds, a key may stay in flight after its client
-    /// walked away (the service's lease on an unfinished request).
-    pub lease_seconds: u64,
+    /// walked away (the service's lease on an unfinished request); `null`:
+    /// the service has none (the lab's choice: a key whose request died
+    /// stays in flight for good), and a key left so is counted, not failed.
+    pub lease_seconds: Option<u64>,
     /// How long, in seconds, the service may take to exit after SIGTERM
     /// (`--serve` only): it answers the requests it accepted meanwhile.
     pub shutdown_seconds: u64,
@@ -123,7 +125,7 @@ impl Default for Profile {
             get_path: None,
             clients: None,
             drain: None,
-            lease_seconds: 30,
+            lease_seconds: Some(30),
             shutdown_seconds: 30,
             crash_before_commit_env: None,
         }

@@ -13,7 +13,7 @@
 //! get the signals too), its output kept in the check's directory.
 
 use super::http::{Drain, Http, Profile, Target, exchange, read_answer};
-use super::walk::{InFlight, headers, holds_all, is_final, paid_once, retried};
+use super::walk::{InFlight, headers, holds_all, is_final, lease, paid_once, retried, stayed};
 use super::{CheckError, Property, Trace};
 use crate::rng::Rng;
 use serde_json::json;
@@ -292,14 +292,15 @@ fn settle(
     drain: &Drain,
     salt: u64,
 ) -> Result<(), CheckError> {
-    let lease = Duration::from_secs(target.profile.lease_seconds);
+    let (lease, required) = lease(target);
     let deadline = Instant::now() + lease;
     let mut settled = true;
-    let mut met = InFlight::default();
+    let (mut met, mut stuck, mut made) = (InFlight::default(), 0, 0);
     for ((k, amount), first) in keys.iter().zip(before) {
         let body = target.body(&drain.src, &drain.dst, *amount);
         let Some(last) = retried(target, &headers(target, k), &body, deadline, &mut met) else {
-            settled = t.expect(false, || {
+            stuck += 1;
+            settled &= t.expect(!required, || {
                 format!(
                     "key {k} is still in flight {}s after the restart (the profile's lease_seconds)",
                     lease.as_secs()
@@ -307,6 +308,7 @@ fn settle(
             });
             continue;
         };
+        made += if target.made(&last) { *amount } else { 0 };
         t.expect(target.made(&last), || {
             format!("key {k} of {amount}: wanted a transfer made, got {}", last.short())
         });
@@ -320,12 +322,13 @@ fn settle(
         }
     }
     met.judge(target, t);
+    stayed(t, stuck, required);
     if !settled {
         t.step("(keys left in flight: the money moved is not counted)");
         return Ok(());
     }
     match target.money() {
-        true => paid_once(target, t, drain, PAID, salt),
+        true => paid_once(target, t, drain, made, salt),
         false => Ok(()),
     }
 }

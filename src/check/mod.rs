@@ -90,7 +90,8 @@ impl From<rusqlite::Error> for CheckError {
 /// One property's verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    Pass,
+    /// It holds; with what it allowed that a reader must know.
+    Pass(Vec<String>),
     /// The steps that show the failures, each failure marked `=> FAIL`.
     Fail(Vec<String>),
     /// Why the property could not be decided.
@@ -117,11 +118,21 @@ pub struct Trace {
     steps: Vec<String>,
     failures: usize,
     skipped: Option<String>,
+    /// What a PASS says too: what it allowed, that a reader must know.
+    notes: Vec<String>,
 }
 
 impl Trace {
     pub fn step(&mut self, what: impl Into<String>) {
         self.steps.push(what.into());
+    }
+
+    /// A step that a PASS shows as well (a choice the profile declared,
+    /// and what it let through).
+    pub fn note(&mut self, what: impl Into<String>) {
+        let what = what.into();
+        self.notes.push(what.clone());
+        self.steps.push(what);
     }
 
     /// Records a failure unless `ok`; the property goes on.
@@ -146,7 +157,7 @@ impl Trace {
                 Verdict::Fail(steps)
             }
             (Ok(()), 0, Some(why)) => Verdict::Skip(why),
-            (Ok(()), 0, None) => Verdict::Pass,
+            (Ok(()), 0, None) => Verdict::Pass(self.notes),
             (Ok(()), _, _) => Verdict::Fail(steps),
         }
     }
@@ -178,7 +189,10 @@ pub fn report<T: ?Sized>(results: &[(&Property<T>, Verdict)]) -> String {
     for (property, verdict) in results {
         // writing to a String cannot fail
         let _ = match verdict {
-            Verdict::Pass => writeln!(out, "PASS  {}", property.name),
+            Verdict::Pass(notes) => {
+                let _ = writeln!(out, "PASS  {}", property.name);
+                notes.iter().try_for_each(|note| writeln!(out, "        note: {note}"))
+            }
             Verdict::Skip(why) => writeln!(out, "SKIP  {} ({why})", property.name),
             Verdict::Fail(steps) => {
                 let _ = writeln!(out, "FAIL  {}", property.name);

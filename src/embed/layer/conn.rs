@@ -245,27 +245,7 @@ impl Held {
     /// Commits the transaction; whether it committed (`false`: it may
     /// have, or not).
     pub(super) async fn commit(&mut self) -> bool {
-        let done = match &mut self.conn {
-            #[cfg(feature = "postgres")]
-            Conn::Pg(c) => match c {
-                Some(c) => c.client().batch_execute("COMMIT").await.is_ok(),
-                None => false,
-            },
-            #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => c.execute_batch("COMMIT").is_ok(),
-            #[cfg(feature = "sqlx-postgres")]
-            Conn::SqlxPg(tx) => match tx.take() {
-                Some(tx) => tx.commit().await.is_ok(),
-                None => false,
-            },
-            #[cfg(feature = "sqlx-sqlite")]
-            Conn::SqlxLite(tx, _) => match tx.take() {
-                Some(tx) => tx.commit().await.is_ok(),
-                None => false,
-            },
-        };
-        self.open = !done;
-        done
+        self.end(true).await
     }
 
     /// Rolls the transaction back; if that fails, dropping `self` ends it.
@@ -273,28 +253,36 @@ impl Held {
     // shared borrow of one held across an await would make the
     // middleware's future not `Send`
     pub(super) async fn rollback(&mut self) {
-        if !self.open {
-            return;
+        if self.open {
+            self.end(false).await;
         }
+    }
+
+    /// Ends the transaction with a commit or a rollback; whether it ended so.
+    async fn end(&mut self, commit: bool) -> bool {
+        let sql = if commit { "COMMIT" } else { "ROLLBACK" };
         let done = match &mut self.conn {
             #[cfg(feature = "postgres")]
             Conn::Pg(c) => match c {
-                Some(c) => c.client().batch_execute("ROLLBACK").await.is_ok(),
+                Some(c) => c.client().batch_execute(sql).await.is_ok(),
                 None => false,
             },
             #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => c.execute_batch("ROLLBACK").is_ok(),
+            Conn::Sqlite(c) => c.execute_batch(sql).is_ok(),
             #[cfg(feature = "sqlx-postgres")]
-            Conn::SqlxPg(tx) => match tx.take() {
-                Some(tx) => tx.rollback().await.is_ok(),
-                None => true,
+            Conn::SqlxPg(tx) => match (tx.take(), commit) {
+                (Some(tx), true) => tx.commit().await.is_ok(),
+                (Some(tx), false) => tx.rollback().await.is_ok(),
+                (None, _) => !commit,
             },
             #[cfg(feature = "sqlx-sqlite")]
-            Conn::SqlxLite(tx, _) => match tx.take() {
-                Some(tx) => tx.rollback().await.is_ok(),
-                None => true,
+            Conn::SqlxLite(tx, _) => match (tx.take(), commit) {
+                (Some(tx), true) => tx.commit().await.is_ok(),
+                (Some(tx), false) => tx.rollback().await.is_ok(),
+                (None, _) => !commit,
             },
         };
         self.open = !done;
+        done
     }
 }
