@@ -260,15 +260,14 @@ impl Held {
 
     /// Ends the transaction with a commit or a rollback; whether it ended so.
     async fn end(&mut self, commit: bool) -> bool {
-        let sql = if commit { "COMMIT" } else { "ROLLBACK" };
         let done = match &mut self.conn {
             #[cfg(feature = "postgres")]
             Conn::Pg(c) => match c {
-                Some(c) => c.client().batch_execute(sql).await.is_ok(),
+                Some(c) => c.client().batch_execute(if commit { "COMMIT" } else { "ROLLBACK" }).await.is_ok(),
                 None => false,
             },
             #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => c.execute_batch(sql).is_ok(),
+            Conn::Sqlite(c) => c.execute_batch(if commit { "COMMIT" } else { "ROLLBACK" }).is_ok(),
             #[cfg(feature = "sqlx-postgres")]
             Conn::SqlxPg(tx) => match (tx.take(), commit) {
                 (Some(tx), true) => tx.commit().await.is_ok(),
