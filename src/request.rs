@@ -11,6 +11,20 @@ use crate::policy::Policy;
 use crate::reason::Reason;
 use std::fmt;
 
+/// Whether a media type (a `Content-Type` value) is JSON's:
+/// `application/json`, or a `+json` suffix (RFC 6839), whatever its
+/// parameters.
+///
+/// ```
+/// use idem::request::is_json;
+/// assert!(is_json("application/json; charset=utf-8") && is_json("application/problem+json"));
+/// assert!(!is_json("text/plain") && !is_json("application/x-www-form-urlencoded"));
+/// ```
+pub fn is_json(media_type: &str) -> bool {
+    let essence = media_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
 mod first_sent;
 pub use first_sent::{FIRST_SENT, FIRST_SENT_MARGIN_SECONDS, first_sent};
 

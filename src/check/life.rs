@@ -453,7 +453,7 @@ fn crashed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let keys = keys(target, 700);
     let mut before = vec![None; keys.len()];
     let mut ended = 0;
-    for (k, amount) in &keys[..CRASHES] {
+    for (i, (k, amount)) in keys[..CRASHES].iter().enumerate() {
         process.kill();
         process.spawn_with(Some((name, value)))?;
         let body = target.body(&drain.src, &drain.dst, *amount);
@@ -466,7 +466,7 @@ fn crashed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
                 got.as_ref().map_or(String::new(), Http::short)
             )
         });
-        before[keys.iter().position(|(x, _)| x == k).unwrap_or(0)] = got;
+        before[i] = got;
     }
     process.kill();
     process.spawn()?;

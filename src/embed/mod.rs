@@ -329,7 +329,7 @@ impl Keys {
     /// type and its bytes exactly: another type or another byte is another
     /// request.
     fn admit_body<E>(&self, key: &str, media_type: Option<&str>, bytes: &[u8]) -> Result<String, Error<E>> {
-        let declared_json = media_type.is_some_and(is_json);
+        let declared_json = media_type.is_some_and(crate::request::is_json);
         match std::str::from_utf8(bytes) {
             Ok(text) if declared_json || Json::parse(text).is_ok() => self.admit(key, text),
             Err(_) if declared_json => Err(Error::Body("a JSON body is UTF-8 text (RFC 8259)".into())),
@@ -397,13 +397,6 @@ impl Keys {
     fn migrations(&self, dialect: Dialect) -> Vec<String> {
         crate::store::keys::migrations(&self.table, &self.index, dialect)
     }
-}
-
-/// Whether a media type is JSON's: `application/json`, or a `+json`
-/// suffix (RFC 6839), whatever its parameters.
-fn is_json(media_type: &str) -> bool {
-    let essence = media_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 #[cfg(test)]

@@ -271,9 +271,7 @@ async fn read_request(
 /// Whether the request says its body is JSON (`application/json`, any
 /// parameters, or a `+json` type).
 fn is_json(headers: &HeaderMap) -> bool {
-    let Some(value) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else { return false };
-    let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(request::is_json)
 }
 
 /// The `Idempotency-Key` header's values, as [`request::idempotency_key`] reads them.

@@ -213,10 +213,7 @@ fn the_layer_refuses_a_request_first_sent_past_retention_and_runs_nothing() {
     assert_eq!((old.status, reason(&old).as_str()), (412, "first_sent_too_long_ago"), "{old:?}");
     let bad = with_first_sent("\"bad\"", "1994-11-06");
     assert_eq!((bad.status, reason(&bad).as_str()), (400, "invalid_first_sent"), "{bad:?}");
-    let imf = time::macros::format_description!(
-        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
-    );
-    let now = time::OffsetDateTime::now_utc().format(&imf).unwrap();
+    let now = idem::clock::to_http_date(time::OffsetDateTime::now_utc());
     assert_eq!(with_first_sent("\"now\"", &now).status, 201);
     assert_eq!(orders_on_sqlite(&db), 1, "only the request sent now ran");
 }

@@ -11,10 +11,7 @@ const SHOP: (&str, &str) = ("tok-shop-7f3a", "shop-1");
 const TOKEN: Option<&str> = Some(SHOP.0);
 
 fn http_date(ago: time::Duration) -> String {
-    let imf = time::macros::format_description!(
-        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
-    );
-    (time::OffsetDateTime::now_utc() - ago).format(&imf).unwrap()
+    idem::clock::to_http_date(time::OffsetDateTime::now_utc() - ago)
 }
 
 #[test]

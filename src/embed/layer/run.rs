@@ -151,10 +151,8 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
     // (`Held`'s drop ends it), never waited for.
     if late {
         drop(tx.0.try_lock().ok().and_then(|mut slot| slot.take()));
-        return conducted.err().map_or_else(unavailable, |stop| match stop {
-            Stop::Work(response) => response,
-            Stop::Store(_) => unavailable(),
-        });
+        let Err(Stop::Work(response)) = conducted else { return unavailable() };
+        return response;
     }
     let Some(mut held) = tx.0.lock().await.take() else {
         return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
