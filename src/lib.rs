@@ -77,6 +77,7 @@ pub mod clock;
 pub mod ledger;
 pub mod policy;
 pub mod protocol;
+pub mod provider;
 pub mod reason;
 pub mod request;
 pub mod rng;

@@ -60,9 +60,11 @@ use axum::response::Response;
 use std::sync::Arc;
 
 mod answer;
+mod calls;
 mod conn;
 mod key;
 mod lend;
+mod outside;
 mod run;
 mod service;
 mod tx;
@@ -71,6 +73,7 @@ use answer::unavailable;
 pub use answer::{business, problem};
 use conn::Store;
 pub use key::IdemKey;
+pub use outside::{CallCounts, CallError, CallRow, Outcome, Outside, Recovered, Settled};
 pub use run::Counts;
 pub use service::{IdempotencyLayer, IdempotentService};
 pub use tx::Tx;
@@ -119,6 +122,11 @@ pub struct Idempotency {
     /// The fault point, for a checker: the process aborts after a keyed
     /// handler's writes, before their commit.
     crash_before_commit: bool,
+    /// The fault point past a provider's call: the process aborts after
+    /// the call, before its result is recorded.
+    crash_after_call: bool,
+    /// The provider the routes' handlers call ([`Tx::call`]).
+    outside: Option<Arc<Outside>>,
     counters: Arc<run::Counters>,
 }
 
@@ -183,7 +191,9 @@ impl Idempotency {
     /// through a pool of its own is seen running twice. Call it in the
     /// builds a checker runs; without the variable it does nothing.
     pub fn faults_from_env(mut self) -> Self {
-        self.crash_before_commit = std::env::var_os("IDEM_FAULT").is_some_and(|v| v == "crash-before-commit");
+        let fault = std::env::var_os("IDEM_FAULT");
+        self.crash_before_commit = fault.as_ref().is_some_and(|v| v == "crash-before-commit");
+        self.crash_after_call = fault.is_some_and(|v| v == "crash-after-call");
         self
     }
 

@@ -395,7 +395,48 @@ impl Keys {
 
     /// The versioned steps that build the key table (`store::keys::migrations`).
     fn migrations(&self, dialect: Dialect) -> Vec<String> {
-        crate::store::keys::migrations(&self.table, &self.index, dialect)
+        let mut steps = crate::store::keys::migrations(&self.table, &self.index, dialect);
+        steps.push(self.calls_table(dialect));
+        steps
+    }
+
+    /// `{prefix}idem_calls`: the outside calls a handler declared
+    /// (`layer::Outside`), one a key at most, each with the downstream key
+    /// its provider sees on every send. Times are Unix milliseconds.
+    fn calls_table(&self, dialect: Dialect) -> String {
+        let id = match dialect {
+            Dialect::Sqlite => "INTEGER PRIMARY KEY",
+            Dialect::Postgres => "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+        };
+        let name = self.index.trim_end_matches("idem_keys_created_at");
+        format!(
+            "CREATE TABLE {t} (
+               id {id},
+               client_id TEXT NOT NULL,
+               endpoint TEXT NOT NULL,
+               idem_key TEXT NOT NULL,
+               key_token TEXT NOT NULL,
+               downstream_key TEXT NOT NULL UNIQUE,
+               intent TEXT NOT NULL,
+               state TEXT NOT NULL,
+               holder TEXT NOT NULL,
+               lease_until BIGINT NOT NULL,
+               sends BIGINT NOT NULL,
+               attempts BIGINT NOT NULL,
+               note TEXT NOT NULL,
+               outcome TEXT NOT NULL,
+               created_at BIGINT NOT NULL,
+               updated_at BIGINT NOT NULL,
+               UNIQUE (client_id, endpoint, idem_key)
+             );
+             CREATE INDEX {name}idem_calls_due ON {t} (lease_until) WHERE state IN ('in_progress', 'unknown')",
+            t = self.calls()
+        )
+    }
+
+    /// The calls table's name, as the caller's SQL would write it.
+    pub fn calls(&self) -> String {
+        format!("{}idem_calls", self.table.trim_end_matches("idem_keys"))
     }
 }
 

@@ -2,41 +2,10 @@
 //! trait, the limits a resend keeps to, and the HTTP client with the one
 //! table that classifies every answer (`docs/payouts.md` prints it).
 
+pub use crate::provider::{Call, Limits, Lookup};
 use crate::store::PayoutRow;
 use serde_json::{Value, json};
 use std::time::Duration;
-
-/// What a send to the gateway came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Call {
-    /// Paid; the provider's own id for it, if it gave one.
-    Paid(Option<String>),
-    /// A definitive refusal: `status` is what idem answers (402 or 422).
-    Refused { status: u16, reason: String },
-    /// No definitive answer (a timeout, a reset, a 5xx, a 429, pending):
-    /// looked up, and resent within the limits.
-    Unknown(String),
-    /// An answer no resend can fix (400, 401, 403, a key misused, a payout
-    /// that is not the one sent): never resent, a person settles it.
-    Terminal(String),
-}
-
-/// What the gateway says of a downstream key.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Lookup {
-    Paid(Option<String>),
-    Pending,
-    /// Refused, canceled, or paid and then returned: the money is back.
-    Failed {
-        reason: String,
-    },
-    /// The gateway's own typed "no payout under this key".
-    NotFound,
-    /// No answer to go by: asked again later.
-    Error(String),
-    /// An answer no lookup will change: for a person.
-    Terminal(String),
-}
 
 /// The outside service payouts go through.
 pub trait Gateway: Send + Sync {
@@ -49,77 +18,6 @@ pub trait Gateway: Send + Sync {
     /// reconciler's lookup and send): past it, it is presumed dead and the
     /// payout is taken. Longer than any one call may take.
     fn lease(&self) -> Duration;
-}
-
-/// What a reconciler keeps to when it resends.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limits {
-    /// A payout younger than this may be missing from lookups.
-    pub lookup_delay: Duration,
-    /// A key older than this is forgotten: sent again, it would pay again.
-    pub key_window: Duration,
-    /// Kept short of the key window: clocks disagree, and a lookup and a
-    /// send take time.
-    pub key_margin: Duration,
-    /// At most this many sends of one payout (the first included); then a
-    /// person settles it.
-    pub max_sends: i64,
-    /// The first wait before a payout is looked at again…
-    pub backoff: Duration,
-    /// …doubling per look up to this.
-    pub backoff_cap: Duration,
-    /// A paid payout is looked up again for this long after it was paid
-    /// (money can come back: a bank return, a reversal; Wise documents
-    /// bounce-backs weeks later, PayPal returns an unclaimed payout after
-    /// 30 days); zero: never.
-    pub return_window: Duration,
-    /// How often in a payout's first 3 days; further apart after
-    /// ([`Limits::return_bands`]).
-    pub return_check: Duration,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            lookup_delay: Duration::ZERO,
-            key_window: Duration::from_secs(24 * 3600),
-            key_margin: Duration::from_secs(3600),
-            max_sends: 5,
-            backoff: Duration::from_secs(30),
-            backoff_cap: Duration::from_secs(3600),
-            return_window: Duration::from_secs(45 * 24 * 3600),
-            return_check: Duration::from_secs(6 * 3600),
-        }
-    }
-}
-
-impl Limits {
-    /// How often a paid payout is looked up for a return, by its age (the
-    /// oldest age each spacing lasts to, and the spacing): every
-    /// `return_check` for its first 3 days, 4 times as far apart to 14
-    /// days, 12 times to the end of the window. With the defaults (6 h, 45
-    /// days): 6 h, 1 day, 3 days, about 33 lookups a payout, where one
-    /// every 6 h would be 180.
-    pub fn return_bands(&self) -> Vec<(Duration, Duration)> {
-        let day = Duration::from_secs(24 * 3600);
-        [(3 * day, 1), (14 * day, 4), (self.return_window, 12)]
-            .into_iter()
-            .map(|(age, k)| (age.min(self.return_window), self.return_check.saturating_mul(k)))
-            .filter(|(age, _)| !age.is_zero())
-            .collect()
-    }
-
-    /// The wait before the `attempt`-th look (1 for the first), capped
-    /// exponential with full jitter (AWS's "full jitter": uniform between
-    /// zero and the capped doubling), the draw fixed by `seed` so that one
-    /// payout's waits are reproducible and different payouts' are spread.
-    pub fn wait(&self, attempt: i64, seed: u64) -> Duration {
-        let doublings = u32::try_from(attempt.saturating_sub(1).clamp(0, 30)).unwrap_or(30);
-        let ceiling = self.backoff.saturating_mul(1 << doublings).min(self.backoff_cap);
-        let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
-        let draw = crate::rng::mix(seed ^ u64::try_from(attempt).unwrap_or(0));
-        Duration::from_millis(draw % millis.saturating_add(1))
-    }
 }
 
 /// A gateway's base URL, checked before any money is held: `http://` or

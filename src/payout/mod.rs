@@ -52,7 +52,6 @@ use crate::store::{
     self, Durability, End, KeyState, PayoutEvent, PayoutRow, PayoutState, Store, StoreError, Stored, Tx,
 };
 use serde_json::json;
-use sha2::{Digest, Sha256};
 use std::time::Duration;
 
 /// The route, and the endpoint part of a payout's key scope.
@@ -127,14 +126,7 @@ pub fn answer_of(p: &PayoutRow) -> Answer {
     Answer { response, payout_id: Some(p.id) }
 }
 
-/// The key the gateway sees for the payout a claim token makes: a UUID
-/// (version 8, RFC 9562), as providers ask (Wise wants one; Razorpay allows
-/// 4-36 characters). Derived from idem's token, never from the client's
-/// key: two clients' keys may collide, two claim tokens may not.
-pub fn downstream_key(token: &str) -> String {
-    let digest = Sha256::digest(format!("idem payout {token}").as_bytes());
-    crate::rng::uuid(digest[..16].try_into().unwrap_or([0; 16]), 8)
-}
+pub use crate::provider::downstream_key;
 
 fn stored(response: &Response) -> Stored {
     Stored {

@@ -10,6 +10,7 @@
 //! the run goes on with the rest.
 
 use super::{Call, Gateway, Lookup, credit_back, record, take};
+use crate::provider::{Next, judge, resent, seed};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
 use crate::store::{self, Durability, End, PayoutRow, PayoutState, Store, StoreError};
@@ -201,13 +202,6 @@ fn returns<S: Store + ?Sized>(
     Ok((decisions, false))
 }
 
-/// A payout's own seed for its waits' jitter.
-fn seed(downstream_key: &str) -> u64 {
-    downstream_key
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-}
-
 /// Asks the gateway about `p` (held by `token`), and sends it again if it
 /// never arrived and may still be sent: what to record, and why.
 fn ask<S: Store + ?Sized>(
@@ -219,64 +213,15 @@ fn ask<S: Store + ?Sized>(
     token: &str,
     policy: &Policy,
 ) -> Result<(Call, String), StoreError> {
-    let limits = gateway.limits();
-    let age_at_least = |d: Duration| at.is_at_least(seconds(d), p.created_at);
-    // a resend must land inside the window even if sent at the end of the lease
-    let resend_until = limits.key_window.saturating_sub(limits.key_margin).saturating_sub(lease);
-    Ok(match gateway.lookup(p) {
-        Lookup::Paid(id) => (Call::Paid(id), "paid at the gateway: completed".to_owned()),
-        Lookup::Failed { reason } => {
-            let decision = format!("refused at the gateway ({reason}): the hold is released");
-            (Call::Refused { status: 422, reason }, decision)
-        }
-        Lookup::Pending => {
-            (Call::Unknown("pending at the gateway".into()), "pending at the gateway: left".into())
-        }
-        Lookup::Error(why) => {
-            (Call::Unknown(format!("lookup failed: {why}")), format!("the lookup failed ({why}): left"))
-        }
-        Lookup::Terminal(why) => (
-            Call::Terminal(format!("the lookup's answer: {why}")),
-            format!("the lookup's answer needs a person ({why})"),
-        ),
-        Lookup::NotFound if !age_at_least(limits.lookup_delay) => (
-            Call::Unknown("not found yet, within the gateway's lookup delay".into()),
-            "not found, but younger than the gateway's lookup delay: left".into(),
-        ),
-        Lookup::NotFound if p.sends >= limits.max_sends => (
-            Call::Terminal(format!("not found at the gateway after {} sends", p.sends)),
-            format!("not found after {} sends, the most allowed: left for a person", p.sends),
-        ),
-        Lookup::NotFound if age_at_least(resend_until) => (
-            Call::Terminal(
-                "not found at the gateway, and too near or past its key window (a resend could pay again)"
-                    .into(),
-            ),
-            "not found, too near or past the gateway's key window: left for a person".into(),
-        ),
-        Lookup::NotFound => {
+    let older_than = |d: Duration| at.is_at_least(seconds(d), p.created_at);
+    Ok(match judge(gateway.lookup(p), older_than, p.sends, gateway.limits(), lease) {
+        Next::Record(call, why) => (call, why),
+        Next::Resend => {
             // counted before it is sent: a send is never lost from the count
             let Some(p) = take(store, p, token, at, lease, policy, |p| p.sends += 1)? else {
                 return Ok((Call::Unknown("taken by another".into()), "taken by another: left".into()));
             };
-            match gateway.send(&p) {
-                Call::Unknown(why) => (
-                    Call::Unknown(format!("resent: {why}")),
-                    format!("not found: resent with the same key, still unknown ({why})"),
-                ),
-                Call::Paid(id) => {
-                    (Call::Paid(id), "not found: resent with the same key, paid: completed".into())
-                }
-                Call::Refused { status, reason } => {
-                    let decision =
-                        format!("not found: resent with the same key, refused ({reason}): released");
-                    (Call::Refused { status, reason }, decision)
-                }
-                Call::Terminal(why) => (
-                    Call::Terminal(format!("resent: {why}")),
-                    format!("not found: resent, an answer no resend can fix ({why}): left for a person"),
-                ),
-            }
+            resent(gateway.send(&p))
         }
     })
 }

@@ -117,6 +117,8 @@ pub(super) struct Held {
     /// Whether the transaction may still be open: set until a COMMIT or
     /// ROLLBACK went through.
     pub(super) open: bool,
+    /// The outside call the request may declare, and the one it declared.
+    pub(super) call: super::outside::Slot,
 }
 
 impl Drop for Held {
@@ -179,6 +181,11 @@ macro_rules! on_conn {
 }
 
 impl Held {
+    /// A connection's transaction, not begun yet.
+    pub(super) fn new(conn: Conn, keys: Arc<Keys>) -> Held {
+        Held { conn, keys, kept: Kept::default(), open: true, call: Default::default() }
+    }
+
     /// The key steps' claim, `BEGIN` sent with it (one round trip on
     /// tokio-postgres).
     pub(super) async fn claim(

@@ -309,6 +309,8 @@ impl Idempotency {
             keeps: Arc::new(|status| status.is_success()),
             key_optional: false,
             crash_before_commit: false,
+            crash_after_call: false,
+            outside: None,
             counters: Arc::default(),
         }
     }

@@ -79,7 +79,7 @@ fn timed_out(idem: &Idempotency) -> Response {
 
 /// The handler's answer, read whole, and whether it is one to keep; or
 /// the layer's 500 if it could not be read.
-async fn answered(
+pub(super) async fn answered(
     idem: &Idempotency,
     response: Response,
 ) -> Result<(axum::http::response::Parts, axum::body::Bytes, bool), Response> {
@@ -110,7 +110,8 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
     };
     let Ok(token) = Keys::token::<()>() else { return unavailable() };
     let key = scope.key(&key);
-    let held = Held { conn, keys: idem.keys.clone(), kept: Kept::default(), open: true };
+    let mut held = Held::new(conn, idem.keys.clone());
+    held.call.open(&idem, &key, &token);
     let tx = Tx(Arc::new(Mutex::new(Some(held))));
     let ctx = idem.keys.ctx(&token);
     let mut late = false;
@@ -125,14 +126,7 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
             // not an answer to keep: the handler's writes go with the claim
             return Err(Stop::Work(Response::from_parts(head, Body::from(bytes))));
         }
-        let mut answer = Answer::new(head.status.as_u16(), bytes.to_vec());
-        answer.content_type =
-            head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
-        for name in &idem.replayed_headers {
-            for value in head.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
-                answer.headers.push((name.as_str().to_owned(), value.to_owned()));
-            }
-        }
+        let answer = to_store(&idem, &head, &bytes);
         if idem.crash_before_commit {
             // the fault point (`faults_from_env`): the handler's writes and
             // the key's claim are uncommitted, and end with the process
@@ -160,7 +154,28 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
     // whatever did not commit rolls back: a decision, a failure, an answer not kept
     held.rollback().await;
     let kept = std::mem::take(&mut held.kept);
-    counted(&idem, conducted, kept)
+    let called = held.call.called.take().filter(|_| matches!(conducted, Ok(Ok(_))));
+    drop(held); // the connection goes back before any outside call
+    let response = counted(&idem, conducted, kept);
+    match called {
+        // the intent committed with the key: the call, then its result
+        Some(intent) => super::outside::call(&idem, intent, &token, response).await,
+        None => response,
+    }
+}
+
+/// The answer the handler gave, as the key stores it: status, body, media
+/// type and the headers its replays carry.
+pub(super) fn to_store(idem: &Idempotency, head: &axum::http::response::Parts, bytes: &[u8]) -> Answer {
+    let mut answer = Answer::new(head.status.as_u16(), bytes.to_vec());
+    answer.content_type =
+        head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
+    for name in &idem.replayed_headers {
+        for value in head.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
+            answer.headers.push((name.as_str().to_owned(), value.to_owned()));
+        }
+    }
+    answer
 }
 
 /// The answer a conducted run gives, counted.
@@ -209,7 +224,7 @@ pub(super) async fn unkeyed<Fut: Future<Output = Response>>(
         Ok(conn) => conn,
         Err(answer) => return answer,
     };
-    let mut held = Held { conn, keys: idem.keys.clone(), kept: Kept::default(), open: true };
+    let mut held = Held::new(conn, idem.keys.clone());
     if !held.begin().await {
         return unavailable();
     }

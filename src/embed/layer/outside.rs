@@ -1,0 +1,611 @@
+//! A handler's call to a provider, split as idem's own payouts are
+//! (`crate::provider`): the intent commits with the key, the handler's
+//! writes and its answer (202, say) in the request's transaction; the call
+//! is made with no transaction open and no connection held; its result,
+//! the team's own writes for it ([`Outside::new`]'s `settle`) and the
+//! key's final answer commit in a second short transaction. An outcome
+//! not known leaves the key answering what the handler answered, until the
+//! recovery job ([`Idempotency::recover`]) asks the provider by the
+//! downstream key and settles it, resends it when the provider never got
+//! it, or hands it to a person ([`Idempotency::open_calls`],
+//! [`Idempotency::settle_by_hand`]). What the job does with each answer is
+//! [`crate::provider::judge`], the rule `idem serve`'s reconciler keeps.
+
+use super::calls::{Cell, Sql, Val};
+use super::conn::Held;
+use super::run::{answered, to_store};
+use super::{Idempotency, Tx};
+use crate::embed::{Answer, Keys, Reply};
+use crate::provider::{Call, Intent, Limits, Lookup, Next, Provider, judge, resent, seed};
+use crate::request::ScopedKey;
+use crate::store::StoreError;
+use axum::response::Response;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::Mutex;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a call came to, for the team's `settle`: paid, or refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Paid; the provider's own id for it, if it gave one.
+    Paid(Option<String>),
+    /// Refused for good: `status` is what the provider's refusal maps to
+    /// (402 or 422), `reason` the provider's word.
+    Refused {
+        /// The status a refusal answers with.
+        status: u16,
+        /// The provider's reason.
+        reason: String,
+    },
+}
+
+/// A call that came to an [`Outcome`]: what the team's `settle` gets.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settled {
+    /// The call, as the handler declared it.
+    pub intent: Intent,
+    /// What it came to.
+    pub outcome: Outcome,
+}
+
+/// The provider as the layer holds it: [`Provider`] with its futures boxed.
+trait Dyn: Send + Sync {
+    fn send<'a>(&'a self, intent: &'a Intent) -> Boxed<'a, Call>;
+    fn lookup<'a>(&'a self, intent: &'a Intent) -> Boxed<'a, Lookup>;
+}
+
+impl<P: Provider> Dyn for P {
+    fn send<'a>(&'a self, intent: &'a Intent) -> Boxed<'a, Call> {
+        Box::pin(Provider::send(self, intent))
+    }
+    fn lookup<'a>(&'a self, intent: &'a Intent) -> Boxed<'a, Lookup> {
+        Box::pin(Provider::lookup(self, intent))
+    }
+}
+
+type SettleFn = dyn Fn(Tx, Settled) -> Boxed<'static, Response> + Send + Sync;
+
+/// The routes' provider, what a call's result writes, and the limits the
+/// recovery job keeps to: put it on the layer's state with
+/// [`Idempotency::outside`]; a handler then declares its call with
+/// [`Tx::call`].
+pub struct Outside {
+    provider: Box<dyn Dyn>,
+    settle: Box<SettleFn>,
+    /// What the recovery job keeps to: the provider's lookup delay and key
+    /// window, the most sends, the waits between looks.
+    pub limits: Limits,
+    /// How long a send or a lookup may take; past it the outcome is
+    /// unknown. Default 10 s.
+    pub call_timeout: Duration,
+    counters: [AtomicU64; 5],
+}
+
+/// How the calls behind a state ended, so far ([`Idempotency::call_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Sends made (first sends and resends).
+    pub sent: u64,
+    /// Calls settled paid.
+    pub paid: u64,
+    /// Calls settled refused.
+    pub refused: u64,
+    /// Results recorded as unknown, for the recovery job.
+    pub unknown: u64,
+    /// Calls handed to a person.
+    pub for_a_person: u64,
+}
+
+impl Outside {
+    /// `provider`, and `settle`: what a call's result writes, in the
+    /// second transaction, and the key's final answer (what the client's
+    /// retries replay from then on). It gets the call and its outcome, and
+    /// a [`Tx`] on that transaction: a refusal releases what the handler
+    /// held, a payment marks it paid. Its answer is stored as a handler's
+    /// is (2xx, or one marked [`super::business`]); any other answer rolls
+    /// the result back, and the recovery job settles the call later.
+    pub fn new<P, F, Fut>(provider: P, settle: F) -> Outside
+    where
+        P: Provider,
+        F: Fn(Tx, Settled) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Response> + Send + 'static,
+    {
+        Outside {
+            provider: Box::new(provider),
+            settle: Box::new(move |tx, settled| Box::pin(settle(tx, settled))),
+            limits: Limits::default(),
+            call_timeout: Duration::from_secs(10),
+            counters: Default::default(),
+        }
+    }
+
+    /// The same, with the recovery job's limits.
+    pub fn limits(mut self, limits: Limits) -> Outside {
+        self.limits = limits;
+        self
+    }
+
+    /// The same, with the bound on each send and lookup.
+    pub fn call_timeout(mut self, timeout: Duration) -> Outside {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// How long a caller (a request, or the recovery job) holds a call:
+    /// past it, it is presumed dead and the job takes the call over.
+    fn lease(&self) -> Duration {
+        self.call_timeout.saturating_mul(2).saturating_add(Duration::from_secs(1))
+    }
+
+    fn count(&self, what: usize) {
+        self.counters[what].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+const SENT: usize = 0;
+
+/// The call a request may declare: the key it runs under (with the
+/// layer's [`Outside`]), and the call it declared.
+#[derive(Default)]
+pub(super) struct Slot {
+    claim: Option<(ScopedKey, String, Duration)>,
+    pub(super) called: Option<Intent>,
+}
+
+impl Slot {
+    /// Lets the request under `key` (claimed by `token`) declare a call,
+    /// if the layer has a provider.
+    pub(super) fn open(&mut self, idem: &Idempotency, key: &ScopedKey, token: &str) {
+        if let Some(outside) = &idem.outside {
+            self.claim = Some((key.clone(), token.to_owned(), outside.lease()));
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Why [`Tx::call`] declared no call.
+#[derive(Debug)]
+pub enum CallError {
+    /// The route's layer has no [`Outside`], or the request runs without a key.
+    NoProvider,
+    /// The request declared a call already: one call a key.
+    Twice,
+    /// A call under this key was made before (its key forgotten since, its
+    /// call not): it is not made again.
+    Made,
+    /// The database failed.
+    Db(StoreError),
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::NoProvider => write!(f, "the route's idempotency layer has no Outside, or no key"),
+            CallError::Twice => write!(f, "a request declares one outside call at most"),
+            CallError::Made => write!(f, "a call under this key was made before"),
+            CallError::Db(e) => write!(f, "the database failed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for CallError {}
+
+impl Tx {
+    /// Declares the request's call to the layer's provider: `body` is what
+    /// the call is (amount, beneficiary, …, as the provider's client needs
+    /// it). It is written in the request's transaction, so it commits with
+    /// the handler's writes and its answer, or not at all; the layer then
+    /// makes the call, outside any transaction, and the call's result
+    /// settles the key ([`Outside::new`]). Returns the call with the
+    /// downstream key its provider sees on every send. The handler answers
+    /// what the client gets until the result is known (202 and where to
+    /// look, say).
+    pub async fn call(&self, body: serde_json::Value) -> Result<Intent, CallError> {
+        let mut slot = self.0.lock().await;
+        let held = slot.as_mut().ok_or(CallError::Db(crate::embed::gone()))?;
+        let Some((key, token, lease)) = held.call.claim.clone() else { return Err(CallError::NoProvider) };
+        if held.call.called.is_some() {
+            return Err(CallError::Twice);
+        }
+        let downstream_key = crate::provider::downstream_key(&token);
+        let (at, t) = (now_ms(), held.keys.calls());
+        let sql = Sql::new(format!(
+            "INSERT INTO {t} (client_id, endpoint, idem_key, key_token, downstream_key, intent, state, holder,
+                              lease_until, sends, attempts, note, outcome, created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, 'in_progress', $4, $7, 1, 0, '', '', $8, $8)
+             ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING RETURNING id"
+        ));
+        let vals = [
+            Val::T(key.client_id),
+            Val::T(key.endpoint),
+            Val::T(key.idem_key),
+            Val::T(token),
+            Val::T(downstream_key.clone()),
+            Val::T(body.to_string()),
+            Val::I(at.saturating_add(ms(lease))),
+            Val::I(at),
+        ];
+        let rows = held.query(&sql, &vals, &[true]).await.map_err(CallError::Db)?;
+        let Some(id) = rows.first().and_then(|r| r.first()).map(Cell::int) else { return Err(CallError::Made) };
+        let intent = Intent { id, downstream_key, body, sends: 0 };
+        held.call.called = Some(intent.clone());
+        Ok(intent)
+    }
+}
+
+/// After the intent committed: the call, with nothing held, then its
+/// result. The answer is the result's if it settled the key now, else
+/// `provisional` (what the handler answered, and the key replays).
+pub(super) async fn call(idem: &Idempotency, intent: Intent, token: &str, provisional: Response) -> Response {
+    let Some(outside) = &idem.outside else { return provisional };
+    outside.count(SENT);
+    let call = bounded(outside, outside.provider.send(&intent), || Call::Unknown("no answer in time".into())).await;
+    if idem.crash_after_call {
+        // the fault point (`faults_from_env`): the provider was called, its
+        // result is not recorded; the recovery job must find out
+        std::process::abort();
+    }
+    match record(idem, outside, intent.id, token, call, now_ms()).await {
+        Ok(Recorded::Settled(answer, _)) => {
+            let mut r = super::answer::answer_of(Reply::Fresh(answer));
+            r.headers_mut().remove("idempotent-replayed");
+            r
+        }
+        Ok(Recorded::Left(_) | Recorded::Taken) => provisional,
+        Err(e) => {
+            tracing::warn!(target: "idem", call = intent.id, error = %e, "a call's result was not recorded; the recovery job will");
+            provisional
+        }
+    }
+}
+
+async fn bounded<T>(outside: &Outside, work: Boxed<'_, T>, late: impl FnOnce() -> T) -> T {
+    tokio::time::timeout(outside.call_timeout, work).await.unwrap_or_else(|_| late())
+}
+
+/// A connection's transaction, begun.
+async fn begun(idem: &Idempotency) -> Result<Held, StoreError> {
+    let conn = idem.connection().await.map_err(|_| StoreError::Busy)?;
+    let mut held = Held::new(conn, idem.keys.clone());
+    match held.begin().await {
+        true => Ok(held),
+        false => Err(StoreError::Backend("the transaction could not begin".into())),
+    }
+}
+
+/// What the calls table's rows are read as, in [`COLUMNS`]' order.
+const COLUMNS: &str = "id, client_id, endpoint, idem_key, key_token, downstream_key, intent, state, holder,
+                       sends, attempts, note, created_at";
+const INTS: [bool; 13] = [true, false, false, false, false, false, false, false, false, true, true, false, true];
+
+/// A call's row.
+#[derive(Debug, Clone)]
+pub struct CallRow {
+    /// The call, as its provider gets it.
+    pub intent: Intent,
+    /// Whose key it was made under.
+    pub client: String,
+    /// The operation the key was for.
+    pub endpoint: String,
+    /// The client's key.
+    pub key: String,
+    key_token: String,
+    /// `in_progress`, `unknown`, `needs_attention`, `completed` or `failed`.
+    pub state: String,
+    holder: String,
+    /// The attempts of the recovery job.
+    pub attempts: i64,
+    /// Why it stands where it does.
+    pub note: String,
+    /// When the call was declared (Unix milliseconds).
+    pub created_at: i64,
+}
+
+impl CallRow {
+    fn read(row: Vec<Cell>) -> CallRow {
+        let mut c = row.into_iter();
+        let mut next = || c.next().unwrap_or(Cell::T(String::new()));
+        let id = next().int();
+        let (client, endpoint, key, key_token, downstream_key) =
+            (next().text(), next().text(), next().text(), next().text(), next().text());
+        let body = serde_json::from_str(&next().text()).unwrap_or(serde_json::Value::Null);
+        let (state, holder, sends, attempts, note, created_at) =
+            (next().text(), next().text(), next().int(), next().int(), next().text(), next().int());
+        CallRow {
+            intent: Intent { id, downstream_key, body, sends },
+            client,
+            endpoint,
+            key,
+            key_token,
+            state,
+            holder,
+            attempts,
+            note,
+            created_at,
+        }
+    }
+}
+
+/// Records what call `id` came to, if `holder` still holds it: in one
+/// transaction, its state, the team's `settle` writes and the key's final
+/// answer once it is paid or refused.
+async fn record(
+    idem: &Idempotency,
+    outside: &Outside,
+    id: i64,
+    holder: &str,
+    call: Call,
+    next_look: i64,
+) -> Result<Recorded, StoreError> {
+    let (state, note, outcome) = match &call {
+        Call::Paid(paid) => ("completed", String::new(), Some(Outcome::Paid(paid.clone()))),
+        Call::Refused { status, reason } => {
+            ("failed", reason.clone(), Some(Outcome::Refused { status: *status, reason: reason.clone() }))
+        }
+        Call::Unknown(why) => ("unknown", why.clone(), None),
+        Call::Terminal(why) => ("needs_attention", why.clone(), None),
+    };
+    let at = now_ms();
+    let mut held = begun(idem).await?;
+    let t = idem.keys.calls();
+    let sql = Sql::new(format!(
+        "UPDATE {t} SET state = $2, holder = '', note = $3, lease_until = $4, updated_at = $5
+         WHERE id = $1 AND holder = $6 AND state NOT IN ('completed', 'failed') RETURNING {COLUMNS}"
+    ));
+    let look = if state == "unknown" { next_look } else { at };
+    let vals = [Val::I(id), Val::T(state.into()), Val::T(note), Val::I(look), Val::I(at), Val::T(holder.into())];
+    let Some(row) = held.query(&sql, &vals, &INTS).await?.pop() else {
+        held.rollback().await;
+        return Ok(Recorded::Taken);
+    };
+    let row = CallRow::read(row);
+    let Some(outcome) = outcome else {
+        outside.count(if state == "unknown" { 3 } else { 4 });
+        return match held.commit().await {
+            true => Ok(Recorded::Left(state)),
+            false => Err(StoreError::Backend("the call's state may not have committed".into())),
+        };
+    };
+    outside.count(if matches!(outcome, Outcome::Paid(_)) { 1 } else { 2 });
+    let answer = settled(idem, outside, held, row, outcome).await?;
+    Ok(Recorded::Settled(answer, state))
+}
+
+/// What [`record`] did.
+enum Recorded {
+    /// Paid or refused: the key's final answer, and the call's state.
+    Settled(Answer, &'static str),
+    /// Unknown, or for a person: the call's state.
+    Left(&'static str),
+    /// Another settled it, or took it over: nothing.
+    Taken,
+}
+
+/// The team's `settle` on `held`'s transaction, then the key's final
+/// answer, committed.
+async fn settled(
+    idem: &Idempotency,
+    outside: &Outside,
+    held: Held,
+    row: CallRow,
+    outcome: Outcome,
+) -> Result<Answer, StoreError> {
+    let tx = Tx(Arc::new(Mutex::new(Some(held))));
+    let settling = (outside.settle)(tx.clone(), Settled { intent: row.intent.clone(), outcome });
+    let Ok(response) = tokio::time::timeout(idem.max_run, settling).await else {
+        drop(tx.0.try_lock().ok().and_then(|mut slot| slot.take()));
+        return Err(StoreError::Backend("the call's settle ran past its bound".into()));
+    };
+    let answered = answered(idem, response).await;
+    let Some(mut held) = tx.0.lock().await.take() else { return Err(crate::embed::gone()) };
+    let (head, bytes) = match answered {
+        Ok((head, bytes, true)) => (head, bytes),
+        _ => {
+            held.rollback().await;
+            return Err(StoreError::Backend("the call's settle gave no answer to keep".into()));
+        }
+    };
+    let answer = to_store(idem, &head, &bytes);
+    let (stored, kept) = answer.stored();
+    let keys = idem.keys.table();
+    let sql = Sql::new(format!(
+        "UPDATE {keys} SET status = $1, reason = NULL, body = $2, content_type = $3, headers = $4,
+                body_bytes = $5
+         WHERE client_id = $6 AND endpoint = $7 AND idem_key = $8 AND token = $9 AND state = 'completed'"
+    ));
+    let vals = [
+        Val::I32(i32::from(stored.status)),
+        Val::T(stored.body),
+        Val::OptT(kept.content_type),
+        Val::OptT(kept.headers),
+        Val::OptB(kept.body_bytes),
+        Val::T(row.client),
+        Val::T(row.endpoint),
+        Val::T(row.key),
+        Val::T(row.key_token),
+    ];
+    // a key forgotten since (past retention) keeps nothing to answer
+    held.exec(&sql, &vals).await?;
+    match held.commit().await {
+        true => Ok(answer),
+        false => Err(StoreError::Backend("the call's result may not have committed".into())),
+    }
+}
+
+/// One decision of the recovery job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovered {
+    /// The call's row.
+    pub id: i64,
+    /// The key its provider sees.
+    pub downstream_key: String,
+    /// Its state before.
+    pub was: String,
+    /// Its state after.
+    pub now: String,
+    /// What was done and why.
+    pub decision: String,
+}
+
+impl Idempotency {
+    /// The same state, with a provider its handlers call ([`Tx::call`]).
+    pub fn outside(mut self, outside: Outside) -> Self {
+        self.outside = Some(Arc::new(outside));
+        self
+    }
+
+    /// How the calls behind this state ended, so far.
+    pub fn call_counts(&self) -> CallCounts {
+        let n = |i: usize| self.outside.as_ref().map_or(0, |o| o.counters[i].load(Ordering::Relaxed));
+        CallCounts { sent: n(SENT), paid: n(1), refused: n(2), unknown: n(3), for_a_person: n(4) }
+    }
+
+    /// Reads calls by `filter` (a `WHERE` on the calls table) with `vals`.
+    async fn calls_where(&self, filter: &str, vals: &[Val]) -> Result<Vec<CallRow>, StoreError> {
+        let mut held = begun(self).await?;
+        let sql = Sql::new(format!("SELECT {COLUMNS} FROM {} WHERE {filter}", self.keys.calls()));
+        let rows = held.query(&sql, vals, &INTS).await;
+        held.rollback().await;
+        Ok(rows?.into_iter().map(CallRow::read).collect())
+    }
+
+    /// The calls not settled: in flight, unknown, or waiting for a person
+    /// (`needs_attention`), oldest first.
+    pub async fn open_calls(&self) -> Result<Vec<CallRow>, BoxError> {
+        Ok(self.calls_where("state NOT IN ('completed', 'failed') ORDER BY id", &[]).await?)
+    }
+
+    /// A person's settlement of call `id` (one whose state is `unknown` or
+    /// `needs_attention`), after looking at the provider: `outcome` is
+    /// recorded as a provider's answer would be, with the team's `settle`
+    /// writes and the key's final answer. Whether it was settled now.
+    pub async fn settle_by_hand(&self, id: i64, outcome: Outcome) -> Result<bool, BoxError> {
+        let outside = self.outside.as_ref().ok_or("the layer has no Outside")?;
+        let filter = "id = $1 AND state IN ('unknown', 'needs_attention')";
+        let Some(row) = self.calls_where(filter, &[Val::I(id)]).await?.pop() else { return Ok(false) };
+        let call = match outcome {
+            Outcome::Paid(paid) => Call::Paid(paid),
+            Outcome::Refused { status, reason } => Call::Refused { status, reason },
+        };
+        Ok(matches!(record(self, outside, id, &row.holder, call, now_ms()).await?, Recorded::Settled(..)))
+    }
+
+    /// One pass of the recovery job: every call left in flight past its
+    /// lease (its request died, or its result was not stored) and every
+    /// unknown one whose wait is over is taken (a compare-and-set on its
+    /// holder: two jobs never work on one call), its provider asked by the
+    /// downstream key, and what it says recorded by
+    /// [`crate::provider::judge`]: paid or refused settles the key;
+    /// pending or no answer looks again after a capped, jittered, doubling
+    /// wait; not found resends with the same key within the limits; the
+    /// rest goes to a person. Up to 100 calls a pass.
+    pub async fn recover(&self) -> Result<Vec<Recovered>, BoxError> {
+        let outside = self.outside.as_ref().ok_or("the layer has no Outside")?;
+        let me = format!("recovery:{}", Keys::token::<()>().map_err(|_| "no randomness for a token")?);
+        let filter = "state IN ('in_progress', 'unknown') AND lease_until <= $1 ORDER BY lease_until LIMIT 100";
+        let mut decisions = Vec::new();
+        for seen in self.calls_where(filter, &[Val::I(now_ms())]).await? {
+            if let Some(done) = self.recover_one(outside, &me, seen).await? {
+                decisions.push(done);
+            }
+        }
+        Ok(decisions)
+    }
+
+    /// Takes `seen` for `me` and sets `change` (more `SET` clauses) with it;
+    /// whether it was taken.
+    async fn take(&self, outside: &Outside, me: &str, seen: &CallRow, change: &str) -> Result<bool, StoreError> {
+        let mut held = begun(self).await?;
+        let (at, t) = (now_ms(), self.keys.calls());
+        let sql = Sql::new(format!(
+            "UPDATE {t} SET holder = $2, lease_until = $3, updated_at = $4{change}
+             WHERE id = $1 AND holder = $5 AND state = $6 AND (lease_until <= $4 OR holder = $2)"
+        ));
+        let vals = [
+            Val::I(seen.intent.id),
+            Val::T(me.into()),
+            Val::I(at.saturating_add(ms(outside.lease()))),
+            Val::I(at),
+            Val::T(seen.holder.clone()),
+            Val::T(seen.state.clone()),
+        ];
+        let taken = held.exec(&sql, &vals).await? == 1;
+        Ok(taken && held.commit().await)
+    }
+
+    async fn recover_one(
+        &self,
+        outside: &Outside,
+        me: &str,
+        seen: CallRow,
+    ) -> Result<Option<Recovered>, StoreError> {
+        if !self.take(outside, me, &seen, ", attempts = attempts + 1").await? {
+            return Ok(None); // another job has it, or it moved on
+        }
+        let p = &seen.intent;
+        let lookup = bounded(outside, outside.provider.lookup(p), || Lookup::Error("no answer in time".into())).await;
+        let age = now_ms().saturating_sub(seen.created_at);
+        let older_than = |d: Duration| age >= ms(d);
+        let (call, decision) = match judge(lookup, older_than, p.sends, &outside.limits, outside.lease()) {
+            Next::Record(call, why) => (call, why),
+            Next::Resend => {
+                // counted before it is sent: a send is never lost from the count
+                let mine = CallRow { holder: me.to_owned(), ..seen.clone() };
+                if !self.take(outside, me, &mine, ", sends = sends + 1").await? {
+                    return Ok(None);
+                }
+                outside.count(SENT);
+                let again = Intent { sends: p.sends, ..p.clone() };
+                resent(bounded(outside, outside.provider.send(&again), || Call::Unknown("no answer".into())).await)
+            }
+        };
+        let wait = outside.limits.wait(seen.attempts.saturating_add(1), seed(&p.downstream_key));
+        let next_look = now_ms().saturating_add(ms(wait));
+        let now = match record(self, outside, p.id, me, call, next_look).await? {
+            Recorded::Settled(_, state) | Recorded::Left(state) => state,
+            Recorded::Taken => seen.state.as_str(),
+        };
+        Ok(Some(Recovered {
+            id: p.id,
+            downstream_key: p.downstream_key.clone(),
+            was: seen.state.clone(),
+            now: now.to_owned(),
+            decision,
+        }))
+    }
+
+    /// Runs [`Idempotency::recover`] on a schedule, as a task of the
+    /// service's runtime (abort the handle, or let the runtime end, to stop
+    /// it): every `every`, passes until none is due. A failure is logged
+    /// (`tracing`, target `idem`) and the next round tries again.
+    pub fn recover_every(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let idem = self.clone();
+        tokio::spawn(async move {
+            loop {
+                match idem.recover().await {
+                    Ok(done) if done.len() >= 100 => continue,
+                    Ok(done) => {
+                        for d in done {
+                            tracing::info!(target: "idem", call = d.id, was = %d.was, now = %d.now, decision = %d.decision, "recovery");
+                        }
+                    }
+                    Err(e) => tracing::warn!(target: "idem", error = %e, "the recovery pass failed; the next tries again"),
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    }
+}
