@@ -159,9 +159,10 @@ pub fn judge(
             let decision = format!("refused at the gateway ({reason}): the hold is released");
             Next::Record(Call::Refused { status: 422, reason }, decision)
         }
-        Lookup::Pending => {
-            Next::Record(Call::Unknown("pending at the gateway".into()), "pending at the gateway: left".into())
-        }
+        Lookup::Pending => Next::Record(
+            Call::Unknown("pending at the gateway".into()),
+            "pending at the gateway: left".into(),
+        ),
         Lookup::Error(why) => Next::Record(
             Call::Unknown(format!("lookup failed: {why}")),
             format!("the lookup failed ({why}): left"),

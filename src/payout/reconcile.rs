@@ -10,9 +10,9 @@
 //! the run goes on with the rest.
 
 use super::{Call, Gateway, Lookup, credit_back, record, take};
-use crate::provider::{Next, judge, resent, seed};
 use crate::clock::Timestamp;
 use crate::policy::Policy;
+use crate::provider::{Next, judge, resent, seed};
 use crate::store::{self, Durability, End, PayoutRow, PayoutState, Store, StoreError};
 use serde_json::json;
 use std::time::Duration;

@@ -17,6 +17,7 @@ mod failover;
 mod gateway;
 mod group_commit;
 mod layer_bodies;
+mod layer_calls;
 mod layer_scope;
 mod layer_trips;
 mod ledger;

@@ -98,55 +98,10 @@ impl Held {
         match &mut self.conn {
             #[cfg(feature = "postgres")]
             Conn::Pg(c) => {
-                use tokio_postgres::types::ToSql;
-                let c = c.as_ref().ok_or_else(crate::embed::gone)?.client();
-                let params: Vec<&(dyn ToSql + Sync)> = vals
-                    .iter()
-                    .map(|v| match v {
-                        Val::I(i) => i as &(dyn ToSql + Sync),
-                        Val::I32(i) => i,
-                        Val::T(t) => t,
-                        Val::OptT(t) => t,
-                        Val::OptB(b) => b,
-                    })
-                    .collect();
-                if ints.is_empty() {
-                    let n = c.execute(&sql.pg, &params).await.map_err(failed)?;
-                    return Ok(vec![Vec::new(); usize::try_from(n).unwrap_or(0)]);
-                }
-                let rows = c.query(&sql.pg, &params).await.map_err(failed)?;
-                rows.iter()
-                    .map(|r| {
-                        (0..ints.len())
-                            .map(|i| match ints[i] {
-                                true => r.try_get(i).map(Cell::I),
-                                false => r.try_get(i).map(Cell::T),
-                            })
-                            .collect::<Result<Vec<_>, _>>()
-                            .map_err(failed)
-                    })
-                    .collect()
+                pg_query(c.as_ref().ok_or_else(crate::embed::gone)?.client(), sql, vals, ints).await
             }
             #[cfg(feature = "sqlite")]
-            Conn::Sqlite(c) => {
-                use rusqlite::types::{ToSql, Value, ValueRef};
-                let params: Vec<Value> = vals.iter().map(lite_value).collect();
-                let params: Vec<&dyn ToSql> = params.iter().map(|v| v as &dyn ToSql).collect();
-                let mut st = c.prepare_cached(&sql.lite).map_err(failed)?;
-                if ints.is_empty() {
-                    let n = st.execute(&params[..]).map_err(failed)?;
-                    return Ok(vec![Vec::new(); n]);
-                }
-                let rows = st.query_map(&params[..], |r| {
-                    (0..ints.len())
-                        .map(|i| match r.get_ref(i)? {
-                            ValueRef::Integer(n) => Ok(Cell::I(n)),
-                            v => Ok(Cell::T(v.as_str().map(String::from).unwrap_or_default())),
-                        })
-                        .collect::<rusqlite::Result<Vec<_>>>()
-                });
-                rows.map_err(failed)?.collect::<rusqlite::Result<Vec<_>>>().map_err(failed)
-            }
+            Conn::Sqlite(c) => lite_query(c, sql, vals, ints),
             #[cfg(feature = "sqlx-postgres")]
             Conn::SqlxPg(tx) => {
                 let conn = tx.as_deref_mut().ok_or_else(crate::embed::gone)?;
@@ -193,3 +148,64 @@ fn lite_value(v: &Val) -> rusqlite::types::Value {
     }
 }
 
+#[cfg(feature = "postgres")]
+async fn pg_query(
+    c: &tokio_postgres::Client,
+    sql: &Sql,
+    vals: &[Val],
+    ints: &[bool],
+) -> Result<Vec<Vec<Cell>>, StoreError> {
+    use tokio_postgres::types::ToSql;
+    let params: Vec<&(dyn ToSql + Sync)> = vals
+        .iter()
+        .map(|v| match v {
+            Val::I(i) => i as &(dyn ToSql + Sync),
+            Val::I32(i) => i,
+            Val::T(t) => t,
+            Val::OptT(t) => t,
+            Val::OptB(b) => b,
+        })
+        .collect();
+    if ints.is_empty() {
+        let n = c.execute(&sql.pg, &params).await.map_err(failed)?;
+        return Ok(vec![Vec::new(); usize::try_from(n).unwrap_or(0)]);
+    }
+    let rows = c.query(&sql.pg, &params).await.map_err(failed)?;
+    rows.iter()
+        .map(|r| {
+            (0..ints.len())
+                .map(|i| match ints[i] {
+                    true => r.try_get(i).map(Cell::I),
+                    false => r.try_get(i).map(Cell::T),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(failed)
+        })
+        .collect()
+}
+
+#[cfg(feature = "sqlite")]
+fn lite_query(
+    c: &rusqlite::Connection,
+    sql: &Sql,
+    vals: &[Val],
+    ints: &[bool],
+) -> Result<Vec<Vec<Cell>>, StoreError> {
+    use rusqlite::types::{ToSql, Value, ValueRef};
+    let params: Vec<Value> = vals.iter().map(lite_value).collect();
+    let params: Vec<&dyn ToSql> = params.iter().map(|v| v as &dyn ToSql).collect();
+    let mut st = c.prepare_cached(&sql.lite).map_err(failed)?;
+    if ints.is_empty() {
+        let n = st.execute(&params[..]).map_err(failed)?;
+        return Ok(vec![Vec::new(); n]);
+    }
+    let rows = st.query_map(&params[..], |r| {
+        (0..ints.len())
+            .map(|i| match r.get_ref(i)? {
+                ValueRef::Integer(n) => Ok(Cell::I(n)),
+                v => Ok(Cell::T(v.as_str().map(String::from).unwrap_or_default())),
+            })
+            .collect::<rusqlite::Result<Vec<_>>>()
+    });
+    rows.map_err(failed)?.collect::<rusqlite::Result<Vec<_>>>().map_err(failed)
+}

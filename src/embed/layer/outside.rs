@@ -15,8 +15,8 @@ use super::calls::{Cell, Sql, Val};
 use super::conn::Held;
 use super::run::{answered, to_store};
 use super::{Idempotency, Tx};
-use crate::embed::{Answer, Keys, Reply};
-use crate::provider::{Call, Intent, Limits, Lookup, Next, Provider, judge, resent, seed};
+use crate::embed::{Answer, Reply};
+use crate::provider::{Call, Intent, Limits, Lookup, Provider};
 use crate::request::ScopedKey;
 use crate::store::StoreError;
 use axum::response::Response;
@@ -27,7 +27,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::Mutex;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// What a call came to, for the team's `settle`: paid, or refused.
@@ -55,7 +54,7 @@ pub struct Settled {
 }
 
 /// The provider as the layer holds it: [`Provider`] with its futures boxed.
-trait Dyn: Send + Sync {
+pub(super) trait Dyn: Send + Sync {
     fn send<'a>(&'a self, intent: &'a Intent) -> Boxed<'a, Call>;
     fn lookup<'a>(&'a self, intent: &'a Intent) -> Boxed<'a, Lookup>;
 }
@@ -76,7 +75,7 @@ type SettleFn = dyn Fn(Tx, Settled) -> Boxed<'static, Response> + Send + Sync;
 /// [`Idempotency::outside`]; a handler then declares its call with
 /// [`Tx::call`].
 pub struct Outside {
-    provider: Box<dyn Dyn>,
+    pub(super) provider: Box<dyn Dyn>,
     settle: Box<SettleFn>,
     /// What the recovery job keeps to: the provider's lookup delay and key
     /// window, the most sends, the waits between looks.
@@ -84,7 +83,7 @@ pub struct Outside {
     /// How long a send or a lookup may take; past it the outcome is
     /// unknown. Default 10 s.
     pub call_timeout: Duration,
-    counters: [AtomicU64; 5],
+    pub(super) counters: [AtomicU64; 5],
 }
 
 /// How the calls behind a state ended, so far ([`Idempotency::call_counts`]).
@@ -139,16 +138,16 @@ impl Outside {
 
     /// How long a caller (a request, or the recovery job) holds a call:
     /// past it, it is presumed dead and the job takes the call over.
-    fn lease(&self) -> Duration {
+    pub(super) fn lease(&self) -> Duration {
         self.call_timeout.saturating_mul(2).saturating_add(Duration::from_secs(1))
     }
 
-    fn count(&self, what: usize) {
+    pub(super) fn count(&self, what: usize) {
         self.counters[what].fetch_add(1, Ordering::Relaxed);
     }
 }
 
-const SENT: usize = 0;
+pub(super) const SENT: usize = 0;
 
 /// The call a request may declare: the key it runs under (with the
 /// layer's [`Outside`]), and the call it declared.
@@ -168,11 +167,13 @@ impl Slot {
     }
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+pub(super) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-fn ms(d: Duration) -> i64 {
+pub(super) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
@@ -239,7 +240,9 @@ impl Tx {
             Val::I(at),
         ];
         let rows = held.query(&sql, &vals, &[true]).await.map_err(CallError::Db)?;
-        let Some(id) = rows.first().and_then(|r| r.first()).map(Cell::int) else { return Err(CallError::Made) };
+        let Some(id) = rows.first().and_then(|r| r.first()).map(Cell::int) else {
+            return Err(CallError::Made);
+        };
         let intent = Intent { id, downstream_key, body, sends: 0 };
         held.call.called = Some(intent.clone());
         Ok(intent)
@@ -252,7 +255,8 @@ impl Tx {
 pub(super) async fn call(idem: &Idempotency, intent: Intent, token: &str, provisional: Response) -> Response {
     let Some(outside) = &idem.outside else { return provisional };
     outside.count(SENT);
-    let call = bounded(outside, outside.provider.send(&intent), || Call::Unknown("no answer in time".into())).await;
+    let call =
+        bounded(outside, outside.provider.send(&intent), || Call::Unknown("no answer in time".into())).await;
     if idem.crash_after_call {
         // the fault point (`faults_from_env`): the provider was called, its
         // result is not recorded; the recovery job must find out
@@ -272,12 +276,12 @@ pub(super) async fn call(idem: &Idempotency, intent: Intent, token: &str, provis
     }
 }
 
-async fn bounded<T>(outside: &Outside, work: Boxed<'_, T>, late: impl FnOnce() -> T) -> T {
+pub(super) async fn bounded<T>(outside: &Outside, work: Boxed<'_, T>, late: impl FnOnce() -> T) -> T {
     tokio::time::timeout(outside.call_timeout, work).await.unwrap_or_else(|_| late())
 }
 
 /// A connection's transaction, begun.
-async fn begun(idem: &Idempotency) -> Result<Held, StoreError> {
+pub(super) async fn begun(idem: &Idempotency) -> Result<Held, StoreError> {
     let conn = idem.connection().await.map_err(|_| StoreError::Busy)?;
     let mut held = Held::new(conn, idem.keys.clone());
     match held.begin().await {
@@ -287,9 +291,11 @@ async fn begun(idem: &Idempotency) -> Result<Held, StoreError> {
 }
 
 /// What the calls table's rows are read as, in [`COLUMNS`]' order.
-const COLUMNS: &str = "id, client_id, endpoint, idem_key, key_token, downstream_key, intent, state, holder,
+pub(super) const COLUMNS: &str =
+    "id, client_id, endpoint, idem_key, key_token, downstream_key, intent, state, holder,
                        sends, attempts, note, created_at";
-const INTS: [bool; 13] = [true, false, false, false, false, false, false, false, false, true, true, false, true];
+pub(super) const INTS: [bool; 13] =
+    [true, false, false, false, false, false, false, false, false, true, true, false, true];
 
 /// A call's row.
 #[derive(Debug, Clone)]
@@ -302,10 +308,10 @@ pub struct CallRow {
     pub endpoint: String,
     /// The client's key.
     pub key: String,
-    key_token: String,
+    pub(super) key_token: String,
     /// `in_progress`, `unknown`, `needs_attention`, `completed` or `failed`.
     pub state: String,
-    holder: String,
+    pub(super) holder: String,
     /// The attempts of the recovery job.
     pub attempts: i64,
     /// Why it stands where it does.
@@ -315,7 +321,7 @@ pub struct CallRow {
 }
 
 impl CallRow {
-    fn read(row: Vec<Cell>) -> CallRow {
+    pub(super) fn read(row: Vec<Cell>) -> CallRow {
         let mut c = row.into_iter();
         let mut next = || c.next().unwrap_or(Cell::T(String::new()));
         let id = next().int();
@@ -342,7 +348,7 @@ impl CallRow {
 /// Records what call `id` came to, if `holder` still holds it: in one
 /// transaction, its state, the team's `settle` writes and the key's final
 /// answer once it is paid or refused.
-async fn record(
+pub(super) async fn record(
     idem: &Idempotency,
     outside: &Outside,
     id: i64,
@@ -366,7 +372,8 @@ async fn record(
          WHERE id = $1 AND holder = $6 AND state NOT IN ('completed', 'failed') RETURNING {COLUMNS}"
     ));
     let look = if state == "unknown" { next_look } else { at };
-    let vals = [Val::I(id), Val::T(state.into()), Val::T(note), Val::I(look), Val::I(at), Val::T(holder.into())];
+    let vals =
+        [Val::I(id), Val::T(state.into()), Val::T(note), Val::I(look), Val::I(at), Val::T(holder.into())];
     let Some(row) = held.query(&sql, &vals, &INTS).await?.pop() else {
         held.rollback().await;
         return Ok(Recorded::Taken);
@@ -385,7 +392,7 @@ async fn record(
 }
 
 /// What [`record`] did.
-enum Recorded {
+pub(super) enum Recorded {
     /// Paid or refused: the key's final answer, and the call's state.
     Settled(Answer, &'static str),
     /// Unknown, or for a person: the call's state.
@@ -442,170 +449,5 @@ async fn settled(
     match held.commit().await {
         true => Ok(answer),
         false => Err(StoreError::Backend("the call's result may not have committed".into())),
-    }
-}
-
-/// One decision of the recovery job.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Recovered {
-    /// The call's row.
-    pub id: i64,
-    /// The key its provider sees.
-    pub downstream_key: String,
-    /// Its state before.
-    pub was: String,
-    /// Its state after.
-    pub now: String,
-    /// What was done and why.
-    pub decision: String,
-}
-
-impl Idempotency {
-    /// The same state, with a provider its handlers call ([`Tx::call`]).
-    pub fn outside(mut self, outside: Outside) -> Self {
-        self.outside = Some(Arc::new(outside));
-        self
-    }
-
-    /// How the calls behind this state ended, so far.
-    pub fn call_counts(&self) -> CallCounts {
-        let n = |i: usize| self.outside.as_ref().map_or(0, |o| o.counters[i].load(Ordering::Relaxed));
-        CallCounts { sent: n(SENT), paid: n(1), refused: n(2), unknown: n(3), for_a_person: n(4) }
-    }
-
-    /// Reads calls by `filter` (a `WHERE` on the calls table) with `vals`.
-    async fn calls_where(&self, filter: &str, vals: &[Val]) -> Result<Vec<CallRow>, StoreError> {
-        let mut held = begun(self).await?;
-        let sql = Sql::new(format!("SELECT {COLUMNS} FROM {} WHERE {filter}", self.keys.calls()));
-        let rows = held.query(&sql, vals, &INTS).await;
-        held.rollback().await;
-        Ok(rows?.into_iter().map(CallRow::read).collect())
-    }
-
-    /// The calls not settled: in flight, unknown, or waiting for a person
-    /// (`needs_attention`), oldest first.
-    pub async fn open_calls(&self) -> Result<Vec<CallRow>, BoxError> {
-        Ok(self.calls_where("state NOT IN ('completed', 'failed') ORDER BY id", &[]).await?)
-    }
-
-    /// A person's settlement of call `id` (one whose state is `unknown` or
-    /// `needs_attention`), after looking at the provider: `outcome` is
-    /// recorded as a provider's answer would be, with the team's `settle`
-    /// writes and the key's final answer. Whether it was settled now.
-    pub async fn settle_by_hand(&self, id: i64, outcome: Outcome) -> Result<bool, BoxError> {
-        let outside = self.outside.as_ref().ok_or("the layer has no Outside")?;
-        let filter = "id = $1 AND state IN ('unknown', 'needs_attention')";
-        let Some(row) = self.calls_where(filter, &[Val::I(id)]).await?.pop() else { return Ok(false) };
-        let call = match outcome {
-            Outcome::Paid(paid) => Call::Paid(paid),
-            Outcome::Refused { status, reason } => Call::Refused { status, reason },
-        };
-        Ok(matches!(record(self, outside, id, &row.holder, call, now_ms()).await?, Recorded::Settled(..)))
-    }
-
-    /// One pass of the recovery job: every call left in flight past its
-    /// lease (its request died, or its result was not stored) and every
-    /// unknown one whose wait is over is taken (a compare-and-set on its
-    /// holder: two jobs never work on one call), its provider asked by the
-    /// downstream key, and what it says recorded by
-    /// [`crate::provider::judge`]: paid or refused settles the key;
-    /// pending or no answer looks again after a capped, jittered, doubling
-    /// wait; not found resends with the same key within the limits; the
-    /// rest goes to a person. Up to 100 calls a pass.
-    pub async fn recover(&self) -> Result<Vec<Recovered>, BoxError> {
-        let outside = self.outside.as_ref().ok_or("the layer has no Outside")?;
-        let me = format!("recovery:{}", Keys::token::<()>().map_err(|_| "no randomness for a token")?);
-        let filter = "state IN ('in_progress', 'unknown') AND lease_until <= $1 ORDER BY lease_until LIMIT 100";
-        let mut decisions = Vec::new();
-        for seen in self.calls_where(filter, &[Val::I(now_ms())]).await? {
-            if let Some(done) = self.recover_one(outside, &me, seen).await? {
-                decisions.push(done);
-            }
-        }
-        Ok(decisions)
-    }
-
-    /// Takes `seen` for `me` and sets `change` (more `SET` clauses) with it;
-    /// whether it was taken.
-    async fn take(&self, outside: &Outside, me: &str, seen: &CallRow, change: &str) -> Result<bool, StoreError> {
-        let mut held = begun(self).await?;
-        let (at, t) = (now_ms(), self.keys.calls());
-        let sql = Sql::new(format!(
-            "UPDATE {t} SET holder = $2, lease_until = $3, updated_at = $4{change}
-             WHERE id = $1 AND holder = $5 AND state = $6 AND (lease_until <= $4 OR holder = $2)"
-        ));
-        let vals = [
-            Val::I(seen.intent.id),
-            Val::T(me.into()),
-            Val::I(at.saturating_add(ms(outside.lease()))),
-            Val::I(at),
-            Val::T(seen.holder.clone()),
-            Val::T(seen.state.clone()),
-        ];
-        let taken = held.exec(&sql, &vals).await? == 1;
-        Ok(taken && held.commit().await)
-    }
-
-    async fn recover_one(
-        &self,
-        outside: &Outside,
-        me: &str,
-        seen: CallRow,
-    ) -> Result<Option<Recovered>, StoreError> {
-        if !self.take(outside, me, &seen, ", attempts = attempts + 1").await? {
-            return Ok(None); // another job has it, or it moved on
-        }
-        let p = &seen.intent;
-        let lookup = bounded(outside, outside.provider.lookup(p), || Lookup::Error("no answer in time".into())).await;
-        let age = now_ms().saturating_sub(seen.created_at);
-        let older_than = |d: Duration| age >= ms(d);
-        let (call, decision) = match judge(lookup, older_than, p.sends, &outside.limits, outside.lease()) {
-            Next::Record(call, why) => (call, why),
-            Next::Resend => {
-                // counted before it is sent: a send is never lost from the count
-                let mine = CallRow { holder: me.to_owned(), ..seen.clone() };
-                if !self.take(outside, me, &mine, ", sends = sends + 1").await? {
-                    return Ok(None);
-                }
-                outside.count(SENT);
-                let again = Intent { sends: p.sends, ..p.clone() };
-                resent(bounded(outside, outside.provider.send(&again), || Call::Unknown("no answer".into())).await)
-            }
-        };
-        let wait = outside.limits.wait(seen.attempts.saturating_add(1), seed(&p.downstream_key));
-        let next_look = now_ms().saturating_add(ms(wait));
-        let now = match record(self, outside, p.id, me, call, next_look).await? {
-            Recorded::Settled(_, state) | Recorded::Left(state) => state,
-            Recorded::Taken => seen.state.as_str(),
-        };
-        Ok(Some(Recovered {
-            id: p.id,
-            downstream_key: p.downstream_key.clone(),
-            was: seen.state.clone(),
-            now: now.to_owned(),
-            decision,
-        }))
-    }
-
-    /// Runs [`Idempotency::recover`] on a schedule, as a task of the
-    /// service's runtime (abort the handle, or let the runtime end, to stop
-    /// it): every `every`, passes until none is due. A failure is logged
-    /// (`tracing`, target `idem`) and the next round tries again.
-    pub fn recover_every(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        let idem = self.clone();
-        tokio::spawn(async move {
-            loop {
-                match idem.recover().await {
-                    Ok(done) if done.len() >= 100 => continue,
-                    Ok(done) => {
-                        for d in done {
-                            tracing::info!(target: "idem", call = d.id, was = %d.was, now = %d.now, decision = %d.decision, "recovery");
-                        }
-                    }
-                    Err(e) => tracing::warn!(target: "idem", error = %e, "the recovery pass failed; the next tries again"),
-                }
-                tokio::time::sleep(every).await;
-            }
-        })
     }
 }
