@@ -219,6 +219,63 @@ impl Gateway for HttpGateway {
     }
 }
 
+/// `idem serve`'s gateway as a provider of the library's layer
+/// (`embed::layer::Outside`): the intent's body names the payout as a
+/// `POST /v1/payouts` does (`beneficiary`, `amount`, `currency`, and
+/// `src`), and the one table above classifies every answer. Its blocking
+/// client runs on the runtime's blocking threads.
+impl crate::provider::Provider for HttpGateway {
+    async fn send(&self, intent: &crate::provider::Intent) -> Call {
+        let Some(p) = as_payout(intent) else {
+            return Call::Terminal("the intent names no payout (beneficiary, amount, currency)".into());
+        };
+        let gateway = self.clone();
+        tokio::task::spawn_blocking(move || Gateway::send(&gateway, &p))
+            .await
+            .unwrap_or_else(|e| Call::Unknown(format!("the send's thread failed: {e}")))
+    }
+
+    async fn lookup(&self, intent: &crate::provider::Intent) -> Lookup {
+        let Some(p) = as_payout(intent) else {
+            return Lookup::Terminal("the intent names no payout (beneficiary, amount, currency)".into());
+        };
+        let gateway = self.clone();
+        tokio::task::spawn_blocking(move || Gateway::lookup(&gateway, &p))
+            .await
+            .unwrap_or_else(|e| Lookup::Error(format!("the lookup's thread failed: {e}")))
+    }
+}
+
+/// The payout an intent's body names, as the gateway's client reads one.
+fn as_payout(intent: &crate::provider::Intent) -> Option<PayoutRow> {
+    let b = &intent.body;
+    let now = crate::clock::Timestamp::now();
+    Some(PayoutRow {
+        id: intent.id,
+        key: crate::request::ScopedKey {
+            client_id: String::new(),
+            endpoint: String::new(),
+            idem_key: String::new(),
+        },
+        fingerprint: String::new(),
+        src: crate::request::AcctId::Text(b.get("src").and_then(Value::as_str).unwrap_or("").to_owned()),
+        beneficiary: b.get("beneficiary")?.as_str()?.to_owned(),
+        amount: b.get("amount")?.as_i64()?,
+        currency: b.get("currency")?.as_str()?.to_owned(),
+        downstream_key: intent.downstream_key.clone(),
+        state: crate::store::PayoutState::InProgress,
+        holder: String::new(),
+        lease_until: now,
+        created_at: now,
+        updated_at: now,
+        note: None,
+        status: None,
+        sends: intent.sends,
+        attempts: 0,
+        provider_id: None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,61 +411,4 @@ mod tests {
             assert!(gateway.lease() > timeout, "{timeout:?}");
         }
     }
-}
-
-/// `idem serve`'s gateway as a provider of the library's layer
-/// (`embed::layer::Outside`): the intent's body names the payout as a
-/// `POST /v1/payouts` does (`beneficiary`, `amount`, `currency`, and
-/// `src`), and the one table above classifies every answer. Its blocking
-/// client runs on the runtime's blocking threads.
-impl crate::provider::Provider for HttpGateway {
-    async fn send(&self, intent: &crate::provider::Intent) -> Call {
-        let Some(p) = as_payout(intent) else {
-            return Call::Terminal("the intent names no payout (beneficiary, amount, currency)".into());
-        };
-        let gateway = self.clone();
-        tokio::task::spawn_blocking(move || Gateway::send(&gateway, &p))
-            .await
-            .unwrap_or_else(|e| Call::Unknown(format!("the send's thread failed: {e}")))
-    }
-
-    async fn lookup(&self, intent: &crate::provider::Intent) -> Lookup {
-        let Some(p) = as_payout(intent) else {
-            return Lookup::Terminal("the intent names no payout (beneficiary, amount, currency)".into());
-        };
-        let gateway = self.clone();
-        tokio::task::spawn_blocking(move || Gateway::lookup(&gateway, &p))
-            .await
-            .unwrap_or_else(|e| Lookup::Error(format!("the lookup's thread failed: {e}")))
-    }
-}
-
-/// The payout an intent's body names, as the gateway's client reads one.
-fn as_payout(intent: &crate::provider::Intent) -> Option<PayoutRow> {
-    let b = &intent.body;
-    let now = crate::clock::Timestamp::now();
-    Some(PayoutRow {
-        id: intent.id,
-        key: crate::request::ScopedKey {
-            client_id: String::new(),
-            endpoint: String::new(),
-            idem_key: String::new(),
-        },
-        fingerprint: String::new(),
-        src: crate::request::AcctId::Text(b.get("src").and_then(Value::as_str).unwrap_or("").to_owned()),
-        beneficiary: b.get("beneficiary")?.as_str()?.to_owned(),
-        amount: b.get("amount")?.as_i64()?,
-        currency: b.get("currency")?.as_str()?.to_owned(),
-        downstream_key: intent.downstream_key.clone(),
-        state: crate::store::PayoutState::InProgress,
-        holder: String::new(),
-        lease_until: now,
-        created_at: now,
-        updated_at: now,
-        note: None,
-        status: None,
-        sends: intent.sends,
-        attempts: 0,
-        provider_id: None,
-    })
 }

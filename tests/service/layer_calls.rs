@@ -280,7 +280,7 @@ struct Stalling {
 impl Provider for Stalling {
     async fn send(&self, intent: &Intent) -> Call {
         let call = Provider::send(&self.gateway, intent).await;
-        if self.sent.fetch_add(1, Ordering::SeqCst) % 4 == 0 {
+        if self.sent.fetch_add(1, Ordering::SeqCst).is_multiple_of(4) {
             std::future::pending::<()>().await;
         }
         call

@@ -31,7 +31,7 @@ pub struct Recovered {
 }
 
 impl Idempotency {
-    /// The same state, with a provider its handlers call ([`Tx::call`]).
+    /// The same state, with a provider its handlers call ([`super::Tx::call`]).
     pub fn outside(mut self, outside: Outside) -> Self {
         self.outside = Some(Arc::new(outside));
         self
