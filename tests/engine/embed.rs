@@ -144,7 +144,10 @@ fn sqlite_a_key_table_of_version_1_is_upgraded_to_the_engines_shape() {
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .unwrap();
-    assert_eq!((state.as_str(), versions), ("completed,completed", 5));
+    assert_eq!((state.as_str(), versions), ("completed,completed", 6));
+    // version 6: the outside calls' table, empty
+    let calls: i64 = db.query_row("SELECT count(*) FROM shop_idem_calls", [], |r| r.get(0)).unwrap();
+    assert_eq!(calls, 0);
     // version 4's `headers`: an answer's Location is replayed with it
     let located = |tx: &idem::embed::sqlite::Transaction<'_>| {
         pay_sqlite(3)(tx).map(|a| a.header("Location", "/movements/9"))

@@ -59,13 +59,23 @@ fn failed(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
 /// row changed): the same code on both databases.
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 macro_rules! sqlx_rows {
-    ($q:expr, $conn:expr, $ints:expr) => {{
+    ($db:ty, $sql:expr, $vals:expr, $conn:expr, $ints:expr) => {{
         use sqlx::Row;
+        let mut q = sqlx::query::<$db>(sqlx::AssertSqlSafe($sql.as_str()));
+        for v in $vals {
+            q = match v {
+                Val::I(i) => q.bind(*i),
+                Val::I32(i) => q.bind(*i),
+                Val::T(t) => q.bind(t.clone()),
+                Val::OptT(t) => q.bind(t.clone()),
+                Val::OptB(b) => q.bind(b.clone()),
+            };
+        }
         if $ints.is_empty() {
-            let n = $q.execute($conn).await.map_err(failed)?.rows_affected();
+            let n = q.execute($conn).await.map_err(failed)?.rows_affected();
             return Ok(vec![Vec::new(); usize::try_from(n).unwrap_or(0)]);
         }
-        let rows = $q.fetch_all($conn).await.map_err(failed)?;
+        let rows = q.fetch_all($conn).await.map_err(failed)?;
         rows.iter()
             .map(|r| {
                 (0..$ints.len())
@@ -105,32 +115,12 @@ impl Held {
             #[cfg(feature = "sqlx-postgres")]
             Conn::SqlxPg(tx) => {
                 let conn = tx.as_deref_mut().ok_or_else(crate::embed::gone)?;
-                let mut q = sqlx::query::<sqlx::Postgres>(sqlx::AssertSqlSafe(&*sql.pg));
-                for v in vals {
-                    q = match v {
-                        Val::I(i) => q.bind(*i),
-                        Val::I32(i) => q.bind(*i),
-                        Val::T(t) => q.bind(t.clone()),
-                        Val::OptT(t) => q.bind(t.clone()),
-                        Val::OptB(b) => q.bind(b.clone()),
-                    };
-                }
-                sqlx_rows!(q, conn, ints)
+                sqlx_rows!(sqlx::Postgres, &sql.pg, vals, conn, ints)
             }
             #[cfg(feature = "sqlx-sqlite")]
             Conn::SqlxLite(tx, _) => {
                 let conn = tx.as_deref_mut().ok_or_else(crate::embed::gone)?;
-                let mut q = sqlx::query::<sqlx::Sqlite>(sqlx::AssertSqlSafe(&*sql.lite));
-                for v in vals {
-                    q = match v {
-                        Val::I(i) => q.bind(*i),
-                        Val::I32(i) => q.bind(*i),
-                        Val::T(t) => q.bind(t.clone()),
-                        Val::OptT(t) => q.bind(t.clone()),
-                        Val::OptB(b) => q.bind(b.clone()),
-                    };
-                }
-                sqlx_rows!(q, conn, ints)
+                sqlx_rows!(sqlx::Sqlite, &sql.lite, vals, conn, ints)
             }
         }
     }
