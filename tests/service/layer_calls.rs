@@ -331,7 +331,7 @@ fn a_storm_pays_each_payout_once(db: Db, pool: usize) {
     let second = runtime();
     let idem = second.block_on(db.layer(pool, outside(&gw.url)));
     let cut = second.block_on(idem.open_calls()).unwrap().iter().filter(|c| c.state == "in_progress").count();
-    assert!(cut >= 5, "the stop left {cut} calls between their call and their result");
+    assert!(cut >= 5, "the stop left {cut} calls in flight, their results unrecorded");
     let address = second.block_on(serve(idem.clone(), &gw.url));
     for i in 0..40 {
         let _ = post_to(address, "/pay", &format!("k{i}"), &body(i));
