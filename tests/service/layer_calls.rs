@@ -32,6 +32,8 @@ fn runtime() -> tokio::runtime::Runtime {
 enum Db {
     Lite(String),
     Pg(String),
+    /// PostgreSQL through the service's own sqlx pool.
+    SqlxPg(String),
 }
 
 impl Db {
@@ -42,7 +44,7 @@ impl Db {
                    INSERT INTO wallet VALUES ('w', 100000, 0)";
         match self {
             Db::Lite(file) => rusqlite::Connection::open(file).unwrap().execute_batch(sql).unwrap(),
-            Db::Pg(spec) => {
+            Db::Pg(spec) | Db::SqlxPg(spec) => {
                 postgres::Client::connect(spec, postgres::NoTls).unwrap().batch_execute(sql).unwrap()
             }
         }
@@ -57,7 +59,7 @@ impl Db {
                 .unwrap()
                 .query_row(sql, [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
                 .unwrap(),
-            Db::Pg(spec) => {
+            Db::Pg(spec) | Db::SqlxPg(spec) => {
                 let row =
                     postgres::Client::connect(spec, postgres::NoTls).unwrap().query_one(sql, &[]).unwrap();
                 (row.get(0), row.get(1), row.get::<_, i64>(2))
@@ -69,6 +71,17 @@ impl Db {
         let spec = match self {
             Db::Lite(file) => file.clone(),
             Db::Pg(spec) => spec.clone(),
+            Db::SqlxPg(spec) => {
+                let options = crate::common::pg::sqlx_options(spec);
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(u32::try_from(pool).unwrap())
+                    .connect_with(options)
+                    .await
+                    .unwrap();
+                let keys = Keys::new("c_").unwrap();
+                let idem = Idempotency::on_sqlx_postgres(pool, keys, |_| Some("c1".into())).await.unwrap();
+                return idem.outside(outside);
+            }
         };
         Idempotency::connect(&spec, Keys::new("c_").unwrap(), pool, |_| Some("c1".into()))
             .await
@@ -87,6 +100,16 @@ async fn run(tx: &Tx, sql: &str, args: &[i64], text: &[&str]) -> Option<i64> {
         let mut st = c.prepare(&sql).unwrap();
         let mut rows = st.query(&params[..]).unwrap();
         return rows.next().unwrap().map(|r| r.get(0).unwrap());
+    }
+    if let Some(mut c) = tx.sqlx_postgres().await {
+        let mut q = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql.to_owned()));
+        for a in args {
+            q = q.bind(*a);
+        }
+        for t in text {
+            q = q.bind(t.to_string());
+        }
+        return q.fetch_optional(&mut *c).await.unwrap();
     }
     let c = tx.client().await.unwrap();
     let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
@@ -382,7 +405,7 @@ fn a_storm_pays_each_payout_once(db: Db, pool: usize) {
     assert!(counts.paid + counts.refused > 0, "{counts:?}");
     let paid_rows = ledger.iter().filter(|(_, _, s)| s == "paid").count();
     eprintln!(
-        "storm: {cut} calls cut between call and result; provider ledger {} rows ({paid_rows} paid, {paid} KRW), none twice; after the restart {counts:?}",
+        "storm: {cut} calls left in flight by the stop (intent committed, no result); provider ledger {} rows ({paid_rows} paid, {paid} KRW), none twice; after the restart {counts:?}",
         ledger.len()
     );
 }
@@ -397,4 +420,16 @@ fn sqlite_a_storm_of_lost_answers_and_a_stop_pays_each_payout_once() {
 fn postgres_a_storm_of_lost_answers_and_a_stop_pays_each_payout_once() {
     let Some(server) = crate::common::pg::server() else { return };
     a_storm_pays_each_payout_once(Db::Pg(server.fresh_schema(false)), 4);
+}
+
+#[test]
+fn sqlx_postgres_a_provider_call_holds_no_connection() {
+    let Some(server) = crate::common::pg::server() else { return };
+    no_connection_is_held_during_a_call(Db::SqlxPg(server.fresh_schema(false)), 2);
+}
+
+#[test]
+fn sqlx_postgres_a_storm_of_lost_answers_and_a_stop_pays_each_payout_once() {
+    let Some(server) = crate::common::pg::server() else { return };
+    a_storm_pays_each_payout_once(Db::SqlxPg(server.fresh_schema(false)), 4);
 }
