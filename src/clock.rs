@@ -168,6 +168,17 @@ pub fn unix_now() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }
 
+/// Milliseconds since the Unix epoch, by the machine's clock (0 on a clock
+/// set before 1970).
+pub fn unix_millis() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, millis)
+}
+
+/// `d` in whole milliseconds, saturating.
+pub fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// `30s`, `500ms`, `2m`, `1h`, `15d`, or a number of seconds.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let text = text.trim();

@@ -424,7 +424,6 @@ impl Keys {
                sends BIGINT NOT NULL,
                attempts BIGINT NOT NULL,
                note TEXT NOT NULL,
-               outcome TEXT NOT NULL,
                created_at BIGINT NOT NULL,
                updated_at BIGINT NOT NULL,
                UNIQUE (client_id, endpoint, idem_key)

@@ -24,7 +24,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::sync::Mutex;
 
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -147,7 +147,12 @@ impl Outside {
     }
 }
 
+/// The counters behind [`CallCounts`], by index.
 pub(super) const SENT: usize = 0;
+pub(super) const PAID: usize = 1;
+pub(super) const REFUSED: usize = 2;
+pub(super) const UNKNOWN: usize = 3;
+pub(super) const FOR_A_PERSON: usize = 4;
 
 /// The call a request may declare: the key it runs under (with the
 /// layer's [`Outside`]), and the call it declared.
@@ -167,15 +172,7 @@ impl Slot {
     }
 }
 
-pub(super) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-pub(super) fn ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
+pub(super) use crate::clock::{millis as ms, unix_millis as now_ms};
 
 /// Why [`Tx::call`] declared no call.
 #[derive(Debug)]
@@ -225,8 +222,8 @@ impl Tx {
         let (at, t) = (now_ms(), held.keys.calls());
         let sql = Sql::new(format!(
             "INSERT INTO {t} (client_id, endpoint, idem_key, key_token, downstream_key, intent, state, holder,
-                              lease_until, sends, attempts, note, outcome, created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, 'in_progress', $4, $7, 1, 0, '', '', $8, $8)
+                              lease_until, sends, attempts, note, created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, 'in_progress', $4, $7, 1, 0, '', $8, $8)
              ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING RETURNING id"
         ));
         let vals = [
@@ -380,13 +377,13 @@ pub(super) async fn record(
     };
     let row = CallRow::read(row);
     let Some(outcome) = outcome else {
-        outside.count(if state == "unknown" { 3 } else { 4 });
+        outside.count(if state == "unknown" { UNKNOWN } else { FOR_A_PERSON });
         return match held.commit().await {
             true => Ok(Recorded::Left(state)),
             false => Err(StoreError::Backend("the call's state may not have committed".into())),
         };
     };
-    outside.count(if matches!(outcome, Outcome::Paid(_)) { 1 } else { 2 });
+    outside.count(if matches!(outcome, Outcome::Paid(_)) { PAID } else { REFUSED });
     let answer = settled(idem, outside, held, row, outcome).await?;
     Ok(Recorded::Settled(answer, state))
 }

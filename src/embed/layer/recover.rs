@@ -4,7 +4,8 @@
 use super::Idempotency;
 use super::calls::{Sql, Val};
 use super::outside::{
-    COLUMNS, CallCounts, CallRow, INTS, Outcome, Outside, Recorded, SENT, begun, bounded, ms, now_ms, record,
+    COLUMNS, CallCounts, CallRow, FOR_A_PERSON, INTS, Outcome, Outside, PAID, REFUSED, Recorded, SENT,
+    UNKNOWN, begun, bounded, ms, now_ms, record,
 };
 use crate::embed::Keys;
 use crate::provider::{Call, Intent, Lookup, Next, judge, resent, seed};
@@ -40,7 +41,13 @@ impl Idempotency {
     /// How the calls behind this state ended, so far.
     pub fn call_counts(&self) -> CallCounts {
         let n = |i: usize| self.outside.as_ref().map_or(0, |o| o.counters[i].load(Ordering::Relaxed));
-        CallCounts { sent: n(SENT), paid: n(1), refused: n(2), unknown: n(3), for_a_person: n(4) }
+        CallCounts {
+            sent: n(SENT),
+            paid: n(PAID),
+            refused: n(REFUSED),
+            unknown: n(UNKNOWN),
+            for_a_person: n(FOR_A_PERSON),
+        }
     }
 
     /// Reads calls by `filter` (a `WHERE` on the calls table) with `vals`.
@@ -119,8 +126,12 @@ impl Idempotency {
             Val::T(seen.holder.clone()),
             Val::T(seen.state.clone()),
         ];
-        let taken = held.exec(&sql, &vals).await? == 1;
-        Ok(taken && held.commit().await)
+        if held.exec(&sql, &vals).await? != 1 {
+            // given back whole: a connection dropped mid-transaction is closed, not pooled
+            held.rollback().await;
+            return Ok(false);
+        }
+        Ok(held.commit().await)
     }
 
     async fn recover_one(

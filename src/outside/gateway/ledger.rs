@@ -82,15 +82,7 @@ pub(super) fn payout(row: &rusqlite::Row) -> rusqlite::Result<Payout> {
     })
 }
 
-pub(super) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-pub(super) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
+pub(super) use crate::clock::{millis, unix_millis as now_ms};
 
 pub(super) enum Recorded {
     /// The key's payout, and whether this request made it.
