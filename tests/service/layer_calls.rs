@@ -433,3 +433,78 @@ fn sqlx_postgres_a_storm_of_lost_answers_and_a_stop_pays_each_payout_once() {
     let Some(server) = crate::common::pg::server() else { return };
     a_storm_pays_each_payout_once(Db::SqlxPg(server.fresh_schema(false)), 4);
 }
+
+/// A provider's answer no resend can fix (403, nothing recorded) goes to a
+/// person at once: the client keeps its 202, the job leaves the call alone,
+/// and the person's settlement runs the team's `settle` and becomes the
+/// key's answer, once.
+#[test]
+fn sqlite_a_call_no_resend_can_fix_waits_for_a_person_who_settles_it_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::Lite(dir.path().join("person.db").display().to_string());
+    db.setup();
+    let gw = Gateway::start(&["--refuse-4xx", "100"]);
+    let rt = runtime();
+    let idem = rt.block_on(db.layer(1, outside(&gw.url)));
+    let address = rt.block_on(serve(idem.clone(), &gw.url));
+    let body = r#"{"beneficiary":"acct-1","amount":700,"currency":"KRW"}"#;
+    assert_eq!(post_to(address, "/pay", "p1", body).unwrap().status, 202);
+    let open = rt.block_on(idem.open_calls()).unwrap();
+    assert_eq!(open.iter().map(|c| c.state.as_str()).collect::<Vec<_>>(), ["needs_attention"]);
+    assert!(rt.block_on(idem.recover()).unwrap().is_empty(), "a person's call is not the job's");
+    assert_eq!(post_to(address, "/pay", "p1", body).unwrap().status, 202, "the retry meets the 202");
+    assert_eq!(db.money(), (100000 - 700, 700, 0), "the money stays held");
+    let refused = Outcome::Refused { status: 402, reason: "refused_by_the_bank".into() };
+    assert!(rt.block_on(idem.settle_by_hand(open[0].intent.id, refused.clone())).unwrap());
+    assert!(!rt.block_on(idem.settle_by_hand(open[0].intent.id, refused)).unwrap(), "settled once");
+    let after = post_to(address, "/pay", "p1", body).unwrap();
+    assert_eq!(after.status, 402, "{}", after.body);
+    assert_eq!(db.money(), (100000, 0, 0), "the hold went back");
+    assert!(gw.ledger().is_empty(), "nothing was paid");
+    let counts = idem.call_counts();
+    assert_eq!((counts.for_a_person, counts.refused, counts.paid), (1, 1, 0));
+}
+
+/// The team's `settle`, but it panics on an amount of 13.
+async fn fragile(tx: Tx, done: Settled) -> Response {
+    if done.intent.body["amount"] == 13 {
+        panic!("a settle that fails");
+    }
+    settle(tx, done).await
+}
+
+/// A `settle` that panics rolls back alone: its request keeps its 202, the
+/// recovery job survives it, sets that call aside for a person with why,
+/// and settles the others of its pass.
+#[test]
+fn sqlite_a_settle_that_panics_is_set_aside_and_stops_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::Lite(dir.path().join("fragile.db").display().to_string());
+    db.setup();
+    let gw = Gateway::start(&[]);
+    let rt = runtime();
+    let short = Outside::new(gateway(&gw.url), fragile).call_timeout(Duration::from_secs(1));
+    let idem = rt.block_on(db.layer(1, short));
+    let address = rt.block_on(serve(idem.clone(), &gw.url));
+    let body =
+        |amount: i64| format!(r#"{{"beneficiary":"acct-{amount}","amount":{amount},"currency":"KRW"}}"#);
+    let bad = post_to(address, "/pay", "bad", &body(13)).unwrap();
+    assert_eq!(bad.status, 202, "the request keeps its answer: {}", bad.body);
+    assert_eq!(post_to(address, "/pay", "good", &body(20)).unwrap().status, 201);
+    // a call whose request's result was lost, beside it in the same pass
+    let stopped = Outside::new(Stalling { gateway: gateway(&gw.url), sent: Arc::default() }, fragile)
+        .call_timeout(Duration::from_secs(1));
+    let other = runtime();
+    let stopping = other.block_on(db.layer(1, stopped));
+    let address2 = other.block_on(serve(stopping, &gw.url));
+    std::thread::spawn(move || post_to(address2, "/pay", "lost", &body(30)));
+    std::thread::sleep(Duration::from_millis(500));
+    other.shutdown_background();
+    std::thread::sleep(Duration::from_millis(3200)); // both leases over
+    let done = rt.block_on(idem.recover()).unwrap();
+    let aside: Vec<_> = done.iter().filter(|d| d.now == "needs_attention").collect();
+    assert_eq!(aside.len(), 1, "{done:?}");
+    assert!(aside[0].decision.contains("could not be stored"), "{done:?}");
+    assert!(done.iter().any(|d| d.now == "completed"), "the pass went on: {done:?}");
+    assert_eq!(db.money(), (100000 - 63, 13, 50), "13 held for a person, 20 and 30 paid");
+}

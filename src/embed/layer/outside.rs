@@ -383,8 +383,9 @@ pub(super) async fn record(
             false => Err(StoreError::Backend("the call's state may not have committed".into())),
         };
     };
-    outside.count(if matches!(outcome, Outcome::Paid(_)) { PAID } else { REFUSED });
+    let paid = matches!(outcome, Outcome::Paid(_));
     let answer = settled(idem, outside, held, row, outcome).await?;
+    outside.count(if paid { PAID } else { REFUSED });
     Ok(Recorded::Settled(answer, state))
 }
 
@@ -408,10 +409,23 @@ async fn settled(
     outcome: Outcome,
 ) -> Result<Answer, StoreError> {
     let tx = Tx(Arc::new(Mutex::new(Some(held))));
-    let settling = (outside.settle)(tx.clone(), Settled { intent: row.intent.clone(), outcome });
-    let Ok(response) = tokio::time::timeout(idem.max_run, settling).await else {
-        drop(tx.0.try_lock().ok().and_then(|mut slot| slot.take()));
-        return Err(StoreError::Backend("the call's settle ran past its bound".into()));
+    // a task of its own: a settle that panics ends it alone, its writes rolled
+    // back below, and never the request's task nor the recovery job's
+    let mut settling =
+        tokio::spawn((outside.settle)(tx.clone(), Settled { intent: row.intent.clone(), outcome }));
+    let response = match tokio::time::timeout(idem.max_run, &mut settling).await {
+        Ok(Ok(response)) => response,
+        Ok(Err(_)) => {
+            if let Some(mut held) = tx.0.lock().await.take() {
+                held.rollback().await;
+            }
+            return Err(StoreError::Backend("the call's settle panicked".into()));
+        }
+        Err(_) => {
+            settling.abort();
+            drop(tx.0.try_lock().ok().and_then(|mut slot| slot.take()));
+            return Err(StoreError::Backend("the call's settle ran past its bound".into()));
+        }
     };
     let answered = answered(idem, response).await;
     let Some(mut held) = tx.0.lock().await.take() else { return Err(crate::embed::gone()) };

@@ -166,9 +166,20 @@ impl Idempotency {
         };
         let wait = outside.limits.wait(seen.attempts.saturating_add(1), seed(&p.downstream_key));
         let next_look = now_ms().saturating_add(ms(wait));
-        let now = match record(self, outside, p.id, me, call, next_look).await? {
-            Recorded::Settled(_, state) | Recorded::Left(state) => state,
-            Recorded::Taken => seen.state.as_str(),
+        let (now, decision) = match record(self, outside, p.id, me, call, next_look).await {
+            Ok(Recorded::Settled(_, state) | Recorded::Left(state)) => (state, decision),
+            Ok(Recorded::Taken) => (seen.state.as_str(), decision),
+            // availability is the pass's problem, not this call's: stop
+            Err(e @ (StoreError::Busy | StoreError::Unavailable(_))) => return Err(e),
+            Err(e) => {
+                // set aside for a person, with why: one call must not stop the others
+                let aside = Call::Terminal(format!("its result could not be stored: {e}"));
+                let decision = format!("{decision}; its result could not be stored ({e}): set aside");
+                match record(self, outside, p.id, me, aside, now_ms()).await? {
+                    Recorded::Left(state) => (state, decision),
+                    _ => (seen.state.as_str(), decision),
+                }
+            }
         };
         Ok(Some(Recovered {
             id: p.id,
