@@ -314,8 +314,8 @@ impl Provider for Stalling {
     }
 }
 
-/// 40 payouts, each sent three times at once, through a provider that
-/// loses requests, drops answers after paying and answers 500 after
+/// 40 payouts, each sent three times at once, through a provider over TLS
+/// that loses requests, drops answers after paying and answers 500 after
 /// paying; the service is stopped with a quarter of its calls answered by
 /// the provider and not yet recorded (its runtime dropped, as a kill ends
 /// a process), and started again; the recovery job runs until no call is
@@ -325,8 +325,19 @@ impl Provider for Stalling {
 /// the money is exact.
 fn a_storm_pays_each_payout_once(db: Db, pool: usize) {
     db.setup();
-    let gw =
-        Gateway::start(&["--seed", "7", "--lose-request", "10", "--drop-answer", "25", "--error-5xx", "15"]);
+    // over TLS, as a real provider is: its certificate trusted as an operator's `--ca-file` would
+    let (gw, ca) = Gateway::start_tls(&[
+        "--seed",
+        "7",
+        "--lose-request",
+        "10",
+        "--drop-answer",
+        "25",
+        "--error-5xx",
+        "15",
+    ]);
+    idem::https::trust(&ca).unwrap();
+    assert!(gw.url.starts_with("https://"), "{}", gw.url);
     let body = |i: usize| {
         let who = if i % 10 == 3 { "closed-x" } else { "acct" };
         format!(r#"{{"beneficiary":"{who}-{i}","amount":{},"currency":"KRW"}}"#, 100 + i)
