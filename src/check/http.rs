@@ -144,10 +144,17 @@ pub struct Target {
     pub profile: Profile,
     pub seed: u64,
     /// The service's process, when the check started it (`--serve`).
-    pub process: Option<super::life::Process>,
+    pub process: Option<super::process::Process>,
 }
 
 impl Target {
+    /// A fresh key: from the seed, and a number of this run, so a rerun with
+    /// the same seed never meets the keys of the run before.
+    pub fn key(&self, salt: u64) -> String {
+        let mut rng = crate::rng::Rng::new(self.seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        format!("check-{:012x}-{:08x}", rng.next_u64() & 0xffff_ffff_ffff, super::lab::run_nonce())
+    }
+
     /// Reads `http://HOST:PORT` (a name is resolved, `localhost` too).
     pub fn new(
         url: &str,

@@ -13,27 +13,16 @@
 //! get the signals too), its output kept in the check's directory.
 
 use super::http::{Drain, Http, Profile, Target, exchange, read_answer};
+use super::process::Process;
 use super::walk::{InFlight, headers, holds_all, is_final, lease, paid_once, retried, stayed};
 use super::{CheckError, Property, Trace};
 use crate::rng::Rng;
 use serde_json::json;
 use std::io::Write;
-use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-
-/// The service's process, as the check started it.
-pub struct Process {
-    command: Vec<String>,
-    child: Mutex<Option<Child>>,
-    log: PathBuf,
-    address: SocketAddr,
-    // the bank and the log live as long as the process
-    _dir: tempfile::TempDir,
-}
 
 /// The accounts the check's bank holds, and their balances.
 const ACCOUNTS: [(&str, i64); 6] =
@@ -109,103 +98,6 @@ pub fn start(command: &str, mut profile: Profile, seed: u64) -> Result<Target, C
     Ok(target)
 }
 
-impl Process {
-    /// Starts the command and waits until its port takes connections; how
-    /// long that took.
-    fn spawn(&self) -> Result<Duration, CheckError> {
-        self.spawn_with(None)
-    }
-
-    /// [`Process::spawn`], with one more variable in its environment.
-    fn spawn_with(&self, env: Option<(&str, &str)>) -> Result<Duration, CheckError> {
-        use std::os::unix::process::CommandExt;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(CheckError::io("the service's log"))?;
-        let err = log.try_clone().map_err(CheckError::io("the service's log"))?;
-        let begun = Instant::now();
-        let mut command = Command::new(&self.command[0]);
-        if let Some((name, value)) = env {
-            command.env(name, value);
-        }
-        let mut child = command
-            .args(&self.command[1..])
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .map_err(CheckError::io(format!("cannot run {}", self.command[0])))?;
-        while TcpStream::connect_timeout(&self.address, Duration::from_millis(200)).is_err() {
-            let exited = child.try_wait().ok().flatten();
-            if exited.is_some() || begun.elapsed() > Duration::from_secs(30) {
-                let _ = child.kill();
-                let _ = child.wait();
-                let why = exited.map_or("did not listen within 30 s".into(), |s| format!("exited ({s})"));
-                return Err(format!("--serve: the service {why}; its output ends:\n{}", self.tail()).into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
-        Ok(begun.elapsed())
-    }
-
-    /// Sends `signal` to the service's process group.
-    #[allow(unsafe_code)] // kill(2) with SIGTERM, to a group: std's Child::kill sends SIGKILL to one
-    fn signal(&self, signal: libc::c_int) {
-        if let Some(child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            // the group the child leads (process_group(0)): a wrapper's children too
-            let group = -(child.id() as libc::pid_t);
-            // SAFETY: kill(2) takes plain integers and touches no memory of ours;
-            // the child is not reaped yet (we hold it), so its group id is not reused
-            unsafe { libc::kill(group, signal) };
-        }
-    }
-
-    /// Waits up to `limit` for the service to exit: its status, or `None`
-    /// if it is still running.
-    fn exited(&self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let until = Instant::now() + limit;
-        loop {
-            let mut slot = self.child.lock().unwrap_or_else(|e| e.into_inner());
-            match slot.as_mut().map(|c| c.try_wait()) {
-                Some(Ok(Some(status))) => {
-                    *slot = None;
-                    return Some(status);
-                }
-                None => return None,
-                _ if Instant::now() > until => return None,
-                _ => {}
-            }
-            drop(slot);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// SIGKILL, and the process reaped.
-    fn kill(&self) {
-        self.signal(libc::SIGKILL);
-        if let Some(mut child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = child.wait();
-        }
-    }
-
-    /// The last lines of the service's output, for an error.
-    fn tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(12)..].join("\n")
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 /// The process the check started, or a SKIP saying it has none.
 fn process<'a>(target: &'a Target, t: &mut Trace) -> Option<&'a Process> {
     if target.process.is_none() {
@@ -224,8 +116,7 @@ fn timed(target: &Target, t: &mut Trace, drain: &Drain, salt: u64) -> Result<Dur
         t.step("(the profile's body names no {src} and {dst}: keys and replays are judged, the money is not counted)");
         for n in 1..=2 {
             let body = target.body(&drain.src, &drain.dst, 1);
-            let made =
-                target.post(t, Some(&target.tokens[0]), Some(&super::url::key(target, salt + n)), &body)?;
+            let made = target.post(t, Some(&target.tokens[0]), Some(&target.key(salt + n)), &body)?;
             t.expect(target.made(&made), || "a transfer before the load was not made".into());
         }
     } else if !holds_all(target, t, drain, salt)? {
@@ -240,7 +131,7 @@ fn timed(target: &Target, t: &mut Trace, drain: &Drain, salt: u64) -> Result<Dur
 
 /// The keys of one property: `KEYS` keys, key `i` paying `i` from `src`.
 fn keys(target: &Target, salt: u64) -> Vec<(String, i64)> {
-    (1..=KEYS).map(|i| (super::url::key(target, salt + i as u64), i)).collect()
+    (1..=KEYS).map(|i| (target.key(salt + i as u64), i)).collect()
 }
 
 /// Sends `keys` from `drain` on [`LANES`] connections at once, one request

@@ -24,6 +24,7 @@ pub mod lab;
 pub mod leak;
 pub mod life;
 pub mod model;
+mod process;
 pub mod url;
 pub mod walk;
 

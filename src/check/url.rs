@@ -15,18 +15,10 @@ use super::bodies::{others, respaced};
 use super::http::{Http, exchange, parse_answer, read_answer, transfer_body};
 use super::{Property, Trace, short};
 use crate::outside::proxy::{Odds, Proxy};
-use crate::rng::Rng;
 use serde_json::{Value, json};
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
-
-/// A fresh key: from the seed, and a number of this run, so a rerun with
-/// the same seed never meets the keys of the run before.
-pub(super) fn key(target: &Target, salt: u64) -> String {
-    let mut rng = Rng::new(target.seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    format!("check-{:012x}-{:08x}", rng.next_u64() & 0xffff_ffff_ffff, super::lab::run_nonce())
-}
 
 fn created(target: &Target, t: &mut Trace, h: &Http) -> bool {
     t.expect(target.made(h) && !target.replayed(h), || {
@@ -35,14 +27,14 @@ fn created(target: &Target, t: &mut Trace, h: &Http) -> bool {
 }
 
 fn new_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
-    let k = key(target, 1);
+    let k = target.key(1);
     let first = target.post(t, Some(&target.tokens[0]), Some(&k), &target.transfer(3))?;
     created(target, t, &first);
     Ok(())
 }
 
 fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), CheckError> {
-    let k = key(target, 2 + u64::from(reorder));
+    let k = target.key(2 + u64::from(reorder));
     let token = Some(target.tokens[0].as_str());
     let amount = 4;
     let first = target.post(t, token, Some(&k), &target.transfer(amount))?;
@@ -64,7 +56,7 @@ fn replay(target: &Target, t: &mut Trace, reorder: bool) -> Result<(), CheckErro
 }
 
 fn mismatch(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
-    let k = key(target, 4);
+    let k = target.key(4);
     let token = Some(target.tokens[0].as_str());
     let first = target.transfer(5);
     let answer = target.post(t, token, Some(&k), &first)?;
@@ -94,7 +86,7 @@ fn first_sent(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         t.skip("the profile does not declare Repeatability-First-Sent (first_sent)");
         return Ok(());
     }
-    let k = key(target, 17);
+    let k = target.key(17);
     let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
     let idem = ("Idempotency-Key", target.key_header(&k));
     let long_ago = crate::clock::to_http_date(time::OffsetDateTime::now_utc() - time::Duration::days(30));
@@ -136,7 +128,7 @@ fn key_forms(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         t.skip("the profile says the service takes one spelling of a key");
         return Ok(());
     }
-    let k = key(target, 5);
+    let k = target.key(5);
     let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
     let first =
         target.send(t, &[auth.clone(), ("Idempotency-Key", format!("\"{k}\""))], &target.transfer(8))?;
@@ -159,13 +151,13 @@ fn scoped(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     if target.profile.clients.is_none() {
         t.step("(no clients map in the profile: the tokens are taken for distinct clients)");
     }
-    let k = key(target, 6);
+    let k = target.key(6);
     let one = target.post(t, Some(a), Some(&k), &target.transfer(9))?;
     let two = target.post(t, Some(b), Some(&k), &target.transfer(10))?;
     created(target, t, &two);
     t.expect(two.body != one.body, || "two clients got one answer".into());
     if let Some((c, d)) = same {
-        let k = key(target, 7);
+        let k = target.key(7);
         let first = target.post(t, Some(c), Some(&k), &target.transfer(11))?;
         let again = target.post(t, Some(d), Some(&k), &target.transfer(11))?;
         t.expect(target.replays(&again, &first), || "two tokens of one client are two scopes".into());
@@ -176,7 +168,7 @@ fn scoped(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 /// Sixteen requests on one key, released by their last byte at one instant.
 fn race(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let p = &target.profile;
-    let answers = release(target, &key(target, 8), 12)?;
+    let answers = release(target, &target.key(8), 12)?;
     let created: Vec<&Http> = answers.iter().filter(|a| target.made(a)).collect();
     let fresh = created.iter().filter(|a| !target.replayed(a)).count();
     t.step(format!(
@@ -240,7 +232,7 @@ fn retry_after(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         return Ok(());
     }
     for race in 0..RACES {
-        let answers = release(target, &key(target, 100 + race), 12)?;
+        let answers = release(target, &target.key(100 + race), 12)?;
         let in_flight: Vec<&Http> = answers.iter().filter(|a| a.status == p.in_flight_status).collect();
         if in_flight.is_empty() {
             continue;
@@ -264,7 +256,7 @@ fn retry_after(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 /// Through a proxy that drops every answer: the service commits, the client
 /// hears nothing; then the retry, directly.
 fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
-    let k = key(target, 9);
+    let k = target.key(9);
     let no_answers = Odds { drop_request: 0, drop_response: 100, cut_response: 0, delay: 0, duplicate: 0 };
     let proxy =
         Proxy::start(target.address, target.seed, no_answers).map_err(CheckError::io("starting a proxy"))?;
@@ -299,7 +291,7 @@ fn lost_answer(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 }
 
 fn invalid_keeps_key(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
-    let k = key(target, 10);
+    let k = target.key(10);
     let token = Some(target.tokens[0].as_str());
     let bad = match (&target.profile.invalid_body, &target.profile.body) {
         (Some(bad), _) => bad.to_string(),
@@ -323,7 +315,7 @@ fn refusal_stored(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         t.skip("the profile's body names no {src} and {dst}: no unknown account to be refused");
         return Ok(());
     }
-    let k = key(target, 11);
+    let k = target.key(11);
     let token = Some(target.tokens[0].as_str());
     let ghost = target.body(&format!("ghost-{k}").into(), &target.dst, 1);
     let first = target.post(t, token, Some(&k), &ghost)?;
@@ -348,7 +340,7 @@ fn auth_first(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let nobody = ("Authorization", "Bearer not-a-token-of-anyone".to_owned());
     let r = target.send(t, &[nobody.clone(), ("Idempotency-Key", "\"\"".into())], "{")?;
     t.expect(refused(&r), || format!("a bad token with a bad key and body: wanted {want} before any 400"));
-    let k = key(target, 12);
+    let k = target.key(12);
     let r = target.send(t, &[nobody, ("Idempotency-Key", target.key_header(&k))], &target.transfer(15))?;
     t.expect(refused(&r), || format!("a bad token with a valid key: wanted {want}"));
     let r = target.send(t, &[], &target.transfer(15))?;
@@ -362,7 +354,7 @@ fn auth_first(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         &[
             ("Authorization", format!("Bearer {}", target.tokens[0])),
             ("Authorization", format!("Bearer {}", target.tokens.last().cloned().unwrap_or_default())),
-            ("Idempotency-Key", target.key_header(&key(target, 13))),
+            ("Idempotency-Key", target.key_header(&target.key(13))),
         ],
         &target.transfer(17),
     )?;
@@ -375,7 +367,7 @@ fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), CheckError> 
         t.skip("needs the profile's get_path and two --token of distinct clients");
         return Ok(());
     };
-    let k = key(target, 14);
+    let k = target.key(14);
     let made = target.post(t, Some(a), Some(&k), &target.transfer(18))?;
     let Some(id) = target.created_id(&made) else {
         t.skip(format!(
@@ -397,7 +389,7 @@ fn get_across_clients(target: &Target, t: &mut Trace) -> Result<(), CheckError> 
 /// asks, and for what a body must never show.
 fn error_bodies(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let token = Some(target.tokens[0].as_str());
-    let k = key(target, 15);
+    let k = target.key(15);
     let mut errors = vec![
         target.post(t, token, None, &target.transfer(1))?,
         target.post(t, None, Some(&k), &target.transfer(1))?,
@@ -447,7 +439,7 @@ fn no_lost_update(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         return Err(format!("the drain account's balance must be at least {PAY}").into());
     }
     let body = target.body(&drain.src, &drain.dst, amount);
-    let k = key(target, 16);
+    let k = target.key(16);
     let requests: Vec<Vec<u8>> = (0..2 * PAY)
         .map(|i| {
             target.post_bytes(

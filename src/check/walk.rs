@@ -39,7 +39,7 @@ pub(super) fn hang_ups(target: &Target, t: &mut Trace) -> Result<(), CheckError>
         Some(d) => target.body(&d.src, &d.dst, amount),
         None => target.transfer(amount),
     };
-    let keys: Vec<(String, i64)> = (1..=all).map(|i| (super::url::key(target, 200 + i as u64), i)).collect();
+    let keys: Vec<(String, i64)> = (1..=all).map(|i| (target.key(200 + i as u64), i)).collect();
     let requests: Vec<Vec<u8>> =
         keys.iter().map(|(k, a)| target.post_bytes(&headers(target, k), &body(*a))).collect();
     let cuts = one_at_a_time(target, &requests[..KEYS as usize], &mut rng)?;
@@ -224,7 +224,7 @@ fn send(
     amount: i64,
 ) -> Result<Http, CheckError> {
     let body = target.body(src, dst, amount);
-    target.post(t, Some(&target.tokens[0]), Some(&super::url::key(target, n)), &body)
+    target.post(t, Some(&target.tokens[0]), Some(&target.key(n)), &body)
 }
 
 /// Whether the drain holds its whole balance (it can pay it, and is paid

@@ -419,7 +419,7 @@ fn lost_claim(held: Option<KeyRecord>, req: &Request, ctx: Ctx) -> Response {
 
 /// Deletes the key if `ctx.token` still holds it in progress.
 pub fn release<S: Store + ?Sized>(store: &mut S, key: &ScopedKey, ctx: Ctx) -> Result<bool, StoreError> {
-    store::atomically(store, Durability::Lazy, ctx.policy, |tx| tx.release(key, ctx.token).map(End::Commit))
+    store.release(key, ctx.token, ctx.policy)
 }
 
 /// The answer a decision gives without executing.

@@ -26,6 +26,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Semaphore, oneshot};
 
+/// How long a client may take to send a request's body (transfers,
+/// payouts and provider events alike).
+pub(super) const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub const TRANSFERS: &str = "/v1/transfers";
 
 pub struct App {

@@ -6,7 +6,8 @@
 
 pub use super::app::{App, TRANSFERS, internal};
 use super::app::{
-    Note, Reply, authenticate, busy, failed, invalid, problem, respond, store_error, text, unauthorized,
+    BODY_TIMEOUT, Note, Reply, authenticate, busy, failed, invalid, problem, respond, store_error, text,
+    unauthorized,
 };
 use super::executor::Job;
 use super::problems;
@@ -23,8 +24,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 const OPENAPI: &str = include_str!("openapi.json");
-/// How long a client may take to send its body.
-pub(super) const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How much of a refused request's body is read away before answering.
 const DRAIN_BYTES: usize = 1 << 20;
 /// How long a refused request's body may take to be read away.

@@ -4,11 +4,10 @@
 //! /v1/payouts/{id}`, a plain read on a reader.
 
 use super::app::{
-    App, Note, Reply, authenticate, busy, failed, invalid, on_writer, problem, respond, store_error, text,
-    unauthorized,
+    App, BODY_TIMEOUT, Note, Reply, authenticate, busy, failed, invalid, on_writer, problem, respond,
+    store_error, text, unauthorized,
 };
 use super::executor::Job;
-use super::http::BODY_TIMEOUT;
 use crate::payout::{self, PAYOUTS};
 use crate::request::{self, ScopedKey};
 use crate::store::StoreError;

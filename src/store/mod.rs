@@ -209,6 +209,28 @@ pub trait Store {
     ) -> Result<Executed, StoreError> {
         atomically(self, Durability::Durable, policy, |tx| execute_locked(tx, x, plan, crash))
     }
+
+    /// Writes `claim` over the key if it is still the version `seen`, and
+    /// commits it ([`Durability::Lazy`]); whether it did.
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+        policy: &Policy,
+    ) -> Result<bool, StoreError> {
+        atomically(self, Durability::Lazy, policy, |tx| {
+            Ok(match tx.replace_claim(key, seen, claim)? {
+                true => End::Commit(true),
+                false => End::Rollback(false),
+            })
+        })
+    }
+
+    /// Deletes the key if `token` still holds it in progress, and commits.
+    fn release(&mut self, key: &ScopedKey, token: &str, policy: &Policy) -> Result<bool, StoreError> {
+        atomically(self, Durability::Lazy, policy, |tx| tx.release(key, token).map(End::Commit))
+    }
 }
 
 /// [`Store::execute`] on a transaction that locks what it reads: the key,
@@ -321,6 +343,18 @@ impl<S: Store + ?Sized> Store for Box<S> {
     ) -> Result<Executed, StoreError> {
         (**self).execute(x, plan, crash, policy)
     }
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+        policy: &Policy,
+    ) -> Result<bool, StoreError> {
+        (**self).replace_claim(key, seen, claim, policy)
+    }
+    fn release(&mut self, key: &ScopedKey, token: &str, policy: &Policy) -> Result<bool, StoreError> {
+        (**self).release(key, token, policy)
+    }
 }
 
 /// A key's steps, awaited: [`Store::claim`], [`Tx::replace_claim`] and
@@ -394,16 +428,11 @@ impl<S: Store + ?Sized> KeySteps for Blocking<'_, S> {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
-        atomically(self.store, Durability::Lazy, self.policy, |tx| {
-            Ok(match tx.replace_claim(key, seen, claim)? {
-                true => End::Commit(true),
-                false => End::Rollback(false),
-            })
-        })
+        self.store.replace_claim(key, seen, claim, self.policy)
     }
 
     async fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
-        atomically(self.store, Durability::Lazy, self.policy, |tx| tx.release(key, token).map(End::Commit))
+        self.store.release(key, token, self.policy)
     }
 }
 

@@ -223,15 +223,35 @@ pub trait Ready: Send + Sync {
     fn usable(&self, conn: &Self::Conn) -> bool;
 }
 
-/// The manager of the service's connection pool (deadpool's): it connects
-/// by `reach::connect` and makes each connection ready by `R`; a connection
-/// gone, or of unknown state, is never handed out again. (The library's
-/// layer pools the application's own way of connecting: `layer::lend`.)
+/// How the [`Connector`] connects: to a connection string by
+/// [`connect`], or by a maker of the application's own (the library's
+/// layer: its TLS, its session settings), which spawns its connection task.
+#[cfg(any(feature = "cli", feature = "axum"))]
+pub(crate) enum Connect {
+    Spec {
+        config: tokio_postgres::Config,
+        /// To say why a connection failed without quoting the connection string.
+        spec: String,
+    },
+    Made(Box<Make>),
+}
+
+/// Makes one PostgreSQL connection the application's way.
+#[cfg(any(feature = "cli", feature = "axum"))]
+pub(crate) type Make = dyn Fn() -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<tokio_postgres::Client, StoreError>> + Send>,
+    > + Send
+    + Sync;
+
+/// The one manager of idem's PostgreSQL pools (deadpool's): the service's,
+/// and the library's own. It connects as [`Connect`] says and makes each
+/// connection ready by `R`; a connection gone, or of unknown state, is
+/// never handed out again.
 #[cfg(any(feature = "cli", feature = "axum"))]
 pub struct Connector<R> {
-    config: tokio_postgres::Config,
-    /// To say why a connection failed without quoting the connection string.
-    spec: String,
+    connect: Connect,
+    /// How long making one connection may take.
+    create: Duration,
     pub(crate) ready: R,
 }
 
@@ -239,7 +259,14 @@ pub struct Connector<R> {
 impl<R: Ready> Connector<R> {
     /// Connections to the database `spec` names, made ready by `ready`.
     pub(crate) fn with(spec: &str, policy: &Policy, ready: R) -> Result<Self, StoreError> {
-        Ok(Connector { config: configure(spec, policy)?, spec: spec.to_owned(), ready })
+        let config = configure(spec, policy)?;
+        let create = create_deadline(&config);
+        Ok(Connector { connect: Connect::Spec { config, spec: spec.to_owned() }, create, ready })
+    }
+
+    /// Connections `make` makes, each within `create`, made ready by `ready`.
+    pub(crate) fn made(make: Box<Make>, create: Duration, ready: R) -> Self {
+        Connector { connect: Connect::Made(make), create, ready }
     }
 
     /// A pool of at most `size` connections, one waited for at most `wait`.
@@ -248,7 +275,7 @@ impl<R: Ready> Connector<R> {
         size: usize,
         wait: Duration,
     ) -> Result<deadpool::managed::Pool<Self>, StoreError> {
-        let create = wait.max(create_deadline(&self.config));
+        let create = wait.max(self.create);
         pool(self, size, wait, create)
     }
 }
@@ -259,9 +286,12 @@ impl<R: Ready> deadpool::managed::Manager for Connector<R> {
     type Error = StoreError;
 
     async fn create(&self) -> Result<R::Conn, StoreError> {
-        let client = connect(&self.config, &self.spec).await.map_err(away)?;
+        let (client, spec) = match &self.connect {
+            Connect::Spec { config, spec } => (connect(config, spec).await.map_err(away)?, spec.as_str()),
+            Connect::Made(make) => (make().await?, ""),
+        };
         let ready = self.ready.ready(client).await;
-        ready.map_err(|e| away(redacted("cannot configure the connection", &e, &self.spec)))
+        ready.map_err(|e| away(redacted("cannot configure the connection", &e, spec)))
     }
 
     async fn recycle(

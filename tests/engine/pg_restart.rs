@@ -103,3 +103,45 @@ fn an_immediate_restart_mid_traffic_loses_no_acknowledged_transfer_and_pays_noth
     );
     assert_eq!(bank.balances(), ring_balances(&before, &amounts, 0..amounts.len()));
 }
+
+/// The engine's one dead-connection policy on the synchronous store: a
+/// session the server ended between two requests (a killed backend, as a
+/// failover or an operator's `pg_terminate_backend` ends it) is found and
+/// replaced before the next request's first step, which then runs as if
+/// nothing had happened: no 503 for a request that came after the loss.
+#[test]
+fn a_session_ended_between_two_requests_is_replaced_before_the_next_one_runs() {
+    use idem::protocol::{self, Ctx, Flow, Outcome};
+    use serde_json::json;
+    if !backends().contains(&Backend::Postgres) {
+        return;
+    }
+    let bank = Bank::with(Backend::Postgres, &[(json!("A"), 100), (json!("B"), 0)]);
+    let policy = idem::policy::Policy::embedded();
+    // named, so that only its session is ended: other tests share the server
+    let name = format!("idem-ended-{}", std::process::id());
+    let spec = match bank.spec().starts_with("postgres") {
+        true => format!("{}&application_name={name}", bank.spec()),
+        false => format!("{} application_name={name}", bank.spec()),
+    };
+    let db = idem::store::Db::parse(&spec);
+    let mut store = idem::store::open(&db, policy, idem::store::Usage::LongLived).unwrap();
+    let now = idem::clock::Timestamp::parse(T0).unwrap();
+    let send = |store: &mut Box<dyn idem::store::Store + Send>, key: &str| {
+        let text = request("c", "/t", key, &json!("A"), &json!("B"), 10);
+        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
+        let ctx = Ctx { policy, now, token: key };
+        match protocol::handle(store, &req, ctx, &mut |_| Flow::Continue) {
+            Ok(Outcome::Respond(r)) => r.status,
+            other => panic!("{key}: {other:?}"),
+        }
+    };
+    assert_eq!(send(&mut store, "k-1"), 201);
+    let ended = bank.count(&format!(
+        "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = '{name}'"
+    ));
+    assert!(ended >= 1, "the store's session was not found to end");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(send(&mut store, "k-2"), 201, "the request after the loss was not run on a new session");
+    assert_eq!(bank.balances(), [80, 20]);
+}

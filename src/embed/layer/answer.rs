@@ -1,6 +1,9 @@
-//! The answers the layer gives itself: replays, refusals, problems.
+//! The answers the layer gives itself (replays, refusals, problems), and
+//! the handler's answer as the key stores it.
 
-use crate::embed::Reply;
+use super::Idempotency;
+use crate::embed::{Answer, Reply};
+use axum::body::to_bytes;
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
@@ -77,3 +80,31 @@ pub fn business(mut response: Response) -> Response {
 
 #[derive(Clone, Copy)]
 pub(super) struct Business;
+
+/// The handler's answer, read whole, and whether it is one to keep; or
+/// the layer's 500 if it could not be read.
+pub(super) async fn answered(
+    idem: &Idempotency,
+    response: Response,
+) -> Result<(axum::http::response::Parts, axum::body::Bytes, bool), Response> {
+    let (head, body) = response.into_parts();
+    let kept = (idem.keeps)(head.status) || head.extensions.get::<Business>().is_some();
+    match to_bytes(body, usize::MAX).await {
+        Ok(bytes) => Ok((head, bytes, kept)),
+        Err(_) => Err(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", "The answer could not be read.")),
+    }
+}
+
+/// The answer the handler gave, as the key stores it: status, body, media
+/// type and the headers its replays carry.
+pub(super) fn to_store(idem: &Idempotency, head: &axum::http::response::Parts, bytes: &[u8]) -> Answer {
+    let mut answer = Answer::new(head.status.as_u16(), bytes.to_vec());
+    answer.content_type =
+        head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
+    for name in &idem.replayed_headers {
+        for value in head.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
+            answer.headers.push((name.as_str().to_owned(), value.to_owned()));
+        }
+    }
+    answer
+}

@@ -118,7 +118,7 @@ pub(super) struct Held {
     /// ROLLBACK went through.
     pub(super) open: bool,
     /// The outside call the request may declare, and the one it declared.
-    pub(super) call: super::outside::Slot,
+    pub(super) call: Slot,
 }
 
 impl Drop for Held {
@@ -290,5 +290,23 @@ impl Held {
         };
         self.open = !done;
         done
+    }
+}
+
+/// The call a request may declare: the key it runs under (with the
+/// layer's `Outside`), and the call it declared.
+#[derive(Default)]
+pub(super) struct Slot {
+    pub(super) claim: Option<(ScopedKey, String, std::time::Duration)>,
+    pub(super) called: Option<crate::provider::Intent>,
+}
+
+impl Slot {
+    /// Lets the request under `key` (claimed by `token`) declare a call,
+    /// if the layer has a provider.
+    pub(super) fn open(&mut self, idem: &super::Idempotency, key: &ScopedKey, token: &str) {
+        if let Some(outside) = &idem.outside {
+            self.claim = Some((key.clone(), token.to_owned(), outside.lease()));
+        }
     }
 }

@@ -15,25 +15,22 @@ use tokio::sync::Mutex;
 use {
     super::conn::{Lease, Lender},
     crate::store::StoreError,
+    crate::store::reach::{self, Make},
     deadpool::managed,
     std::future::Future,
     std::ops::{Deref, DerefMut},
-    std::pin::Pin,
     tokio_postgres::Client,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Makes one PostgreSQL connection of the layer's pool.
+/// The layer's own PostgreSQL pool: idem's one pool manager
+/// (`reach::Connector`) over the application's way of connecting, its
+/// connections handed out as made (their session the application's) and
+/// taken back only if not closed (one whose transaction a request left open
+/// is never returned: `Held`'s drop).
 #[cfg(feature = "postgres")]
-type Make = dyn Fn() -> Pin<Box<dyn Future<Output = Result<Client, StoreError>> + Send>> + Send + Sync;
-
-/// The manager of the layer's own PostgreSQL pool (deadpool's): a
-/// connection comes from the maker, and goes back only if it is not closed
-/// (one whose transaction a request left open is never returned: `Held`'s
-/// drop).
-#[cfg(feature = "postgres")]
-struct Lend(Box<Make>);
+struct AsMade;
 
 /// A connection of the layer's own pool.
 #[cfg(feature = "postgres")]
@@ -55,19 +52,15 @@ impl DerefMut for Own {
 }
 
 #[cfg(feature = "postgres")]
-impl managed::Manager for Lend {
-    type Type = Own;
-    type Error = StoreError;
+impl reach::Ready for AsMade {
+    type Conn = Own;
 
-    async fn create(&self) -> Result<Own, StoreError> {
-        (self.0)().await.map(Own)
+    async fn ready(&self, client: Client) -> Result<Own, tokio_postgres::Error> {
+        Ok(Own(client))
     }
 
-    async fn recycle(&self, client: &mut Own, _: &managed::Metrics) -> managed::RecycleResult<StoreError> {
-        match client.is_closed() {
-            false => Ok(()),
-            true => Err(managed::RecycleError::message("the connection is closed")),
-        }
+    fn usable(&self, conn: &Own) -> bool {
+        !conn.is_closed()
     }
 }
 
@@ -90,7 +83,6 @@ impl Idempotency {
         match crate::store::Db::parse(db) {
             #[cfg(feature = "postgres")]
             crate::store::Db::Postgres(spec) => {
-                use crate::store::reach;
                 let config = reach::configure(&spec, crate::policy::Policy::embedded())?;
                 // a new connection may try every host, each for its start-up deadline
                 let create = reach::create_deadline(&config);
@@ -168,7 +160,7 @@ impl Idempotency {
         who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
     ) -> Result<Idempotency, BoxError> {
         let wait = Duration::from_secs(5);
-        let pool = crate::store::reach::pool(Lend(make), connections, wait, create.max(wait))?;
+        let pool = reach::Connector::made(make, create, AsMade).pool_of(connections, wait)?;
         Idempotency::on_deadpool(pool, keys, who).await
     }
 

@@ -11,13 +11,12 @@
 //! [`Idempotency::settle_by_hand`]). What the job does with each answer is
 //! [`crate::provider::judge`], the rule `idem serve`'s reconciler keeps.
 
+use super::answer::{answered, to_store};
 use super::calls::{Cell, Sql, Val};
 use super::conn::Held;
-use super::run::{answered, to_store};
 use super::{Idempotency, Tx};
 use crate::embed::{Answer, Reply};
 use crate::provider::{Call, Intent, Limits, Lookup, Provider};
-use crate::request::ScopedKey;
 use crate::store::StoreError;
 use axum::response::Response;
 use std::future::Future;
@@ -153,24 +152,6 @@ pub(super) const PAID: usize = 1;
 pub(super) const REFUSED: usize = 2;
 pub(super) const UNKNOWN: usize = 3;
 pub(super) const FOR_A_PERSON: usize = 4;
-
-/// The call a request may declare: the key it runs under (with the
-/// layer's [`Outside`]), and the call it declared.
-#[derive(Default)]
-pub(super) struct Slot {
-    claim: Option<(ScopedKey, String, Duration)>,
-    pub(super) called: Option<Intent>,
-}
-
-impl Slot {
-    /// Lets the request under `key` (claimed by `token`) declare a call,
-    /// if the layer has a provider.
-    pub(super) fn open(&mut self, idem: &Idempotency, key: &ScopedKey, token: &str) {
-        if let Some(outside) = &idem.outside {
-            self.claim = Some((key.clone(), token.to_owned(), outside.lease()));
-        }
-    }
-}
 
 pub(super) use crate::clock::{millis as ms, unix_millis as now_ms};
 

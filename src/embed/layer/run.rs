@@ -3,14 +3,14 @@
 //! one on a route whose key is optional; each bounded in time, counted and
 //! traced.
 
-use super::answer::{Business, answer_of, unavailable};
+use super::answer::{answer_of, answered, to_store, unavailable};
 use super::conn::Held;
 use super::{Idempotency, OnSlot, Stop, Tx, problem};
-use crate::embed::{Answer, Keys, Reply, Scope};
+use crate::embed::{Keys, Reply, Scope};
 use crate::protocol::{Decision, conduct};
 use crate::store::StoreError;
 use crate::store::keys::Kept;
-use axum::body::{Body, to_bytes};
+use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
@@ -75,20 +75,6 @@ fn timed_out(idem: &Idempotency) -> Response {
     let mut r = problem(StatusCode::SERVICE_UNAVAILABLE, "handler_timed_out", &why);
     r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     r
-}
-
-/// The handler's answer, read whole, and whether it is one to keep; or
-/// the layer's 500 if it could not be read.
-pub(super) async fn answered(
-    idem: &Idempotency,
-    response: Response,
-) -> Result<(axum::http::response::Parts, axum::body::Bytes, bool), Response> {
-    let (head, body) = response.into_parts();
-    let kept = (idem.keeps)(head.status) || head.extensions.get::<Business>().is_some();
-    match to_bytes(body, usize::MAX).await {
-        Ok(bytes) => Ok((head, bytes, kept)),
-        Err(_) => Err(problem(StatusCode::INTERNAL_SERVER_ERROR, "answer", "The answer could not be read.")),
-    }
 }
 
 /// Claims the key, runs the handler in the claim's transaction, stores its
@@ -162,20 +148,6 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
         Some(intent) => super::outside::call(&idem, intent, &token, response).await,
         None => response,
     }
-}
-
-/// The answer the handler gave, as the key stores it: status, body, media
-/// type and the headers its replays carry.
-pub(super) fn to_store(idem: &Idempotency, head: &axum::http::response::Parts, bytes: &[u8]) -> Answer {
-    let mut answer = Answer::new(head.status.as_u16(), bytes.to_vec());
-    answer.content_type =
-        head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(String::from);
-    for name in &idem.replayed_headers {
-        for value in head.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
-            answer.headers.push((name.as_str().to_owned(), value.to_owned()));
-        }
-    }
-    answer
 }
 
 /// The answer a conducted run gives, counted.

@@ -174,8 +174,8 @@ impl PgStore {
     /// A function at its name that is not idem's (`Found::Foreign`) is
     /// an error: batches stay off.
     pub fn make_batch_function(&mut self) -> Result<(), StoreError> {
-        let function = BatchFunction::of(&self.shape);
-        let mut tx = self.client.transaction().map_err(pg)?;
+        let function = BatchFunction::of(&self.core.shape);
+        let mut tx = self.core.client.transaction().map_err(pg)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).map_err(pg)?;
         let row = tx.query_opt(BatchFunction::TRUST, &function.trust_args()).map_err(pg)?;
         match function.found(row.as_ref()) {
@@ -185,6 +185,12 @@ impl PgStore {
         }
         tx.commit().map_err(pg)
     }
+}
+
+/// The statements of a batch, prepared on each connection of a batching pool.
+pub(in crate::store) struct BatchSql {
+    pub(in crate::store) claims: Statement,
+    pub(in crate::store) executions: Statement,
 }
 
 /// One request's claim, owned, to travel to the task that sends its batch.

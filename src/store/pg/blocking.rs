@@ -9,12 +9,15 @@
 
 use super::StoreError;
 use std::future::Future;
+use std::sync::Arc;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Error, Row, Statement, ToStatement};
 
 /// A connection to PostgreSQL that is called, not awaited.
 pub struct Client {
-    runtime: tokio::runtime::Runtime,
+    /// Shared with whoever blocks on the engine's core over this client
+    /// (`PgStore`), which borrows the client as it does.
+    runtime: Arc<tokio::runtime::Runtime>,
     inner: tokio_postgres::Client,
 }
 
@@ -32,7 +35,23 @@ impl Client {
             .build()
             .map_err(|e| StoreError::Backend(format!("cannot start a connection's runtime: {e}").into()))?;
         let inner = runtime.block_on(super::connect(config, spec))?;
-        Ok(Client { runtime, inner })
+        Ok(Client { runtime: Arc::new(runtime), inner })
+    }
+
+    /// The runtime the connection is driven on, to block on what awaits it.
+    pub(in crate::store) fn runtime(&self) -> Arc<tokio::runtime::Runtime> {
+        self.runtime.clone()
+    }
+
+    /// Drives the connection's task for a moment, so that what the server
+    /// sent while nobody was blocked on it (a close, on a restart) is read
+    /// and [`Client::is_closed`] says so.
+    pub(in crate::store) fn settle(&self) {
+        self.runtime.block_on(async {
+            for _ in 0..2 {
+                tokio::task::yield_now().await;
+            }
+        });
     }
 
     fn block<F: Future>(&self, future: F) -> F::Output {
@@ -95,6 +114,16 @@ impl Client {
     pub fn transaction(&mut self) -> Result<Transaction<'_>, Error> {
         self.batch_execute("BEGIN")?;
         Ok(Transaction { client: self, open: true })
+    }
+}
+
+/// The driver's client beneath: what the engine's core awaits.
+impl super::steps::Driver for Client {
+    fn driver(&self) -> &tokio_postgres::Client {
+        &self.inner
+    }
+    fn driver_mut(&mut self) -> &mut tokio_postgres::Client {
+        &mut self.inner
     }
 }
 

@@ -49,12 +49,15 @@ mod connect;
 mod payouts;
 mod schema;
 mod statements;
+pub(in crate::store) mod steps;
 
 pub(in crate::store) use crate::store::reach::*;
 pub use blocking::{Client, Transaction};
 pub(in crate::store) use connect::*;
 pub(in crate::store) use schema::SCHEMA_LOCK;
 use schema::*;
+pub use steps::PgConn;
+pub(in crate::store) use steps::{Route, deadline, prepare_hot, steps_of_route, usable};
 
 /// The engine's key table and its statements.
 fn keys() -> &'static KeyTable {
@@ -64,21 +67,22 @@ fn keys() -> &'static KeyTable {
 pub(in crate::store) use batch::*;
 pub(in crate::store) use statements::*;
 
+/// The synchronous store: one connection whose request steps are the
+/// engine's steps (`steps`), blocked on; the rest (transactions begun by
+/// hand, payouts, reads, the schema) are statements on the same
+/// connection, blocked on as well.
 pub struct PgStore {
-    client: Client,
-    shape: Shape,
+    core: PgConn<Client>,
+    /// The statements of transactions begun by hand ([`Tx`]).
     sql: Statements,
     /// To reconnect after the server went away (restarted, failed over).
     spec: String,
-    policy: Policy,
-    /// What the last claim read on its way, for the execution under it.
-    ahead: Option<Ahead>,
 }
 
 impl PgStore {
     /// How this database's `account.acct_id` is typed.
     pub(super) fn shape(&self) -> &Shape {
-        &self.shape
+        &self.core.shape
     }
 
     /// Connects to the database `spec` names and makes sure it is one the
@@ -86,166 +90,118 @@ impl PgStore {
     pub fn connect(spec: &str, policy: &Policy) -> Result<Self, StoreError> {
         let mut client = session(spec, policy)?;
         let shape = prepare_schema(&mut client)?;
-        let sql = Statements::prepare(&mut client, &shape).map_err(pg)?;
-        Ok(PgStore { client, shape, sql, spec: spec.to_owned(), policy: policy.clone(), ahead: None })
+        Self::on(client, shape, spec, policy.clone())
     }
 
-    /// A new connection if the old one is gone (the server restarted): the
-    /// transaction it was in is lost, and the protocol treats that as any
-    /// failed transaction; the next one runs on the new connection.
+    /// The store on `client`, a session of `spec`'s database of `shape`:
+    /// the core's statements and the rest prepared on it.
+    fn on(mut client: Client, shape: Shape, spec: &str, policy: Policy) -> Result<Self, StoreError> {
+        let sql = Statements::prepare(&mut client, &shape).map_err(pg)?;
+        let hot = client.run(|c| prepare_hot(c, &shape)).map_err(pg)?;
+        let policy = std::borrow::Cow::Owned(policy);
+        let core = PgConn { client, sql: hot, batch: None, shape, ahead: None, broken: false, policy };
+        Ok(PgStore { core, sql, spec: spec.to_owned() })
+    }
+
+    /// The one dead-connection policy (`steps`): a connection that is not
+    /// usable is replaced before the next step runs. The transaction it was
+    /// in is lost, and the protocol treats that as any failed transaction.
     fn revive(&mut self) -> Result<(), StoreError> {
-        if self.client.is_closed() {
-            self.reconnect()?;
+        // the connection's task reads only while it is blocked on: let it
+        // see what the server sent since (a restart closes the socket)
+        self.core.client.settle();
+        if !usable(&self.core) {
+            let client =
+                session(&self.spec, &self.core.policy).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+            let (shape, policy) = (self.core.shape.clone(), self.core.policy.clone().into_owned());
+            *self = Self::on(client, shape, &self.spec, policy)?;
         }
         Ok(())
     }
 
-    fn reconnect(&mut self) -> Result<(), StoreError> {
-        let mut client =
-            session(&self.spec, &self.policy).map_err(|e| StoreError::Unavailable(e.to_string()))?;
-        self.sql = Statements::prepare(&mut client, &self.shape).map_err(pg)?;
-        self.client = client;
-        Ok(())
-    }
-
-    /// Runs `read` on the connection, on a new one if it is found dead: a
-    /// killed backend is noticed by the first statement after it, and a
-    /// read is safe to run again.
-    fn reading<R>(
+    /// Runs `statements` on the connection (revived), outside the core.
+    fn plain<R>(
         &mut self,
-        read: impl Fn(&mut Self) -> Result<R, tokio_postgres::Error>,
+        statements: impl FnOnce(&mut Client, &Hot) -> Result<R, tokio_postgres::Error>,
     ) -> Result<R, StoreError> {
         self.revive()?;
-        match read(self) {
-            Err(e) if lost(&e) => {
-                self.reconnect()?;
-                read(self).map_err(pg)
-            }
-            other => other.map_err(pg),
-        }
+        statements(&mut self.core.client, &self.core.sql).map_err(pg)
     }
-}
 
-impl PgStore {
-    /// Writes `plan` in one statement, its own transaction: if the key is
-    /// still held by the token and the premises hold under the locks it
-    /// takes, all of it; else nothing, and a [`StoreError::Conflict`] to
-    /// read and plan again.
-    fn write_plan(&mut self, x: &Execution, plan: &Plan) -> Result<Stored, StoreError> {
-        let Some(args) = PlanArgs::new(&self.shape, x, plan) else {
-            return Err(StoreError::Backend("nothing to write".into()));
-        };
-        let row = self.client.query_one(&self.sql.hot.execute, &args.params()).map_err(pg)?;
-        plan_row(&row, &self.shape, plan)
+    /// Blocks on `step`, one of the core's, on the connection (revived).
+    fn step<'s, F: std::future::Future>(
+        &'s mut self,
+        step: impl FnOnce(&'s mut PgConn<Client>) -> F,
+    ) -> Result<F::Output, StoreError> {
+        self.revive()?;
+        let runtime = self.core.client.runtime();
+        Ok(runtime.block_on(step(&mut self.core)))
     }
 }
 
 impl Store for PgStore {
-    /// One statement, one round trip: the insert, the existing record if
-    /// there was one, and the execution's accounts, committed lazily.
+    /// The core's claim: one statement, one round trip: the insert, the
+    /// existing record if there was one, and the execution's accounts,
+    /// committed lazily. Conflicts are retried within the busy budget of
+    /// the policy the store was connected with.
     fn claim(
         &mut self,
         key: &ScopedKey,
         claim: &Claim,
         accounts: Option<[&AcctId; 2]>,
-        policy: &Policy,
+        _: &Policy,
     ) -> Result<Option<KeyRecord>, StoreError> {
-        self.ahead = None;
-        let args = ClaimArgs::new(&self.shape, key, claim, accounts);
-        let found = super::retrying(
-            policy,
-            |e| *e == StoreError::Conflict,
-            || {
-                // A connection found dead is replaced and the claim sent again;
-                // if the first one did commit, the key is found under this
-                // attempt's own token, and is ours.
-                let row = self.reading(|s| s.client.query_one(&s.sql.hot.claim, &args.params()))?;
-                match claim_row(&row, &self.shape, claim)? {
-                    ClaimRow::Mine(read) => Ok(Err(read)),
-                    ClaimRow::Existing(rec) => Ok(Ok(rec)),
-                    ClaimRow::Raced => {
-                        let k = [&key.client_id, &key.endpoint, &key.idem_key];
-                        let row =
-                            self.client.query_opt(&self.sql.hot.read_key, &[k[0], k[1], k[2]]).map_err(pg)?;
-                        row.as_ref().map(record).transpose()?.map(Ok).ok_or(StoreError::Conflict)
-                    }
-                }
-            },
-        );
-        match found {
-            Err(StoreError::Conflict) => Err(StoreError::Busy),
-            Err(e) => Err(e),
-            Ok(Ok(existing)) => Ok(Some(existing)),
-            Ok(Err(read)) => {
-                self.ahead = accounts.map(|ids| Ahead::new(key, claim, ids, read));
-                Ok(None)
-            }
-        }
+        self.step(|core| steps::claim(core, key, claim, accounts))?
     }
 
-    /// Decides on what the claim read (or, after a conflict, on a fresh
-    /// plain read) and writes the plan in one statement that checks it
-    /// under the locks it takes: no lock is held across a round trip.
+    /// The core's execution: decides on what the claim read (or, after a
+    /// conflict, on a fresh plain read) and writes the plan in one statement
+    /// that checks it under the locks it takes: no lock is held across a
+    /// round trip.
     fn execute(
         &mut self,
         x: Execution,
         plan: &mut dyn FnMut(&Seen) -> Plan,
         crash: &mut dyn FnMut() -> bool,
-        policy: &Policy,
+        _: &Policy,
     ) -> Result<Executed, StoreError> {
-        let mut ahead = Ahead::for_execution(self.ahead.take(), &x);
-        let done = super::retrying(
-            policy,
-            |e| *e == StoreError::Conflict,
-            || {
-                let seen = match ahead.take() {
-                    Some(seen) => seen,
-                    None => {
-                        self.revive()?;
-                        let [src, dst] = seen_args(&self.shape, &x);
-                        let k = x.key;
-                        let row = self.client.query_one(
-                            &self.sql.hot.seen,
-                            &[&k.client_id, &k.endpoint, &k.idem_key, &src, &dst],
-                        );
-                        seen_of(&row.map_err(pg)?, &self.shape)?
-                    }
-                };
-                let planned = plan(&seen);
-                if planned == Plan::Nothing {
-                    return Ok(Executed::Nothing);
-                }
-                // Nothing is written yet: a crash here leaves what a crash
-                // before the commit leaves.
-                if crash() {
-                    return Ok(Executed::Crashed);
-                }
-                self.write_plan(&x, &planned).map(Executed::Completed)
-            },
-        );
-        match done {
-            Err(StoreError::Conflict) => Err(StoreError::Busy),
-            other => other,
-        }
+        let (mut plan, mut crash) = (plan, crash);
+        self.step(|core| steps::execute(core, x, &mut plan, &mut crash))?
+    }
+
+    /// The core's takeover.
+    fn replace_claim(
+        &mut self,
+        key: &ScopedKey,
+        seen: &KeyRecord,
+        claim: &Claim,
+        _: &Policy,
+    ) -> Result<bool, StoreError> {
+        self.step(|core| steps::replace_claim(core, key, seen, claim))?
+    }
+
+    /// The core's release.
+    fn release(&mut self, key: &ScopedKey, token: &str, _: &Policy) -> Result<bool, StoreError> {
+        self.step(|core| core.release_once(key, token))?
     }
 
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
-        // BEGIN is where a dead connection is found: nothing has run on it
-        // yet, so it is replaced and the transaction starts on a new one.
         let setting = match durability {
             Durability::Lazy => "BEGIN; SET LOCAL synchronous_commit = off",
             Durability::Durable => "BEGIN",
         };
-        self.reading(|s| s.client.batch_execute(setting))?;
-        Ok(Box::new(PgTx { client: &mut self.client, shape: &self.shape, sql: &self.sql, open: true }))
+        self.plain(|c, _| c.batch_execute(setting))?;
+        let core = &mut self.core;
+        let (client, shape, hot, sql) = (&mut core.client, &core.shape, &core.sql, &self.sql);
+        Ok(Box::new(PgTx { client, shape, hot, sql, open: true }))
     }
 
     fn audit(&mut self) -> Result<Audit, StoreError> {
         self.revive()?;
-        let c = &mut self.client;
+        let (c, shape) = (&mut self.core.client, &self.core.shape);
         let mut balances = Vec::new();
         for row in c.query("SELECT acct_id::text, balance::text FROM account", &[]).map_err(pg)? {
-            let id = self.shape.id(row.get(0))?;
+            let id = shape.id(row.get(0))?;
             let b = balance(&id, row.get(1))?;
             balances.push((id, b));
         }
@@ -269,8 +225,8 @@ impl Store for PgStore {
 
 impl Reads for PgStore {
     fn transfer_for(&mut self, client_id: &str, transfer_id: i64) -> Result<Option<String>, StoreError> {
-        let row = self.reading(|s| {
-            s.client.query_opt(
+        let row = self.plain(|c, _| {
+            c.query_opt(
                 "SELECT body FROM idem_key
                  WHERE transfer_id = $1 AND client_id = $2 AND state = 'completed' AND status = 201",
                 &[&transfer_id, &client_id],
@@ -280,13 +236,12 @@ impl Reads for PgStore {
     }
 
     fn ping(&mut self) -> Result<(), StoreError> {
-        self.reading(|s| s.client.batch_execute("SELECT 1"))
+        self.plain(|c, _| c.batch_execute("SELECT 1"))
     }
 
     fn peek(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
-        let row = self.reading(|s| {
-            s.client.query_opt(&s.sql.hot.read_key, &[&key.client_id, &key.endpoint, &key.idem_key])
-        })?;
+        let row =
+            self.plain(|c, hot| c.query_opt(&hot.read_key, &[&key.client_id, &key.endpoint, &key.idem_key]))?;
         row.as_ref().map(record).transpose()
     }
 }
@@ -296,6 +251,7 @@ impl Reads for PgStore {
 pub struct PgTx<'a> {
     client: &'a mut Client,
     shape: &'a Shape,
+    hot: &'a Hot,
     sql: &'a Statements,
     open: bool,
 }
@@ -324,7 +280,7 @@ impl Tx for PgTx<'_> {
         }
         // The primary key is the arbiter. If the row it saw is gone already
         // (purged in between), run the claim again.
-        let read_key = &self.sql.hot.read_key;
+        let read_key = &self.hot.read_key;
         self.key_row(read_key, key)?.map(Some).ok_or(StoreError::Conflict)
     }
 
@@ -336,7 +292,7 @@ impl Tx for PgTx<'_> {
     ) -> Result<bool, StoreError> {
         match self
             .client
-            .query_opt(&self.sql.hot.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key])
+            .query_opt(&self.hot.lock_key_nowait, &[&key.client_id, &key.endpoint, &key.idem_key])
         {
             Ok(Some(_)) => {}
             Ok(None) => return Ok(false),
@@ -369,7 +325,7 @@ impl Tx for PgTx<'_> {
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
         let n = self
             .client
-            .execute(&self.sql.hot.release, &[&key.client_id, &key.endpoint, &key.idem_key, &token])
+            .execute(&self.hot.release, &[&key.client_id, &key.endpoint, &key.idem_key, &token])
             .map_err(pg)?;
         Ok(n == 1)
     }

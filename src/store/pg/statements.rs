@@ -28,9 +28,9 @@ pub(in crate::store) struct Shape {
     pub(super) path: String,
 }
 
-/// Every statement a request runs, prepared once per connection.
+/// The statements of the synchronous store's transactions begun by hand
+/// ([`Tx`]), prepared once per connection; the core's are [`Hot`].
 pub(super) struct Statements {
-    pub(super) hot: Hot,
     pub(super) lock_key: Statement,
     pub(super) lock_account: Statement,
     pub(super) add_to_balance: Statement,
@@ -95,12 +95,8 @@ impl Hot {
 impl Statements {
     pub(super) fn prepare(client: &mut Client, shape: &Shape) -> Result<Self, tokio_postgres::Error> {
         let t = &shape.acct_type;
-        let hot: Vec<Statement> =
-            Hot::texts(shape).iter().map(|sql| client.prepare(sql)).collect::<Result<_, _>>()?;
-        let hot = Hot::of(hot.try_into().unwrap_or_else(|_| unreachable!("seven texts, seven statements")));
         let mut p = |sql: &str| client.prepare(sql);
         Ok(Statements {
-            hot,
             lock_key: p(&format!("SELECT {KEY_COLUMNS} FROM idem_key WHERE {KEY_WHERE} FOR UPDATE"))?,
             lock_account: p(&format!(
                 "SELECT acct_id::text, balance::text FROM account WHERE acct_id = $1::text::{t} FOR UPDATE"

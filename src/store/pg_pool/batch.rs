@@ -27,14 +27,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Row, Statement};
-
-/// The statements of a batch, prepared on each connection of a batching pool.
-pub(in crate::store) struct BatchSql {
-    pub(in crate::store) claims: Statement,
-    pub(in crate::store) executions: Statement,
-}
 
 /// What a request gets from its batch.
 enum Answer {
@@ -247,7 +241,9 @@ impl Route for Batched<'_> {
         &self.batcher.shape
     }
 
-    fn policy(&self) -> &'static Policy {
+    type Client = tokio_postgres::Client;
+
+    fn policy(&self) -> &Policy {
         self.batcher.policy
     }
 
@@ -280,3 +276,5 @@ impl Route for Batched<'_> {
         self.conn.as_deref_mut().ok_or_else(|| StoreError::Backend("no connection".into()))
     }
 }
+
+crate::store::pg::steps_of_route!(Batched<'_>);
