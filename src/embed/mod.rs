@@ -247,6 +247,9 @@ pub struct Keys {
     sqlite: KeyTable,
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     pg: KeyTable,
+    /// The claim and the lock wait put back, one statement (sqlx).
+    #[cfg(feature = "sqlx-postgres")]
+    pg_claim: String,
 }
 
 /// Why a table prefix was refused.
@@ -286,6 +289,10 @@ impl Keys {
             sqlite: KeyTable::new(&table, Dialect::Sqlite),
             #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
             pg: KeyTable::new(&table, Dialect::Postgres),
+            #[cfg(feature = "sqlx-postgres")]
+            pg_claim: crate::store::keys::claim_then_wait_as_before(
+                &KeyTable::new(&table, Dialect::Postgres).insert_claim,
+            ),
             table,
             index: format!("{name}idem_keys_created_at"),
             versions: format!("{prefix}idem_schema"),

@@ -8,9 +8,9 @@
 //! dropped unfinished (a handler that panicked) is rolled back by sqlx
 //! before its connection is used again. sqlx sends one statement a round
 //! trip (it does not pipeline): a new key costs `BEGIN` (on PostgreSQL with
-//! the claim's lock wait), the claim, on PostgreSQL the lock wait put back,
-//! the completion and `COMMIT`: five round trips on PostgreSQL, four on
-//! SQLite, where tokio-postgres sends them as two.
+//! the claim's lock wait), the claim (on PostgreSQL with the lock wait put
+//! back in the same statement), the completion and `COMMIT`: four round
+//! trips, two more than the bare handler's `BEGIN` and `COMMIT`.
 
 use super::{Answer, Keys, gone};
 use crate::clock::Timestamp;
@@ -38,6 +38,8 @@ macro_rules! on_sqlx {
         pub(crate) struct $lent<'c> {
             tx: &'c mut Option<Transaction<'static, $db>>,
             table: &'c KeyTable,
+            /// The claim's statement ([`Self::claim_sql`]).
+            claim: &'c str,
             /// The media type and headers stored with the answer of the
             /// key's row, if the claim found one.
             pub(crate) kept: Kept,
@@ -45,7 +47,7 @@ macro_rules! on_sqlx {
 
         impl<'c> $lent<'c> {
             pub(crate) fn new(tx: &'c mut Option<Transaction<'static, $db>>, keys: &'c Keys) -> Self {
-                $lent { tx, table: Self::table(keys), kept: Kept::default() }
+                $lent { tx, table: Self::table(keys), claim: Self::claim_sql(keys), kept: Kept::default() }
             }
 
             /// Stores `answer` with the key `token` claimed and commits;
@@ -81,27 +83,33 @@ macro_rules! on_sqlx {
                 }
             }
 
-            /// Inserts `claim` (over the version `seen`, if any) on `key`;
-            /// whether it was written.
-            async fn write_claim(
-                &mut self,
-                sql: &str,
-                key: &ScopedKey,
-                claim: &Claim,
-                seen: Option<&KeyRecord>,
-            ) -> Result<bool, StoreError> {
+            /// `claim` on `key` as `sql` binds it: the key, then the claim.
+            fn bind_claim<'q>(
+                sql: &'q str,
+                key: &'q ScopedKey,
+                claim: &'q Claim,
+            ) -> sqlx::query::Query<'q, $db, <$db as sqlx::Database>::Arguments> {
                 let who = keys::who(key);
-                let mut q = sqlx::query::<$db>(AssertSqlSafe(sql))
+                sqlx::query::<$db>(AssertSqlSafe(sql))
                     .bind(who[0])
                     .bind(who[1])
                     .bind(who[2])
                     .bind(&claim.fingerprint)
                     .bind(&claim.token)
                     .bind(claim.created_at.to_string())
-                    .bind(claim.lease_until.to_string());
-                if let Some(seen) = seen {
-                    q = q.bind(&seen.token).bind(seen.state.name());
-                }
+                    .bind(claim.lease_until.to_string())
+            }
+
+            /// Writes `claim` over the version `seen` of `key`; whether it did.
+            async fn write_claim(
+                &mut self,
+                key: &ScopedKey,
+                claim: &Claim,
+                seen: &KeyRecord,
+            ) -> Result<bool, StoreError> {
+                let q = Self::bind_claim(&self.table.replace_claim, key, claim)
+                    .bind(&seen.token)
+                    .bind(seen.state.name());
                 Ok(q.execute(self.tx.as_deref_mut().ok_or_else(gone)?).await.map_err(failed)?.rows_affected()
                     == 1)
             }
@@ -150,14 +158,11 @@ macro_rules! on_sqlx {
                 claim: &Claim,
                 _: Option<[&AcctId; 2]>,
             ) -> Result<Option<KeyRecord>, StoreError> {
-                // the table is the caller's, borrowed apart from `self`
-                let table = self.table;
-                let claimed = self.write_claim(&table.insert_claim, key, claim, None).await?;
-                Self::after_claim(self.tx.as_deref_mut().ok_or_else(gone)?).await?;
-                if claimed {
+                let conn = self.tx.as_deref_mut().ok_or_else(gone)?;
+                if Self::insert_claim(conn, Self::bind_claim(self.claim, key, claim)).await? {
                     return Ok(None);
                 }
-                let row = self.read(Self::read_sql(table), key).await?;
+                let row = self.read(Self::read_sql(self.table), key).await?;
                 keys::found(row, &mut self.kept)
             }
 
@@ -167,8 +172,7 @@ macro_rules! on_sqlx {
                 seen: &KeyRecord,
                 claim: &Claim,
             ) -> Result<bool, StoreError> {
-                let table = self.table;
-                self.write_claim(&table.replace_claim, key, claim, Some(seen)).await
+                self.write_claim(key, claim, seen).await
             }
 
             /// Nothing to delete: the claim goes with the transaction's
@@ -188,7 +192,7 @@ pub(crate) use pg::OnSqlxPg;
 #[cfg(feature = "sqlx-postgres")]
 mod pg {
     use super::*;
-    use crate::store::keys::{MIGRATION_LOCK, WAIT_AS_BEFORE};
+    use crate::store::keys::MIGRATION_LOCK;
     use sqlx::PgConnection;
 
     on_sqlx!(sqlx::Postgres, OnSqlxPg);
@@ -220,8 +224,22 @@ mod pg {
             pool.begin_with(AssertSqlSafe(begin.clone())).await
         }
 
-        async fn after_claim(conn: &mut PgConnection) -> Result<(), StoreError> {
-            sqlx::raw_sql(WAIT_AS_BEFORE).execute(conn).await.map(drop).map_err(failed)
+        /// The claim and the lock wait put back, one statement, one round
+        /// trip (`keys::claim_then_wait_as_before`).
+        fn claim_sql(keys: &Keys) -> &str {
+            &keys.pg_claim
+        }
+
+        /// Runs the claim `q`; whether it inserted.
+        async fn insert_claim(
+            conn: &mut PgConnection,
+            q: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        ) -> Result<bool, StoreError> {
+            use sqlx::Row;
+            let row = q.fetch_one(conn).await.map_err(failed)?;
+            let n: i64 =
+                row.try_get(0).map_err(|e| StoreError::Backend(Failure::caused_by("a claim's row", e)))?;
+            Ok(n == 1)
         }
 
         /// Locked without waiting: a racer taking it over is in flight.
@@ -281,8 +299,16 @@ mod lite {
             pool.begin_with("BEGIN IMMEDIATE").await
         }
 
-        async fn after_claim(_: &mut SqliteConnection) -> Result<(), StoreError> {
-            Ok(())
+        fn claim_sql(keys: &Keys) -> &str {
+            &keys.sqlite.insert_claim
+        }
+
+        /// Runs the claim `q`; whether it inserted.
+        async fn insert_claim(
+            conn: &mut SqliteConnection,
+            q: sqlx::query::Query<'_, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+        ) -> Result<bool, StoreError> {
+            Ok(q.execute(conn).await.map_err(failed)?.rows_affected() == 1)
         }
 
         fn read_sql(t: &KeyTable) -> &str {

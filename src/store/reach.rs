@@ -229,7 +229,7 @@ pub trait Ready: Send + Sync {
 #[cfg(any(feature = "cli", feature = "axum"))]
 pub(crate) enum Connect {
     Spec {
-        config: tokio_postgres::Config,
+        config: Box<tokio_postgres::Config>,
         /// To say why a connection failed without quoting the connection string.
         spec: String,
     },
@@ -244,7 +244,7 @@ pub(crate) type Make = dyn Fn() -> std::pin::Pin<
     + Sync;
 
 /// The one manager of idem's PostgreSQL pools (deadpool's): the service's,
-/// and the library's own. It connects as [`Connect`] says and makes each
+/// and the library's own. It connects as `Connect` says and makes each
 /// connection ready by `R`; a connection gone, or of unknown state, is
 /// never handed out again.
 #[cfg(any(feature = "cli", feature = "axum"))]
@@ -261,7 +261,11 @@ impl<R: Ready> Connector<R> {
     pub(crate) fn with(spec: &str, policy: &Policy, ready: R) -> Result<Self, StoreError> {
         let config = configure(spec, policy)?;
         let create = create_deadline(&config);
-        Ok(Connector { connect: Connect::Spec { config, spec: spec.to_owned() }, create, ready })
+        Ok(Connector {
+            connect: Connect::Spec { config: Box::new(config), spec: spec.to_owned() },
+            create,
+            ready,
+        })
     }
 
     /// Connections `make` makes, each within `create`, made ready by `ready`.

@@ -555,18 +555,22 @@ fn the_layer_runs_on_the_applications_deadpool_and_sqlx_pools() {
     // PostgreSQL: the team's deadpool-postgres pool, then its sqlx pool
     let Some(server) = crate::common::pg::server() else { return };
     let spec = server.fresh_schema(false);
+    // the session is the team's: its name, and the lock wait it set, which
+    // the claim's own (shorter) wait must have given back to the handler
     let session = |tx: Tx| async move {
+        let sql = "SELECT current_setting('application_name') || ' ' || current_setting('lock_timeout')";
         let name: String = if let Some(c) = tx.client().await {
-            c.query_one("SHOW application_name", &[]).await.unwrap().get(0)
+            c.query_one(sql, &[]).await.unwrap().get(0)
         } else {
             let mut c = tx.sqlx_postgres().await.unwrap();
-            sqlx::query_scalar("SHOW application_name").fetch_one(&mut *c).await.unwrap()
+            sqlx::query_scalar(sql).fetch_one(&mut *c).await.unwrap()
         };
         (StatusCode::CREATED, format!(r#"{{"session":"{name}"}}"#)).into_response()
     };
     let (deadpool, sqlx_pool) = runtime.block_on(async {
         let mut config: tokio_postgres::Config = spec.parse().unwrap();
-        config.application_name("the_team_deadpool");
+        let options = format!("{} -c lock_timeout=7s", config.get_options().unwrap_or_default());
+        config.application_name("the_team_deadpool").options(&options);
         let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
         let pool = deadpool_postgres::Pool::builder(manager).max_size(2).build().unwrap();
         let idem = Idempotency::on_deadpool(pool.clone(), Keys::new("dp_").unwrap(), |_| Some("c1".into()))
@@ -576,7 +580,9 @@ fn the_layer_runs_on_the_applications_deadpool_and_sqlx_pools() {
             Router::new().route("/orders", post(session)).route_layer(from_fn_with_state(idem, idempotent)),
         )
         .await;
-        let options = crate::common::pg::sqlx_options(&spec).application_name("the_team_sqlx");
+        let options = crate::common::pg::sqlx_options(&spec)
+            .application_name("the_team_sqlx")
+            .options([("lock_timeout", "7s")]);
         let pool =
             sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(options).await.unwrap();
         let idem = Idempotency::on_sqlx_postgres(pool, Keys::new("sx_").unwrap(), |_| Some("c1".into()))
@@ -591,7 +597,7 @@ fn the_layer_runs_on_the_applications_deadpool_and_sqlx_pools() {
     for (address, name) in [(deadpool, "the_team_deadpool"), (sqlx_pool, "the_team_sqlx")] {
         let first = send(address, "/orders", "k1");
         let again = send(address, "/orders", "k1");
-        assert_eq!((first.status, first.body.clone()), (201, format!(r#"{{"session":"{name}"}}"#)));
+        assert_eq!((first.status, first.body.clone()), (201, format!(r#"{{"session":"{name} 7s"}}"#)));
         assert!(replayed(&again) && again.body == first.body, "{again:?}");
     }
 }

@@ -114,12 +114,12 @@ fn the_layer_costs_at_most_two_round_trips_over_the_bare_handler_on_postgres() {
 }
 
 #[test]
-fn on_a_sqlx_pool_the_layer_costs_three_round_trips_over_the_bare_handler() {
+fn on_a_sqlx_pool_the_layer_costs_at_most_two_round_trips_over_the_bare_handler() {
     let (bare_trips, layer_trips) = counted(true);
     eprintln!(
         "round trips a request on sqlx: bare handler {bare_trips:.2}, through the layer {layer_trips:.2}"
     );
-    assert!(layer_trips <= bare_trips + 3.0, "the layer: {layer_trips:.2} round trips, bare {bare_trips:.2}");
+    assert!(layer_trips <= bare_trips + 2.0, "the layer: {layer_trips:.2} round trips, bare {bare_trips:.2}");
 }
 
 /// Round trips a request, bare and through the layer, on tokio-postgres or

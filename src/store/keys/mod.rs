@@ -73,6 +73,21 @@ pub(crate) const WAIT_FOR_CLAIM: &str = "SELECT set_config('lock_timeout', $1, t
 pub(crate) const WAIT_AS_BEFORE: &str =
     "SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)";
 
+/// `insert_claim` (PostgreSQL) and [`WAIT_AS_BEFORE`] as one statement, for
+/// a driver that sends one statement a round trip (sqlx): its one row says
+/// how many it inserted (`n`, 0 or 1). The lock wait is put back in the
+/// target list over the count, so only once the insert has ended, whether
+/// it inserted or not; a claim that waited past its bound fails whole, and
+/// its transaction with it.
+#[cfg(feature = "sqlx-postgres")]
+pub(crate) fn claim_then_wait_as_before(insert_claim: &str) -> String {
+    format!(
+        "WITH claimed AS ({insert_claim} RETURNING 1)
+         SELECT c.n, set_config('lock_timeout', current_setting('idem.lock_timeout'), true)
+         FROM (SELECT count(*) AS n FROM claimed) AS c"
+    )
+}
+
 /// The two SQL dialects the key table is written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dialect {
