@@ -167,6 +167,7 @@ async fn refuse_or_transfer(
     note: &mut Note,
 ) -> Reply {
     let payouts = req.uri().path() == PAYOUTS;
+    let wait = super::wait::preferred(req.headers());
     let (client, key, body) = match read_request(app, req, body, note).await {
         Ok(read) => read,
         Err(reply) => return reply,
@@ -180,7 +181,7 @@ async fn refuse_or_transfer(
         Ok(parsed) => parsed,
         Err(e) => return invalid(&e.reason(), note),
     };
-    let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
+    let Ok(permit) = app.in_flight.try_acquire() else { return busy(app, note) };
     // A settled key (a replay, another body) is answered by a reader,
     // without queueing behind the writer's group commits.
     if app.executor.settles_first() {
@@ -195,20 +196,51 @@ async fn refuse_or_transfer(
             Err(_) => return failed(note),
         }
     }
-    let outcome = match app.executor.runs_on_pool() {
-        true => Ok(app.executor.transfer_on_pool(parsed).await),
-        false => {
-            let (reply, answer) = oneshot::channel();
-            if !app.executor.submit(Job::Transfer { req: parsed, reply }) {
-                return busy(app, note);
-            }
-            answer.await
+    let again = wait.map(|_| parsed.clone());
+    let Some(mut outcome) = run(app, parsed).await else { return busy(app, note) };
+    let waits = match (&outcome, wait, again) {
+        (Ok(Ok(Outcome::Respond(a))), Some(wait), Some(req)) if super::wait::in_flight(a) => {
+            Some((wait, req))
         }
+        _ => None,
     };
+    if let Some((wait, req)) = waits {
+        // a waiter holds nothing: no place among the requests in flight either
+        drop(permit);
+        if let Some(settled) = super::wait::settled_within(app, &req, wait).await {
+            let mut reply = respond(settled, note);
+            let (name, value) = super::wait::APPLIED;
+            reply.headers_mut().insert(name, HeaderValue::from_static(value));
+            return reply;
+        }
+        let Ok(_permit) = app.in_flight.try_acquire() else { return busy(app, note) };
+        match run(app, req).await {
+            Some(ran) => outcome = ran,
+            None => return busy(app, note),
+        }
+    }
     match outcome {
         Ok(Ok(Outcome::Respond(answer))) => respond(answer, note),
         Ok(Ok(Outcome::Crashed(_))) | Err(_) => failed(note),
         Ok(Err(e)) => store_error(app, &e, note),
+    }
+}
+
+/// `parsed` run once, on the pool or by the writer; `None` if the writer's
+/// queue is full.
+async fn run(
+    app: &Arc<App>,
+    parsed: crate::request::Request,
+) -> Option<Result<Result<Outcome, crate::store::StoreError>, oneshot::error::RecvError>> {
+    match app.executor.runs_on_pool() {
+        true => Some(Ok(app.executor.transfer_on_pool(parsed).await)),
+        false => {
+            let (reply, answer) = oneshot::channel();
+            if !app.executor.submit(Job::Transfer { req: parsed, reply }) {
+                return None;
+            }
+            Some(answer.await)
+        }
     }
 }
 

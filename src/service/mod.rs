@@ -19,6 +19,7 @@ pub mod metrics;
 mod payouts;
 pub mod problems;
 mod tell;
+mod wait;
 
 pub use tell::load_hooks;
 

@@ -26,3 +26,4 @@ mod payouts;
 mod serve;
 mod tls;
 mod told;
+mod wait;

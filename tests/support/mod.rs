@@ -171,6 +171,19 @@ impl Bank {
     }
 
     /// One integer from `sql`, which must read the same on both backends.
+    /// Runs `sql` on the bank's database, as another session would.
+    #[allow(dead_code)] // the service's suites use it, the engine's do not
+    pub fn execute(&self, sql: &str) {
+        match self.backend {
+            Backend::Sqlite => {
+                let c = Connection::open(&self.db).unwrap();
+                c.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+                c.execute_batch(sql).unwrap();
+            }
+            _ => pg::client(&self.spec()).batch_execute(sql).unwrap(),
+        }
+    }
+
     pub fn count(&self, sql: &str) -> i64 {
         match self.backend {
             Backend::Sqlite => Connection::open(&self.db).unwrap().query_row(sql, [], |r| r.get(0)).unwrap(),
