@@ -327,17 +327,29 @@ fn an_engine_path_with_a_space_is_taken_quoted_or_as_an_engine_arg() {
 fn serve(program: &[&str], dir: &std::path::Path) -> (String, std::process::Child) {
     let db = dir.join("bank.db");
     let conn = rusqlite::Connection::open(&db).unwrap();
-    conn.execute_batch(
-        "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance INTEGER);
-         INSERT INTO account VALUES ('A', 'a', 1000000000), ('B', 'b', 0), ('D', 'd', 800);",
-    )
-    .unwrap();
+    conn.execute_batch(BANK).unwrap();
+    serve_on(program, &db.display().to_string(), dir)
+}
+
+/// The accounts the `--url` checks spend from.
+const BANK: &str = "CREATE TABLE account (acct_id TEXT PRIMARY KEY, holder TEXT, balance BIGINT);
+     INSERT INTO account VALUES ('A', 'a', 1000000000), ('B', 'b', 0), ('D', 'd', 800);";
+
+/// [`serve`] on a fresh PostgreSQL schema; `None` without a PostgreSQL.
+fn serve_pg(program: &[&str], dir: &std::path::Path) -> Option<(String, std::process::Child)> {
+    let spec = pg::server()?.fresh_schema(false);
+    pg::execute(&spec, BANK);
+    Some(serve_on(program, &spec, dir))
+}
+
+/// `program --db DB --listen … --clients …`, and the URL it says it listens on.
+fn serve_on(program: &[&str], db: &str, dir: &std::path::Path) -> (String, std::process::Child) {
     let clients = dir.join("clients.json");
     std::fs::write(&clients, r#"{"tok-1": "shop-1", "tok-2": "shop-2", "tok-1b": "shop-1"}"#).unwrap();
     let mut child = Command::new(program[0])
         .args(&program[1..])
         .arg("--db")
-        .arg(&db)
+        .arg(db)
         .args(["--listen", "127.0.0.1:0", "--clients"])
         .arg(&clients)
         .stdout(Stdio::piped())
@@ -349,7 +361,7 @@ fn serve(program: &[&str], dir: &std::path::Path) -> (String, std::process::Chil
     (line.trim().replace("127.0.0.1", "localhost"), child)
 }
 
-const URL_PROPERTIES: [(&str, &str); 18] = [
+const URL_PROPERTIES: [(&str, &str); 19] = [
     ("new", "a new key is created"),
     (
         "replay",
@@ -367,6 +379,10 @@ const URL_PROPERTIES: [(&str, &str); 18] = [
     (
         "Retry-After",
         "an in-flight answer carries Retry-After, if the profile declares it, on 409s provoked on purpose",
+    ),
+    (
+        "wait",
+        "a retry that prefers to wait gets the original's answer, not in-flight, if the profile declares it",
     ),
     ("lost", "an answer lost after the commit is replayed on retry, not made again"),
     ("hang up", "a client that hangs up leaves no key held past the lease and nothing paid twice"),
@@ -659,7 +675,7 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
     };
     let [with, without, accountless, wrong @ ..] = &done[..] else { unreachable!() };
     assert!(
-        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 21,
+        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 22,
         "{}",
         with.stdout
     );
@@ -814,6 +830,51 @@ fn a_first_sent_date_is_judged_only_where_the_profile_declares_it() {
         if got != *want || !others.is_empty() {
             wrong.push(format!(
                 "{name} with {profile}: wanted {want:?} and no other failure, got {got:?}, {others:?}\n{}",
+                run.stdout
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+/// `Prefer: wait` (RFC 7240) is judged only where a profile declares it:
+/// `idem serve`, which honours it, passes (its racers wait and say so); a
+/// service that answers its racers in flight regardless fails that
+/// property alone when it is declared, and is never asked for it when it
+/// is not (a SKIP).
+#[test]
+fn a_retry_that_prefers_to_wait_is_judged_only_where_the_profile_declares_it() {
+    const WAIT: &str =
+        "a retry that prefers to wait gets the original's answer, not in-flight, if the profile declares it";
+    let service = format!("{PEERS}/http_service.py");
+    let cohort: Vec<(&str, Vec<String>, &str, &str)> = vec![
+        ("idem serve on PostgreSQL", vec![IDEM.into(), "serve".into()], "prefer-wait.json", "PASS"),
+        ("idem serve on PostgreSQL", vec![IDEM.into(), "serve".into()], DECLARED, "SKIP"),
+        ("http_service.py", vec!["python3".into(), service.clone()], "prefer-wait.json", "FAIL"),
+        ("http_service.py", vec!["python3".into(), service], DECLARED, "SKIP"),
+    ];
+    let mut wrong = Vec::new();
+    for (name, program, profile, want) in &cohort {
+        let dir = tempfile::tempdir().unwrap();
+        let program: Vec<&str> = program.iter().map(String::as_str).collect();
+        // idem serve's racers meet a claim in flight on PostgreSQL, where the
+        // claim commits before the execution; on SQLite one group answers them
+        let (url, mut child) = match name.ends_with("PostgreSQL") {
+            true => match serve_pg(&program, dir.path()) {
+                Some(served) => served,
+                None => continue,
+            },
+            false => serve(&program, dir.path()),
+        };
+        let run = check_url(&url, "5", profile);
+        let _ = child.kill();
+        let _ = child.wait();
+        let got = verdict(&run, WAIT);
+        let others = failed(&run).into_iter().filter(|f| !f.starts_with(WAIT)).collect::<Vec<_>>();
+        println!("{name} with {profile}: {got:?}, other failures {others:?}");
+        if got != Some(*want) || !others.is_empty() {
+            wrong.push(format!(
+                "{name} with {profile}: wanted {want} and no other failure, got {got:?}, {others:?}\n{}",
                 run.stdout
             ));
         }

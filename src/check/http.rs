@@ -57,6 +57,11 @@ pub struct Profile {
     /// are kept is 412 and runs nothing, a malformed date 400 (the draft
     /// names neither: judged only when declared).
     pub first_sent: bool,
+    /// Whether the service honours `Prefer: wait=N` (RFC 7240) on a retry
+    /// whose key is in flight: it waits for the original's answer instead
+    /// of answering in flight (the draft asks 409: judged only when
+    /// declared).
+    pub prefer_wait: bool,
     pub missing_key_status: u16,
     /// The status of a malformed body; `null`: any 4xx.
     pub invalid_status: Option<u16>,
@@ -116,6 +121,7 @@ impl Default for Profile {
             in_flight_status: 409,
             in_flight_retry_after: false,
             first_sent: false,
+            prefer_wait: false,
             missing_key_status: 400,
             invalid_status: None,
             unauthorized_status: None,

@@ -25,6 +25,7 @@ pub mod leak;
 pub mod life;
 pub mod model;
 mod process;
+mod races;
 pub mod url;
 pub mod walk;
 

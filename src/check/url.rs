@@ -12,13 +12,12 @@ pub use super::http::{Profile, Target};
 
 use super::CheckError;
 use super::bodies::{others, respaced};
-use super::http::{Http, exchange, parse_answer, read_answer, transfer_body};
+use super::http::{Http, exchange, parse_answer, transfer_body};
+use super::races::{attach, release, retry_after};
 use super::{Property, Trace, short};
 use crate::outside::proxy::{Odds, Proxy};
 use serde_json::{Value, json};
-use std::io::Write;
-use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::net::SocketAddr;
 
 fn created(target: &Target, t: &mut Trace, h: &Http) -> bool {
     t.expect(target.made(h) && !target.replayed(h), || {
@@ -168,7 +167,7 @@ fn scoped(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 /// Sixteen requests on one key, released by their last byte at one instant.
 fn race(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let p = &target.profile;
-    let answers = release(target, &target.key(8), 12)?;
+    let answers = release(target, &target.key(8), 12, &[])?;
     let created: Vec<&Http> = answers.iter().filter(|a| target.made(a)).collect();
     let fresh = created.iter().filter(|a| !target.replayed(a)).count();
     t.step(format!(
@@ -183,73 +182,6 @@ fn race(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         "an answer was neither the transfer nor in flight".into()
     });
     t.expect(p.replay_header.is_none() || fresh == 1, || format!("{fresh} answers claim to be the first"));
-    Ok(())
-}
-
-/// Sixteen requests of the transfer of `amount` on key `k`, each on its own
-/// connection, released by their last byte at one instant; their answers.
-fn release(target: &Target, k: &str, amount: i64) -> Result<Vec<Http>, CheckError> {
-    let auth = ("Authorization", format!("Bearer {}", target.tokens[0]));
-    let request =
-        target.post_bytes(&[auth, ("Idempotency-Key", target.key_header(k))], &target.transfer(amount));
-    let (head, last) = request.split_at(request.len() - 1);
-    let mut streams = Vec::new();
-    for _ in 0..16 {
-        let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
-            .map_err(CheckError::io("connect"))?;
-        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
-        s.write_all(head).map_err(CheckError::io("send"))?;
-        streams.push(s);
-    }
-    std::thread::sleep(Duration::from_millis(50));
-    let barrier = std::sync::Barrier::new(streams.len());
-    let answers: Vec<Result<Http, CheckError>> = std::thread::scope(|scope| {
-        let runs: Vec<_> = streams
-            .into_iter()
-            .map(|mut s| {
-                let barrier = &barrier;
-                scope.spawn(move || {
-                    barrier.wait();
-                    s.write_all(last).map_err(CheckError::io("send"))?;
-                    read_answer(&mut s)
-                })
-            })
-            .collect();
-        runs.into_iter().map(|r| r.join().unwrap_or_else(|_| Err("a thread panicked".into()))).collect()
-    });
-    answers.into_iter().collect()
-}
-
-/// How many races [`retry_after`] runs, at most, to see an in-flight answer.
-const RACES: u64 = 8;
-
-/// Races on fresh keys until one provokes in-flight answers (a fast service
-/// may answer every racer with the replay); each must carry `Retry-After`.
-fn retry_after(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
-    let p = &target.profile;
-    if !p.in_flight_retry_after {
-        t.skip("the profile does not declare in_flight_retry_after (the draft does not ask for it)");
-        return Ok(());
-    }
-    for race in 0..RACES {
-        let answers = release(target, &target.key(100 + race), 12)?;
-        let in_flight: Vec<&Http> = answers.iter().filter(|a| a.status == p.in_flight_status).collect();
-        if in_flight.is_empty() {
-            continue;
-        }
-        let bare = in_flight.iter().filter(|a| a.header("retry-after").is_none()).count();
-        t.step(format!(
-            "race {}: {} in-flight answers, {bare} without Retry-After",
-            race + 1,
-            in_flight.len()
-        ));
-        t.expect(bare == 0, || format!("{bare} in-flight answers without Retry-After"));
-        return Ok(());
-    }
-    t.skip(format!(
-        "no in-flight answer ({}) in {RACES} races of 16 requests: Retry-After not judged",
-        p.in_flight_status
-    ));
     Ok(())
 }
 
@@ -494,7 +426,7 @@ macro_rules! property {
 }
 
 /// The properties an HTTP implementation must have, each with its sentence.
-pub static PROPERTIES: [Property<Target>; 18] = [
+pub static PROPERTIES: [Property<Target>; 19] = [
     property!(
         "a new key is created",
         "draft §2: the first request with a key is processed as usual (any 2xx; profile created_status)",
@@ -539,6 +471,11 @@ pub static PROPERTIES: [Property<Target>; 18] = [
         "an in-flight answer carries Retry-After, if the profile declares it, on 409s provoked on purpose",
         "draft §2.7: a request while the first is in flight SHOULD be 409; Retry-After (RFC 9110 §10.2.3) is judged only if the profile declares in_flight_retry_after, on in-flight answers the check provokes in up to 8 races",
         retry_after
+    ),
+    property!(
+        "a retry that prefers to wait gets the original's answer, not in-flight, if the profile declares it",
+        "RFC 7240 Prefer: wait=N: sixteen requests on one key, each with Prefer: wait=10, released at once: none may be answered in flight, every answer is the one transfer (judged only if the profile declares prefer_wait; not exercised unless an answer carries Preference-Applied: wait)",
+        attach
     ),
     property!(
         "an answer lost after the commit is replayed on retry, not made again",
