@@ -26,7 +26,11 @@ pub fn is_json(media_type: &str) -> bool {
 }
 
 mod first_sent;
+mod prefer;
 pub use first_sent::{FIRST_SENT, FIRST_SENT_MARGIN_SECONDS, first_sent};
+#[cfg(any(feature = "postgres", feature = "axum"))]
+pub use prefer::within;
+pub use prefer::{MAX_PREFER_WAIT, prefer_wait};
 
 /// 2^53 − 1: the largest integer that every JSON parser, RFC 8785 and a
 /// double-precision column keep exact. Amounts and integer account ids

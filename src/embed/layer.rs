@@ -339,7 +339,7 @@ where
     let request = Request::from_parts(parts, Body::from(bytes));
     let span = tracing::info_span!(target: "idem", "idempotent", client = %scope.client, endpoint = %scope.endpoint, key = %key, status = tracing::field::Empty, replayed = tracing::field::Empty);
     let run = tracing::Instrument::instrument(
-        run::keyed(idem, scope, key, fingerprint, request, next),
+        run::keyed(idem, scope.key(&key), fingerprint, request, next),
         span.clone(),
     );
     let response = finished(tokio::spawn(run).await);

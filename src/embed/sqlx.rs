@@ -242,6 +242,20 @@ mod pg {
             Ok(n == 1)
         }
 
+        /// The key's committed row, a plain read in a transaction of its own
+        /// on a connection of `pool` (rolled back as it ends).
+        #[cfg(feature = "axum")]
+        pub(crate) async fn peek(
+            pool: &sqlx::PgPool,
+            keys: &Keys,
+            key: &ScopedKey,
+        ) -> Result<Option<(KeyRecord, Kept)>, StoreError> {
+            let mut tx = Some(pool.begin().await.map_err(failed)?);
+            let mut lent = OnSqlxPg::new(&mut tx, keys);
+            let read = &lent.table.read;
+            lent.read(read, key).await
+        }
+
         /// Locked without waiting: a racer taking it over is in flight.
         fn read_sql(t: &KeyTable) -> &str {
             &t.read_nowait

@@ -1,6 +1,6 @@
 //! `Prefer: wait=N` (RFC 7240) on a retry that meets its key in flight:
 //! instead of 409 at once, the retry waits up to N seconds (at most
-//! [`MAX_WAIT`]) for the original's final answer and returns it, as any
+//! `request::MAX_PREFER_WAIT`) for the original's final answer and returns it, as any
 //! replay, with `Preference-Applied: wait`. Without the preference nothing
 //! changes.
 //!
@@ -22,29 +22,12 @@ use hyper::header::HeaderMap;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
-/// The longest a retry waits, whatever it prefers: a few of the original's
-/// usual runs, well inside a client's own timeout.
-pub(super) const MAX_WAIT: Duration = Duration::from_secs(10);
-
 /// The header a waited answer carries.
 pub(super) const APPLIED: (&str, &str) = ("preference-applied", "wait");
 
-/// How long the request prefers to wait (`Prefer: wait=N`, N seconds,
-/// capped at [`MAX_WAIT`]); `None` without the preference. A preference
-/// this server does not understand, or a malformed value, is ignored, as
-/// RFC 7240 asks.
+/// How long the request prefers to wait (`request::prefer_wait`).
 pub(super) fn preferred(headers: &HeaderMap) -> Option<Duration> {
-    let values = headers.get_all("prefer").iter().filter_map(|v| v.to_str().ok());
-    let wait = values.flat_map(|v| v.split(',')).find_map(|preference| {
-        let token = preference.split(';').next()?;
-        let (name, value) = token.split_once('=')?;
-        if !name.trim().eq_ignore_ascii_case("wait") {
-            return None;
-        }
-        let value = value.trim().trim_matches('"');
-        value.bytes().all(|b| b.is_ascii_digit()).then(|| value.parse::<u64>().ok()).flatten()
-    })?;
-    Some(Duration::from_secs(wait).min(MAX_WAIT))
+    crate::request::prefer_wait(headers.get_all("prefer").iter().filter_map(|v| v.to_str().ok()))
 }
 
 /// Whether `answer` is the one a retry gets while its original runs.
@@ -56,48 +39,10 @@ pub(super) fn in_flight(answer: &Response) -> bool {
 /// one, read now and then for `wait` at most; `None` if it has none by
 /// then.
 pub(super) async fn settled_within(app: &App, req: &Request, wait: Duration) -> Option<Response> {
-    let until = tokio::time::Instant::now() + wait;
-    let mut pause = Duration::from_millis(10);
-    loop {
-        let now = tokio::time::Instant::now();
-        if now >= until {
-            return None;
-        }
-        tokio::time::sleep(pause.min(until - now)).await;
-        pause = (pause * 2).min(Duration::from_millis(250));
+    crate::request::within(wait, || {
         let (reply, answer) = oneshot::channel();
-        if !app.executor.submit_read(Job::Settled { req: req.clone(), reply }) {
-            continue;
-        }
-        if let Ok(Ok(Some(settled))) = answer.await {
-            return Some(settled);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use hyper::header::HeaderValue;
-
-    fn prefer(values: &[&str]) -> Option<Duration> {
-        let mut headers = HeaderMap::new();
-        for v in values {
-            headers.append("prefer", HeaderValue::from_str(v).unwrap());
-        }
-        preferred(&headers)
-    }
-
-    #[test]
-    fn the_wait_is_read_as_rfc_7240_writes_it_and_capped() {
-        assert_eq!(prefer(&["wait=3"]), Some(Duration::from_secs(3)));
-        assert_eq!(prefer(&["respond-async, WAIT = 2"]), Some(Duration::from_secs(2)));
-        assert_eq!(prefer(&["handling=lenient", "wait=\"4\"; foo=bar"]), Some(Duration::from_secs(4)));
-        assert_eq!(prefer(&["wait=3600"]), Some(MAX_WAIT));
-        assert_eq!(prefer(&["wait=0"]), Some(Duration::ZERO));
-        for ignored in ["wait", "wait=-1", "wait=1.5", "wait=soon", "waiting=3", "return=minimal"] {
-            assert_eq!(prefer(&[ignored]), None, "{ignored}");
-        }
-        assert_eq!(prefer(&[]), None);
-    }
+        let asked = app.executor.submit_read(Job::Settled { req: req.clone(), reply });
+        async move { if asked { answer.await.ok()?.ok()? } else { None } }
+    })
+    .await
 }

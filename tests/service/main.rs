@@ -20,6 +20,7 @@ mod layer_bodies;
 mod layer_calls;
 mod layer_scope;
 mod layer_trips;
+mod layer_wait;
 mod ledger;
 mod lifetime;
 mod payouts;

@@ -82,6 +82,31 @@ impl Store {
             }
         })
     }
+
+    /// The key's committed row, by a plain read on a connection taken for
+    /// it alone; `None` if there is none, or no answer could be had. A
+    /// PostgreSQL claim is seen only once its transaction commits. On SQLite
+    /// a request waits its turn for the one writer instead, so it never
+    /// meets a key in flight, and nothing is read.
+    // on SQLite alone, there is nothing to read
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlx-postgres")), allow(unused_variables))]
+    pub(super) async fn peek(&self, keys: &Keys, key: &ScopedKey) -> Option<(KeyRecord, Kept)> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Store::Pg(lend) => {
+                let lease = lend().await?;
+                let row =
+                    crate::store::keys::pg::read(lease.client(), &keys.pg, crate::store::keys::who(key));
+                let row = row.await.ok()??;
+                let record = crate::store::keys::pg::record(&row, 0).ok()?;
+                Some((record, crate::store::keys::pg::kept(&row)))
+            }
+            #[cfg(feature = "sqlx-postgres")]
+            Store::SqlxPg(pool, _) => OnSqlxPg::peek(pool, keys, key).await.ok()?,
+            #[allow(unreachable_patterns)] // SQLite's requests queue for the writer
+            _ => None,
+        }
+    }
 }
 
 pub(super) enum Conn {

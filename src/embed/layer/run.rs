@@ -6,8 +6,10 @@
 use super::answer::{answer_of, answered, to_store, unavailable};
 use super::conn::Held;
 use super::{Idempotency, OnSlot, Stop, Tx, problem};
-use crate::embed::{Keys, Reply, Scope};
-use crate::protocol::{Decision, conduct};
+use crate::clock::Timestamp;
+use crate::embed::{Keys, Reply};
+use crate::protocol::{Decision, conduct, decide};
+use crate::request::ScopedKey;
 use crate::store::StoreError;
 use crate::store::keys::Kept;
 use axum::body::Body;
@@ -79,46 +81,106 @@ fn timed_out(idem: &Idempotency) -> Response {
 
 /// Claims the key, runs the handler in the claim's transaction, stores its
 /// answer and commits: `protocol::conduct`, with the handler as the work.
-/// The handler runs for at most [`Idempotency::max_run`]; past it, it is
-/// dropped, its transaction ended (a PostgreSQL connection closed, so a
-/// statement it left running ends with it) and the key left free.
+/// A request that meets its key in flight and prefers to wait (`Prefer:
+/// wait=N`, RFC 7240) waits for the first's answer instead of 409: it reads
+/// the key's committed row now and then on a connection taken for each
+/// read, holding none between; once the first commits, its answer is this
+/// one's (`Preference-Applied: wait`). If none comes within N, the request
+/// runs once more as without waiting: 409 if the first still runs, or the
+/// request itself if the first let its key go.
 pub(super) async fn keyed<Fut: Future<Output = Response>>(
     idem: Idempotency,
-    scope: Scope,
-    key: String,
+    key: ScopedKey,
     fingerprint: String,
-    mut request: Request,
+    request: Request,
     next: impl FnOnce(Request) -> Fut,
 ) -> Response {
+    let wait = crate::request::prefer_wait(
+        request.headers().get_all("prefer").iter().filter_map(|v| v.to_str().ok()),
+    );
+    let mut work = Some((request, next));
+    let wait = match (once(&idem, &key, &fingerprint, &mut work).await, wait) {
+        (Ran::Answered(answer), _) => return answer,
+        (Ran::InFlight, None) => return in_flight(&idem),
+        (Ran::InFlight, Some(wait)) => wait,
+    };
+    let settled = crate::request::within(wait, || async {
+        let (record, kept) = idem.store.peek(&idem.keys, &key).await?;
+        match decide(&record, &fingerprint, Timestamp::now(), &idem.keys.policy) {
+            d @ (Decision::Replay(_) | Decision::Mismatch) => Some(Keys::decided(d, kept)),
+            _ => None,
+        }
+    });
+    if let Some(reply) = settled.await {
+        idem.counters.add(match reply {
+            Reply::Mismatch => Ended::Refused,
+            _ => Ended::Replayed,
+        });
+        let mut answer = answer_of(reply);
+        answer.headers_mut().insert("preference-applied", HeaderValue::from_static("wait"));
+        return answer;
+    }
+    match once(&idem, &key, &fingerprint, &mut work).await {
+        Ran::Answered(answer) => answer,
+        Ran::InFlight => in_flight(&idem),
+    }
+}
+
+/// What one conducted run gave: an answer, or the key in flight (not yet
+/// answered: the caller may wait).
+enum Ran {
+    Answered(Response),
+    InFlight,
+}
+
+/// 409 for a key in flight, counted.
+fn in_flight(idem: &Idempotency) -> Response {
+    idem.counters.add(Ended::Refused);
+    answer_of(Reply::InFlight)
+}
+
+/// One conducted run: the handler runs for at most
+/// [`Idempotency::max_run`]; past it, it is dropped, its transaction ended
+/// (a PostgreSQL connection closed, so a statement it left running ends
+/// with it) and the key left free. A handler stopped late may have left a
+/// statement running, or a task of its own holding the transaction: its
+/// transaction is dropped unfinished (`Held`'s drop ends it), never waited
+/// for. `work` is taken only if the handler runs.
+async fn once<Fut: Future<Output = Response>>(
+    idem: &Idempotency,
+    key: &ScopedKey,
+    fingerprint: &str,
+    work: &mut Option<(Request, impl FnOnce(Request) -> Fut)>,
+) -> Ran {
     let conn = match idem.connection().await {
         Ok(conn) => conn,
-        Err(answer) => return answer,
+        Err(answer) => return Ran::Answered(answer),
     };
-    let Ok(token) = Keys::token::<()>() else { return unavailable() };
-    let key = scope.key(&key);
+    let Ok(token) = Keys::token::<()>() else { return Ran::Answered(unavailable()) };
     let mut held = Held::new(conn, idem.keys.clone());
-    held.call.open(&idem, &key, &token);
+    held.call.open(idem, key, &token);
     let tx = Tx(Arc::new(Mutex::new(Some(held))));
     let ctx = idem.keys.ctx(&token);
     let mut late = false;
-    let conducted = conduct(&mut OnSlot(tx.clone()), &key, &fingerprint, None, ctx, async |slot| {
+    let conducted = conduct(&mut OnSlot(tx.clone()), key, fingerprint, None, ctx, async |slot| {
+        let Some((mut request, next)) = work.take() else { return Err(Stop::Work(unavailable())) };
         request.extensions_mut().insert(slot.0.clone());
         let Ok(response) = tokio::time::timeout(idem.max_run, next(request)).await else {
             late = true;
-            return Err(Stop::Work(timed_out(&idem)));
+            return Err(Stop::Work(timed_out(idem)));
         };
-        let (head, bytes, kept) = answered(&idem, response).await.map_err(Stop::Work)?;
+        let (head, bytes, kept) = answered(idem, response).await.map_err(Stop::Work)?;
         if !kept {
             // not an answer to keep: the handler's writes go with the claim
             return Err(Stop::Work(Response::from_parts(head, Body::from(bytes))));
         }
-        let answer = to_store(&idem, &head, &bytes);
+        let answer = to_store(idem, &head, &bytes);
         if idem.crash_before_commit {
             // the fault point (`faults_from_env`): the handler's writes and
             // the key's claim are uncommitted, and end with the process
             std::process::abort();
         }
-        if !slot.complete_and_commit(&key, &token, &answer).await {
+        if !slot.complete_and_commit(key, &token, &answer).await {
             // whether it committed is unknown: the retry replays it or runs it
             let why = "Whether it was done is unknown: retry.";
             return Err(Stop::Work(problem(StatusCode::SERVICE_UNAVAILABLE, "unknown", why)));
@@ -126,28 +188,32 @@ pub(super) async fn keyed<Fut: Future<Output = Response>>(
         Ok(Response::from_parts(head, Body::from(bytes)))
     })
     .await;
-    // A handler stopped late may have left a statement running, or a task of
-    // its own holding the transaction: its transaction is dropped unfinished
-    // (`Held`'s drop ends it), never waited for.
     if late {
         drop(tx.0.try_lock().ok().and_then(|mut slot| slot.take()));
-        let Err(Stop::Work(response)) = conducted else { return unavailable() };
-        return response;
+        let Err(Stop::Work(response)) = conducted else { return Ran::Answered(unavailable()) };
+        return Ran::Answered(response);
     }
     let Some(mut held) = tx.0.lock().await.take() else {
-        return problem(StatusCode::INTERNAL_SERVER_ERROR, "lost", "The transaction was lost.");
+        return Ran::Answered(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "lost",
+            "The transaction was lost.",
+        ));
     };
     // whatever did not commit rolls back: a decision, a failure, an answer not kept
     held.rollback().await;
+    if matches!(conducted, Ok(Err(Decision::InProgress)) | Err(Stop::Store(StoreError::Busy))) {
+        return Ran::InFlight;
+    }
     let kept = std::mem::take(&mut held.kept);
     let called = held.call.called.take().filter(|_| matches!(conducted, Ok(Ok(_))));
     drop(held); // the connection goes back before any outside call
-    let response = counted(&idem, conducted, kept);
-    match called {
+    let response = counted(idem, conducted, kept);
+    Ran::Answered(match called {
         // the intent committed with the key: the call, then its result
-        Some(intent) => super::outside::call(&idem, intent, &token, response).await,
+        Some(intent) => super::outside::call(idem, intent, &token, response).await,
         None => response,
-    }
+    })
 }
 
 /// The answer a conducted run gives, counted.

@@ -46,6 +46,16 @@ pub(crate) async fn read_nowait<C: GenericClient + Sync>(
     Ok(c.query_typed(&t.read_nowait, &who_args(&who)).await?.into_iter().next())
 }
 
+/// The key's committed row (its record, then what [`kept`] reads), a
+/// plain read: no lock taken, none waited for.
+pub(crate) async fn read<C: GenericClient + Sync>(
+    c: &C,
+    t: &KeyTable,
+    who: Who<'_>,
+) -> Result<Option<Row>, tokio_postgres::Error> {
+    Ok(c.query_typed(&t.read, &who_args(&who)).await?.into_iter().next())
+}
+
 /// Inserts `claim` unless the key exists (`false`: it does).
 pub(crate) async fn insert_claim<C: GenericClient + Sync>(
     c: &C,
