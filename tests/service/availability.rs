@@ -5,7 +5,7 @@
 //! `idem serve` (and a real PostgreSQL where it says so).
 
 use crate::common::*;
-use crate::server::{Serve, body};
+use crate::server::{Serve, body, more_descriptors};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
@@ -16,17 +16,6 @@ const TOKEN: Option<&str> = Some(SHOP.0);
 
 fn address(serve: &Serve) -> String {
     serve.url.trim_start_matches("http://").to_owned()
-}
-
-/// Raises this process's soft descriptor limit to the hard one.
-fn more_descriptors() -> u64 {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
-        limit.rlim_cur = limit.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-    }
-    limit.rlim_cur
 }
 
 #[test]

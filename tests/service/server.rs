@@ -346,3 +346,14 @@ impl Drop for Gateway {
         let _ = self.child.wait();
     }
 }
+
+/// Raises this process's soft descriptor limit to the hard one.
+pub fn more_descriptors() -> u64 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    }
+    limit.rlim_cur
+}

@@ -22,6 +22,24 @@ fn send(serve: &Serve, key: &str, prefer: Option<&str>, body: &str) -> (Http, Du
     (answer, begun.elapsed())
 }
 
+/// Another instance's claim of `key` for the body `k-probe` was sent with.
+fn claimed_elsewhere(bank: &Bank, key: &str) {
+    let (when, lease) = (idem::clock::Timestamp::now(), idem::clock::Timestamp::now().plus_seconds(60));
+    bank.execute(&format!(
+        "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
+         SELECT client_id, endpoint, '{key}', fingerprint, 'in_progress', 'another-instance', '{when}', '{lease}'
+         FROM idem_key WHERE idem_key = 'k-probe'"
+    ));
+}
+
+/// That instance finishing it: `k-probe`'s answer stored under `key`.
+fn finished_elsewhere(bank: &Bank, key: &str) {
+    let probe =
+        |column: &str| format!("{column} = (SELECT {column} FROM idem_key WHERE idem_key = 'k-probe')");
+    let columns = ["status", "reason", "body", "completed_at"].map(probe).join(", ");
+    bank.execute(&format!("UPDATE idem_key SET state = 'completed', {columns} WHERE idem_key = '{key}'"));
+}
+
 #[test]
 fn a_retry_that_prefers_to_wait_gets_the_originals_answer_when_another_sessions_lock_lets_it_finish() {
     if !backends().contains(&Backend::Postgres) {
@@ -85,26 +103,14 @@ fn a_retry_that_prefers_to_wait_gets_the_answer_another_instance_stores_on_every
         let (probe, _) = send(&serve, "\"k-probe\"", None, &pay);
         assert_eq!(probe.status, 402, "{backend:?}: {}", probe.body);
         // another instance claims k-1 for the same body, and finishes it 700 ms later
-        let when = idem::clock::Timestamp::now();
-        let lease = when.plus_seconds(60);
-        bank.execute(&format!(
-            "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
-             SELECT client_id, endpoint, 'k-1', fingerprint, 'in_progress', 'another-instance', '{when}', '{lease}'
-             FROM idem_key WHERE idem_key = 'k-probe'"
-        ));
+        claimed_elsewhere(&bank, "k-1");
         let (not_yet, took) = send(&serve, "\"k-1\"", Some("wait=0"), &pay);
         assert_eq!(not_yet.status, 409, "{backend:?}: wait=0 is no wait: {}", not_yet.body);
         assert!(took < Duration::from_millis(900), "{backend:?}: {took:?}");
         let (waited, took) = std::thread::scope(|s| {
             let waiter = s.spawn(|| send(&serve, "\"k-1\"", Some("wait=5"), &pay));
             std::thread::sleep(Duration::from_millis(700));
-            bank.execute(
-                "UPDATE idem_key SET state = 'completed', status = (SELECT status FROM idem_key WHERE idem_key = 'k-probe'),
-                        reason = (SELECT reason FROM idem_key WHERE idem_key = 'k-probe'),
-                        body = (SELECT body FROM idem_key WHERE idem_key = 'k-probe'),
-                        completed_at = (SELECT completed_at FROM idem_key WHERE idem_key = 'k-probe')
-                 WHERE idem_key = 'k-1'",
-            );
+            finished_elsewhere(&bank, "k-1");
             waiter.join().unwrap()
         });
         assert_eq!((waited.status, waited.body.as_str()), (402, probe.body.as_str()), "{backend:?}");
@@ -118,24 +124,13 @@ fn a_retry_that_prefers_to_wait_gets_the_answer_another_instance_stores_on_every
     }
 }
 
-/// Raises this process's soft descriptor limit to the hard one.
-fn more_descriptors() -> u64 {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
-        limit.rlim_cur = limit.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-    }
-    limit.rlim_cur
-}
-
 /// Two thousand retries wait on one key at once: the service's memory and
 /// its database connections stay bounded (a waiter holds no connection and
 /// no place among the requests in flight: a new transfer still goes through
 /// during the storm), and every waiter gets the answer once it is stored.
 #[test]
 fn a_storm_of_waiters_holds_no_connection_and_little_memory() {
-    let waiters = 2000.min(more_descriptors().saturating_sub(300) as usize / 2);
+    let waiters = 2000.min(crate::server::more_descriptors().saturating_sub(300) as usize / 2);
     let stores = [Backend::Sqlite, Backend::Postgres];
     for backend in stores.into_iter().filter(|b| backends().contains(b)) {
         let bank = Bank::with(backend, &[(json!("A"), 10), (json!("B"), 0), (json!("C"), 100)]);
@@ -152,12 +147,7 @@ fn a_storm_of_waiters_holds_no_connection_and_little_memory() {
         let pay = body(&json!("A"), &json!("B"), 40);
         let (probe, _) = send(&serve, "\"k-probe\"", None, &pay);
         assert_eq!(probe.status, 402, "{backend:?}: {}", probe.body);
-        let (when, lease) = (idem::clock::Timestamp::now(), idem::clock::Timestamp::now().plus_seconds(60));
-        bank.execute(&format!(
-            "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until)
-             SELECT client_id, endpoint, 'k-1', fingerprint, 'in_progress', 'another-instance', '{when}', '{lease}'
-             FROM idem_key WHERE idem_key = 'k-probe'"
-        ));
+        claimed_elsewhere(&bank, "k-1");
         let (_, rss_before) = serve.cpu_and_peak_rss();
         let (answers, sessions, other) = std::thread::scope(|s| {
             // arriving over two seconds: a burst of thousands at one instant
@@ -180,13 +170,7 @@ fn a_storm_of_waiters_holds_no_connection_and_little_memory() {
             };
             // more than the requests in flight may be, yet a new transfer goes through
             let (other, _) = send(&serve, "\"k-other\"", None, &body(&json!("C"), &json!("B"), 5));
-            bank.execute(
-                "UPDATE idem_key SET state = 'completed', status = (SELECT status FROM idem_key WHERE idem_key = 'k-probe'),
-                        reason = (SELECT reason FROM idem_key WHERE idem_key = 'k-probe'),
-                        body = (SELECT body FROM idem_key WHERE idem_key = 'k-probe'),
-                        completed_at = (SELECT completed_at FROM idem_key WHERE idem_key = 'k-probe')
-                 WHERE idem_key = 'k-1'",
-            );
+            finished_elsewhere(&bank, "k-1");
             (all.into_iter().map(|w| w.join().unwrap()).collect::<Vec<_>>(), sessions, other)
         });
         let (_, rss_after) = serve.cpu_and_peak_rss();
