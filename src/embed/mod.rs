@@ -284,15 +284,15 @@ impl Keys {
             return Err(BadPrefix(prefix.to_owned()));
         }
         let table = format!("{prefix}idem_keys");
+        #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+        let pg = KeyTable::new(&table, Dialect::Postgres);
         Ok(Keys {
             #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
             sqlite: KeyTable::new(&table, Dialect::Sqlite),
-            #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-            pg: KeyTable::new(&table, Dialect::Postgres),
             #[cfg(feature = "sqlx-postgres")]
-            pg_claim: crate::store::keys::claim_then_wait_as_before(
-                &KeyTable::new(&table, Dialect::Postgres).insert_claim,
-            ),
+            pg_claim: crate::store::keys::claim_then_wait_as_before(&pg.insert_claim),
+            #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+            pg,
             table,
             index: format!("{name}idem_keys_created_at"),
             versions: format!("{prefix}idem_schema"),

@@ -236,10 +236,7 @@ fn counted(
             });
             answer_of(reply)
         }
-        Err(Stop::Store(StoreError::Busy)) => {
-            idem.counters.add(Ended::Refused);
-            answer_of(Reply::InFlight)
-        }
+        // a key in flight (`Busy`) is `once`'s to answer, after any wait
         Err(Stop::Store(_)) => unavailable(),
     }
 }
