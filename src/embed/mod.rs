@@ -242,13 +242,13 @@ pub struct Keys {
     index: String,
     versions: String,
     policy: Policy,
-    wait: std::time::Duration,
     #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
     sqlite: KeyTable,
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     pg: KeyTable,
-    /// The claim and the lock wait put back, one statement (sqlx).
-    #[cfg(feature = "sqlx-postgres")]
+    /// The claim with its own lock wait, one statement
+    /// (`keys::claim_waiting_at_most`).
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     pg_claim: String,
 }
 
@@ -289,16 +289,23 @@ impl Keys {
         Ok(Keys {
             #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
             sqlite: KeyTable::new(&table, Dialect::Sqlite),
-            #[cfg(feature = "sqlx-postgres")]
-            pg_claim: crate::store::keys::claim_then_wait_as_before(&pg.insert_claim),
+            #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+            pg_claim: crate::store::keys::claim_waiting_at_most(&table, IN_FLIGHT_WAIT),
             #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
             pg,
             table,
             index: format!("{name}idem_keys_created_at"),
             versions: format!("{prefix}idem_schema"),
             policy: Policy::embedded().clone(),
-            wait: IN_FLIGHT_WAIT,
         })
+    }
+
+    /// How long a request waits for another transaction holding its key
+    /// before it is answered [`Reply::InFlight`] (default [`IN_FLIGHT_WAIT`]).
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    pub fn in_flight_wait(mut self, wait: std::time::Duration) -> Keys {
+        self.pg_claim = crate::store::keys::claim_waiting_at_most(&self.table, wait);
+        self
     }
 
     /// Keeps keys for `hours` (the default is the published policy's 72).

@@ -14,13 +14,11 @@ use super::{Answer, Error, Keys, Reply, Stop};
 use crate::clock::Timestamp;
 use crate::protocol::conduct;
 use crate::request::{AcctId, ScopedKey};
-use crate::store::keys::pg::{self as key_sql, WAIT_AS_BEFORE, WAIT_FOR_CLAIM};
+use crate::store::keys::pg as key_sql;
 use crate::store::keys::{self, Kept, KeyTable};
 use crate::store::{Claim, Failure, KeyRecord, KeySteps, StoreError};
-use std::time::Duration;
 use tokio_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::{ToSql, Type};
 
 fn db<E>(e: tokio_postgres::Error) -> Error<E> {
     Error::Db(Box::new(e))
@@ -40,8 +38,9 @@ fn failed(e: tokio_postgres::Error) -> StoreError {
 pub(super) struct OnPg<'c, C> {
     pub(super) c: &'c C,
     table: &'c KeyTable,
-    /// how long the claim waits on a racer's uncommitted claim of the key
-    wait: Duration,
+    /// the claim, waiting on a racer's uncommitted claim of the key for
+    /// [`Keys::in_flight_wait`] at most
+    claim: &'c str,
     /// `BEGIN` first, sent with the claim
     begin: bool,
     /// The media type and headers stored with the answer of the key's
@@ -51,7 +50,7 @@ pub(super) struct OnPg<'c, C> {
 
 impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
     pub(super) fn new(c: &'c C, keys: &'c Keys, begin: bool) -> Self {
-        OnPg { c, table: &keys.pg, wait: keys.wait, begin, kept: Kept::default() }
+        OnPg { c, table: &keys.pg, claim: &keys.pg_claim, begin, kept: Kept::default() }
     }
 
     /// [`OnPg::complete`] and `COMMIT`, sent together (one round trip);
@@ -87,8 +86,9 @@ impl<'c, C: GenericClient + Sync> OnPg<'c, C> {
 }
 
 impl<C: GenericClient + Sync> KeySteps for OnPg<'_, C> {
-    /// A new key costs one round trip: the statements go together, typed,
-    /// so none waits on a prepare.
+    /// A new key costs one round trip: the claim goes with the `BEGIN`,
+    /// typed, so it waits on no prepare; it bounds its own lock wait
+    /// (`keys::claim_waiting_at_most`).
     async fn claim(
         &mut self,
         key: &ScopedKey,
@@ -96,21 +96,14 @@ impl<C: GenericClient + Sync> KeySteps for OnPg<'_, C> {
         _: Option<[&AcctId; 2]>,
     ) -> Result<Option<KeyRecord>, StoreError> {
         let (c, t, who) = (self.c, self.table, keys::who(key));
-        let wait = format!("{}ms", self.wait.as_millis().max(1));
-        let wait = [(&wait as &(dyn ToSql + Sync), Type::TEXT)];
-        // The claim waits on a racer's uncommitted claim of the same key for
-        // `wait` at most; the transaction's own lock wait is put back for the
-        // work. `join!`, not `try_join!`: the claim's own error, not a later
-        // statement's, says what happened.
-        let (begun, waited, claimed, restored) = tokio::join!(
+        // `join!`, not `try_join!`: the claim's own error, not the BEGIN's
+        // reply, says what happened.
+        let (begun, claimed) = tokio::join!(
             async { if self.begin { c.batch_execute("BEGIN").await } else { Ok(()) } },
-            c.execute_typed(WAIT_FOR_CLAIM, &wait),
-            key_sql::insert_claim(c, t, who, claim),
-            c.execute_typed(WAIT_AS_BEFORE, &[]),
+            key_sql::claim_waiting(c, self.claim, who, claim),
         );
-        begun.and(waited).map_err(failed)?;
+        begun.map_err(failed)?;
         let claimed = claimed.map_err(failed)?;
-        restored.map_err(failed)?;
         if claimed {
             return Ok(None);
         }
@@ -141,13 +134,6 @@ impl Keys {
     /// start-ups are serialised by an advisory lock.
     pub async fn migrate_pg(&self, client: &mut Client) -> Result<(), tokio_postgres::Error> {
         key_sql::migrate(client, &self.versions, &self.migrations(crate::store::Dialect::Postgres)).await
-    }
-
-    /// How long a request waits for another transaction holding its key
-    /// before it is answered [`Reply::InFlight`] (default [`IN_FLIGHT_WAIT`](super::IN_FLIGHT_WAIT)).
-    pub fn in_flight_wait(mut self, wait: Duration) -> Keys {
-        self.wait = wait;
-        self
     }
 
     /// Runs `work` under the key: in one transaction, claims it, runs the

@@ -7,10 +7,10 @@
 //! begins one on the connection gets a savepoint, and a transaction
 //! dropped unfinished (a handler that panicked) is rolled back by sqlx
 //! before its connection is used again. sqlx sends one statement a round
-//! trip (it does not pipeline): a new key costs `BEGIN` (on PostgreSQL with
-//! the claim's lock wait), the claim (on PostgreSQL with the lock wait put
-//! back in the same statement), the completion and `COMMIT`: four round
-//! trips, two more than the bare handler's `BEGIN` and `COMMIT`.
+//! trip (it does not pipeline): a new key costs `BEGIN`, the claim (on
+//! PostgreSQL bounding its own lock wait, `keys::claim_waiting_at_most`),
+//! the completion and `COMMIT`: four round trips and four statements, two
+//! more than the bare handler's `BEGIN` and `COMMIT`.
 
 use super::{Answer, Keys, gone};
 use crate::clock::Timestamp;
@@ -202,30 +202,8 @@ mod pg {
             &keys.pg
         }
 
-        /// What begins a request's transaction: `BEGIN` and the claim's lock
-        /// wait, so that a racer's uncommitted claim of the key is waited on
-        /// for `keys`' wait at most (the transaction's own wait kept, to be
-        /// put back for the work). The wait is a number of ours, written
-        /// into the text once: one round trip, no parameter.
-        pub(crate) fn begin_sql(keys: &Keys) -> std::sync::Arc<str> {
-            format!(
-                "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true); \
-                 SELECT set_config('lock_timeout', '{}ms', true)",
-                keys.wait.as_millis().max(1)
-            )
-            .into()
-        }
-
-        /// A transaction on a connection of `pool`, begun by `begin` ([`Self::begin_sql`]).
-        pub(crate) async fn begin(
-            pool: &sqlx::PgPool,
-            begin: &std::sync::Arc<str>,
-        ) -> Result<Transaction<'static, sqlx::Postgres>, sqlx::Error> {
-            pool.begin_with(AssertSqlSafe(begin.clone())).await
-        }
-
-        /// The claim and the lock wait put back, one statement, one round
-        /// trip (`keys::claim_then_wait_as_before`).
+        /// The claim, bounding its own lock wait, one statement, one round
+        /// trip (`keys::claim_waiting_at_most`).
         fn claim_sql(keys: &Keys) -> &str {
             &keys.pg_claim
         }

@@ -1,7 +1,8 @@
 //! A network hop between idem and PostgreSQL: a TCP proxy on loopback that
 //! holds every chunk, in each direction, for half a round trip before
 //! passing it on, and counts the chunks it carries to the server (one per
-//! round trip a client takes). The machines here have no `tc netem`; this
+//! round trip a client takes) and the SQL statements in them. The machines
+//! here have no `tc netem`; this
 //! puts a database "another zone away" on one machine, for the network
 //! bench and for tests whose windows a real network opens.
 
@@ -63,6 +64,50 @@ pub struct Hop {
     pub port: u16,
     /// Chunks carried towards the server so far.
     pub to_server: Arc<AtomicU64>,
+    /// SQL statements sent to the server so far, as its
+    /// `log_statement = all` would list them one by one: each Execute of
+    /// the extended protocol, each statement of a simple query.
+    pub statements: Arc<AtomicU64>,
+}
+
+/// Counts the statements in what a PostgreSQL client sends (its
+/// frontend messages, read as the chunks come).
+#[derive(Default)]
+struct Statements {
+    /// the startup message is sent (it and SSL/GSS requests have no type byte)
+    started: bool,
+    unread: Vec<u8>,
+}
+
+impl Statements {
+    fn read(&mut self, chunk: &[u8]) -> u64 {
+        self.unread.extend_from_slice(chunk);
+        let (mut at, mut n) = (0, 0);
+        loop {
+            let typed = usize::from(self.started);
+            let Some(len) = self.unread.get(at + typed..at + typed + 4) else { break };
+            let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+            let Some(body) = self.unread.get(at + typed + 4..(at + typed + len).max(at + typed + 4)) else {
+                break;
+            };
+            match (self.started, self.unread[at]) {
+                // SSLRequest and GSSENCRequest: the real startup follows
+                (false, _) => self.started = !matches!(body.get(..4), Some([4, 210, 22, 47 | 48])),
+                (true, b'E') => n += 1,
+                (true, b'Q') => {
+                    let text = String::from_utf8_lossy(body);
+                    let statements = text
+                        .split(';')
+                        .filter(|s| !s.trim_matches(|c: char| c == '\0' || c.is_whitespace()).is_empty());
+                    n += statements.count() as u64;
+                }
+                _ => {}
+            }
+            at += typed + len;
+        }
+        self.unread.drain(..at);
+        n
+    }
 }
 
 impl Hop {
@@ -70,8 +115,8 @@ impl Hop {
     pub fn start(upstream: Upstream, round_trip: Duration) -> std::io::Result<Hop> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let port = listener.local_addr()?.port();
-        let to_server = Arc::new(AtomicU64::new(0));
-        let counter = to_server.clone();
+        let (to_server, statements) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let counters = (to_server.clone(), statements.clone());
         let one_way = round_trip / 2;
         std::thread::spawn(move || {
             for client in listener.incoming().flatten() {
@@ -80,12 +125,12 @@ impl Hop {
                 let (Ok(client_back), Ok(server_back)) = (client.try_clone(), server.split()) else {
                     continue;
                 };
-                let counter = counter.clone();
-                std::thread::spawn(move || pump(Box::new(client), server, one_way, Some(counter)));
+                let counters = counters.clone();
+                std::thread::spawn(move || pump(Box::new(client), server, one_way, Some(counters)));
                 std::thread::spawn(move || pump(server_back, Box::new(client_back), one_way, None));
             }
         });
-        Ok(Hop { port, to_server })
+        Ok(Hop { port, to_server, statements })
     }
 
     /// A hop in front of the PostgreSQL server `spec` names, and the
@@ -119,20 +164,24 @@ impl Hop {
     }
 }
 
+/// Chunks and statements carried to the server.
+type Counters = (Arc<AtomicU64>, Arc<AtomicU64>);
+
 /// Passes what `from` sends on to `to`, each chunk `delay` after it was
 /// read. A request/response protocol has one chunk in flight per
 /// direction, so holding the next read until this one is written adds
 /// nothing.
 #[allow(unsafe_code)] // prctl: no safe equivalent in std
-fn pump(mut from: Box<dyn Stream>, mut to: Box<dyn Stream>, delay: Duration, count: Option<Arc<AtomicU64>>) {
+fn pump(mut from: Box<dyn Stream>, mut to: Box<dyn Stream>, delay: Duration, count: Option<Counters>) {
     // A sleep of a quarter millisecond must not become a third of one.
     // SAFETY: PR_SET_TIMERSLACK takes a plain integer and changes only this thread.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1u64) };
-    let mut buf = vec![0; 64 * 1024];
+    let (mut buf, mut statements) = (vec![0; 64 * 1024], Statements::default());
     while let Ok(n @ 1..) = from.read(&mut buf) {
         let due = Instant::now() + delay;
-        if let Some(count) = &count {
-            count.fetch_add(1, Ordering::Relaxed);
+        if let Some((chunks, sent)) = &count {
+            chunks.fetch_add(1, Ordering::Relaxed);
+            sent.fetch_add(statements.read(&buf[..n]), Ordering::Relaxed);
         }
         let wait = due.saturating_duration_since(Instant::now());
         if !wait.is_zero() {

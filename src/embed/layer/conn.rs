@@ -54,9 +54,9 @@ pub(super) enum Store {
     Pg(Arc<Lender>),
     #[cfg(feature = "sqlite")]
     Sqlite(Arc<Mutex<rusqlite::Connection>>),
-    /// The pool, and what begins a request's transaction on it.
+    /// The pool: a request's transaction is begun on it as it is lent.
     #[cfg(feature = "sqlx-postgres")]
-    SqlxPg(sqlx::PgPool, Arc<str>),
+    SqlxPg(sqlx::PgPool),
     /// The pool, and the layer's line for SQLite's one writer: requests
     /// wait in it in turn (SQLite's own busy wait lets a waiter lose to
     /// later ones, past any bound, while a slow handler holds the lock).
@@ -74,7 +74,7 @@ impl Store {
             #[cfg(feature = "sqlite")]
             Store::Sqlite(conn) => Conn::Sqlite(conn.clone().lock_owned().await),
             #[cfg(feature = "sqlx-postgres")]
-            Store::SqlxPg(pool, begin) => Conn::SqlxPg(Some(OnSqlxPg::begin(pool, begin).await.ok()?)),
+            Store::SqlxPg(pool) => Conn::SqlxPg(Some(pool.begin().await.ok()?)),
             #[cfg(feature = "sqlx-sqlite")]
             Store::SqlxLite(pool, line) => {
                 let turn = line.clone().lock_owned().await;
@@ -102,7 +102,7 @@ impl Store {
                 Some((record, crate::store::keys::pg::kept(&row)))
             }
             #[cfg(feature = "sqlx-postgres")]
-            Store::SqlxPg(pool, _) => OnSqlxPg::peek(pool, keys, key).await.ok()?,
+            Store::SqlxPg(pool) => OnSqlxPg::peek(pool, keys, key).await.ok()?,
             #[allow(unreachable_patterns)] // SQLite's requests queue for the writer
             _ => None,
         }
@@ -249,9 +249,8 @@ impl Held {
     }
 
     /// Begins a transaction with no key in it (a request the layer lets
-    /// through unprotected): what the claim would have begun, and on sqlx,
-    /// where the connection came with it begun for a claim, the lock wait
-    /// the claim would have put back.
+    /// through unprotected): what the claim would have begun (on sqlx the
+    /// connection came with it begun).
     pub(super) async fn begin(&mut self) -> bool {
         match &mut self.conn {
             #[cfg(feature = "postgres")]
@@ -262,13 +261,7 @@ impl Held {
             #[cfg(feature = "sqlite")]
             Conn::Sqlite(c) => c.execute_batch("BEGIN IMMEDIATE").is_ok(),
             #[cfg(feature = "sqlx-postgres")]
-            Conn::SqlxPg(tx) => match tx.as_deref_mut() {
-                Some(c) => {
-                    let restore = sqlx::AssertSqlSafe(crate::store::keys::WAIT_AS_BEFORE);
-                    sqlx::raw_sql(restore).execute(c).await.is_ok()
-                }
-                None => false,
-            },
+            Conn::SqlxPg(tx) => tx.is_some(),
             #[cfg(feature = "sqlx-sqlite")]
             Conn::SqlxLite(tx, _) => tx.is_some(),
         }

@@ -225,8 +225,7 @@ impl Idempotency {
         who: impl Fn(&HeaderMap) -> Option<String> + Send + Sync + 'static,
     ) -> Result<Idempotency, BoxError> {
         keys.migrate_sqlx_postgres(&pool).await?;
-        let begin = crate::embed::sqlx::OnSqlxPg::begin_sql(&keys);
-        Ok(Idempotency::with(Store::SqlxPg(pool, begin), keys, who))
+        Ok(Idempotency::with(Store::SqlxPg(pool), keys, who))
     }
 
     /// The middleware's state on the application's own sqlx `SqlitePool`

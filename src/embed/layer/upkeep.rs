@@ -22,7 +22,7 @@ impl Idempotency {
             #[cfg(feature = "sqlite")]
             Store::Sqlite(conn) => keys.purge_sqlite(&*conn.lock().await, limit)?,
             #[cfg(feature = "sqlx-postgres")]
-            Store::SqlxPg(pool, _) => keys.purge_sqlx_postgres(pool, limit).await?,
+            Store::SqlxPg(pool) => keys.purge_sqlx_postgres(pool, limit).await?,
             // in the writers' line, as the layer's requests write
             #[cfg(feature = "sqlx-sqlite")]
             Store::SqlxLite(pool, line) => {

@@ -62,29 +62,44 @@ pub(crate) fn who(key: &crate::request::ScopedKey) -> Who<'_> {
     [&key.client_id, &key.endpoint, &key.idem_key]
 }
 
-/// Puts a lock wait of `$1` in force for the rest of the transaction,
-/// keeping the one it had in `idem.lock_timeout` (a volatile subquery, so
-/// it runs first): the claim's insert waits on a racer's uncommitted claim
-/// of the same key for that long at most.
-pub(crate) const WAIT_FOR_CLAIM: &str = "SELECT set_config('lock_timeout', $1, true) \
-     FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS kept";
-
-/// Gives the transaction back the lock wait it had before the claim.
-pub(crate) const WAIT_AS_BEFORE: &str =
-    "SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)";
-
-/// `insert_claim` (PostgreSQL) and [`WAIT_AS_BEFORE`] as one statement, for
-/// a driver that sends one statement a round trip (sqlx): its one row says
-/// how many it inserted (`n`, 0 or 1). The lock wait is put back in the
-/// target list over the count, so only once the insert has ended, whether
-/// it inserted or not; a claim that waited past its bound fails whole, and
-/// its transaction with it.
-#[cfg(feature = "sqlx-postgres")]
-pub(crate) fn claim_then_wait_as_before(insert_claim: &str) -> String {
+/// The claim on PostgreSQL as one statement that bounds its own lock wait:
+/// inserts the claim unless the key exists, and its one row says how many
+/// it inserted (`n`, 0 or 1). A racer's uncommitted claim of the same key is
+/// waited on for `wait` at most (past it, `55P03`: the key in flight). The
+/// subquery the insert reads its row from keeps the transaction's own lock
+/// wait in `idem.lock_timeout` and puts `wait` in force (volatile, so never
+/// pulled up: it runs before the insert); the target list over the count
+/// puts the kept wait back once the insert has ended, whether it inserted or
+/// not. A claim that waited past its bound fails whole, and its transaction
+/// with it. No statement of its own sets or restores a lock wait, so the
+/// team's transaction sees its own `lock_timeout` and a new key costs one
+/// statement.
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+pub(crate) fn claim_waiting_at_most(table: &str, wait: std::time::Duration) -> String {
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    let from = format!(
+        "SELECT {CLAIM_ROW} FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
+                 set_config('lock_timeout', '{ms}ms', true)) AS w(kept, waits)
+         WHERE w.waits IS NOT NULL"
+    );
     format!(
-        "WITH claimed AS ({insert_claim} RETURNING 1)
+        "WITH claimed AS ({} RETURNING 1)
          SELECT c.n, set_config('lock_timeout', current_setting('idem.lock_timeout'), true)
-         FROM (SELECT count(*) AS n FROM claimed) AS c"
+         FROM (SELECT count(*) AS n FROM claimed) AS c",
+        insert_claim(table, &from)
+    )
+}
+
+/// The claim's columns after the key, and the row a claim writes in them.
+const CLAIM_COLUMNS: &str = "fingerprint, state, token, created_at, lease_until";
+const CLAIM_ROW: &str = "$1, $2, $3, $4, 'in_progress', $5, $6, $7";
+
+/// Inserts the claim `rows` (its key then [`CLAIM_COLUMNS`]) into `t`
+/// unless the key exists.
+fn insert_claim(t: &str, rows: &str) -> String {
+    format!(
+        "INSERT INTO {t} (client_id, endpoint, idem_key, {CLAIM_COLUMNS}) {rows}
+         ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING"
     )
 }
 
@@ -135,14 +150,9 @@ impl KeyTable {
     /// it is pasted into the SQL).
     pub fn new(name: &str, dialect: Dialect) -> KeyTable {
         let t = name;
-        let claim = "fingerprint, state, token, created_at, lease_until";
         let table = KeyTable {
             name: name.to_owned(),
-            insert_claim: format!(
-                "INSERT INTO {t} (client_id, endpoint, idem_key, {claim})
-                 VALUES ($1, $2, $3, $4, 'in_progress', $5, $6, $7)
-                 ON CONFLICT (client_id, endpoint, idem_key) DO NOTHING"
-            ),
+            insert_claim: insert_claim(t, &format!("VALUES ({CLAIM_ROW})")),
             read: format!("SELECT {RECORD_COLUMNS}, content_type, headers, body_bytes FROM {t} WHERE {KEY}"),
             read_nowait: format!(
                 "SELECT {RECORD_COLUMNS}, content_type, headers, body_bytes FROM {t} WHERE {KEY} FOR UPDATE NOWAIT"

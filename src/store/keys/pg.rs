@@ -77,6 +77,19 @@ pub(crate) async fn replace_claim<C: GenericClient + Sync>(
     write_claim(c, &t.replace_claim, who, claim, Some(seen)).await
 }
 
+/// Inserts `claim` unless the key exists, by `sql`
+/// (`keys::claim_waiting_at_most`), which says how many it inserted.
+pub(crate) async fn claim_waiting<C: GenericClient + Sync>(
+    c: &C,
+    sql: &str,
+    who: Who<'_>,
+    claim: &Claim,
+) -> Result<bool, tokio_postgres::Error> {
+    let (at, lease) = (claim.created_at.to_string(), claim.lease_until.to_string());
+    let row = c.query_typed(sql, &claim_args(&who, claim, [&at, &lease], None)).await?;
+    Ok(row.first().map(|r| r.try_get::<_, i64>(0)).transpose()? == Some(1))
+}
+
 async fn write_claim<C: GenericClient + Sync>(
     c: &C,
     sql: &str,
@@ -86,17 +99,29 @@ async fn write_claim<C: GenericClient + Sync>(
 ) -> Result<bool, tokio_postgres::Error> {
     let (at, lease) = (claim.created_at.to_string(), claim.lease_until.to_string());
     let state = seen.map(|s| s.state.name());
-    let mut args = who_args(&who);
+    let seen = seen.zip(state.as_ref());
+    Ok(c.execute_typed(sql, &claim_args(&who, claim, [&at, &lease], seen)).await? == 1)
+}
+
+/// A claim's parameters: the key, the claim (its times as `times`), and the
+/// version `seen` it replaces, if any.
+fn claim_args<'a>(
+    who: &'a Who<'a>,
+    claim: &'a Claim,
+    [at, lease]: [&'a String; 2],
+    seen: Option<(&'a KeyRecord, &'a &'static str)>,
+) -> Vec<Arg<'a>> {
+    let mut args = who_args(who);
     args.extend([
         (&claim.fingerprint as &(dyn ToSql + Sync), Type::TEXT),
         (&claim.token, Type::TEXT),
-        (&at, Type::TEXT),
-        (&lease, Type::TEXT),
+        (at, Type::TEXT),
+        (lease, Type::TEXT),
     ]);
-    if let (Some(seen), Some(state)) = (seen, &state) {
+    if let Some((seen, state)) = seen {
         args.extend([(&seen.token as &(dyn ToSql + Sync), Type::TEXT), (state, Type::TEXT)]);
     }
-    Ok(c.execute_typed(sql, &args).await? == 1)
+    args
 }
 
 /// Completes the key with `answer` (and what it keeps besides) at `at`,
@@ -140,8 +165,6 @@ pub(crate) async fn purge<C: GenericClient + Sync>(
     let args: [Arg; 3] = [(&before, Type::TEXT), (&limit, Type::INT8), (&spared, Type::TEXT)];
     c.execute_typed(&t.purge, &args).await
 }
-
-pub(crate) use super::{WAIT_AS_BEFORE, WAIT_FOR_CLAIM};
 
 /// Runs the steps of `steps` that the table `versions` does not record yet,
 /// in one transaction; concurrent start-ups are serialised by an advisory
