@@ -64,6 +64,15 @@ bench-serve-pg:
     psql "$base" -qc "DROP DATABASE IF EXISTS idem_bench" -c "CREATE DATABASE idem_bench"
     IDEM_BENCH_PG="${base/dbname=postgres/dbname=idem_bench}" cargo bench --bench serve
 
+# The library's layer on PostgreSQL under 64 connections (sqlx and deadpool-postgres
+# pools of 10), against a bare handler doing the same writes, in one run.
+bench-layer-pg:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    base=$(tools/pg-local start)
+    psql "$base" -qc "DROP DATABASE IF EXISTS idem_layer" -c "CREATE DATABASE idem_layer"
+    IDEM_BENCH_PG="${base/dbname=postgres/dbname=idem_layer}" cargo bench --bench layer_pg
+
 # idem serve on PostgreSQL across a delayed hop (0, 0.5, 1, 2 ms round trip), beside
 # the one-round-trip limit (pgbench calling one function). IDEM_BENCH_SECONDS=8 for the documented run.
 bench-network:
