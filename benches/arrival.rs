@@ -229,7 +229,8 @@ fn measure(name: &str, tag: &str, db: &str, bank_db: &str, extra: &[&str]) -> f6
     assert_eq!(transfers.len(), fresh, "transfers differ from the distinct keys answered 201");
     assert_eq!(balances.values().sum::<i64>(), ACCOUNTS as i64 * 1_000_000_000, "money not conserved");
     println!("\nchecked: {fresh} transfers, one per key answered 201; the money conserved");
-    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("target/arrival-{tag}.svg"));
+    let out = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .join(format!("target/arrival-{tag}.svg"));
     std::fs::write(&out, svg(&points, saturated)).unwrap();
     println!("plot: {}", out.display());
     saturated

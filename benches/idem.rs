@@ -209,7 +209,7 @@ fn main() {
         .arg(&stuck[0])
         .arg("--crash-after-claim")
         .output();
-    let baseline = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/baseline_idem_api.py");
+    let baseline = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join("bench/baseline_idem_api.py");
     let pdb = bank(dir, "python.db");
     let py_count = n(60);
     let py_files = write_requests(dir, "py", py_count, 1);

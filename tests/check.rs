@@ -15,7 +15,7 @@ use std::sync::Mutex;
 mod pg;
 
 const IDEM: &str = env!("CARGO_BIN_EXE_idem");
-const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers");
+const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/peers");
 
 /// One run of `idem check`: its exit code and each property's verdict line.
 struct Run {
@@ -440,6 +440,7 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         ("http_service.py --mistake bare-key-refused (open)", py(Some("bare-key-refused")), OPEN),
         ("http_service.py --mistake other-statuses (open)", py(Some("other-statuses")), OPEN),
         ("http_service.py --mistake replay-header-always (open)", py(Some("replay-header-always")), OPEN),
+        ("http_service.py --mistake owned-accounts (open)", py(Some("owned-accounts")), OPEN),
     ];
     // each mistake, the properties it must fail, and those it may fail too;
     // a mistake is judged under the open profile, an open choice made the
@@ -751,7 +752,7 @@ fn third_party_libraries_fail_what_their_design_gets_wrong_and_nothing_else() {
             ],
         ),
     ];
-    let tool = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/peer-check");
+    let tool = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/peer-check");
     for (peer, fails) in expected {
         for seed in ["1", "2", "3"] {
             let run =

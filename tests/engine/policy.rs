@@ -7,7 +7,7 @@ use idem::clock::Timestamp;
 use serde_json::{Value, json};
 
 fn policy() -> Value {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/policy.json")).unwrap();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../policy.json")).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 
 #[test]
 fn every_scenario_holds_and_its_answers_match_the_snapshot() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join("scenarios");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -16,7 +16,7 @@ use proptest::test_runner::{Config, FileFailurePersistence, RngAlgorithm, TestRn
 use std::path::Path;
 
 fn scenarios() -> Vec<(String, scenario::Scenario)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join("scenarios");
     let mut files: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.retain(|p| p.extension().is_some_and(|e| e == "scn"));
     files.sort();
@@ -51,7 +51,10 @@ fn failing_scenarios(mistake: Option<Mistake>) -> Vec<String> {
 /// which the storm (`tests/engine/storm.rs`) replays first against the real engine
 /// on every `cargo test`.
 fn storm_catches(mistake: Option<Mistake>, cases: u32) -> Option<String> {
-    let persistence = FileFailurePersistence::Direct("tests/engine/storm.proptest-regressions");
+    let persistence = FileFailurePersistence::Direct(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/engine/storm.proptest-regressions"
+    ));
     let config = Config { cases, failure_persistence: Some(Box::new(persistence)), ..Config::default() };
     let mut runner = TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
     let strategy = (prop::array::uniform::<_, ACCOUNTS>(0i64..2_000), prop::collection::vec(op(), 1..40));

@@ -32,6 +32,9 @@ other choice (tests/peers/service-declared.json):
   bare-key-refused     a key that is not an sf-string ("...") is refused, 400
   other-statuses       200 for a transfer made, 422 for a malformed body, 403
                        for a bad token
+  owned-accounts       an account belongs to the first client that pays from
+                       it; another client's transfer from it is 404
+                       unknown_account (its resource is not theirs to see)
   replay-header-always every answer, first ones too, is marked
                        Idempotent-Replayed: the draft names no header, so
                        this is wrong only for a service that declares it
@@ -90,7 +93,7 @@ it breaks:
 import argparse, datetime, hashlib, http.server, json, os, select, signal, socket, sqlite3, sys, threading, time
 
 CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after", "plain-errors", "bare-key-refused",
-           "other-statuses", "replay-header-always"]
+           "other-statuses", "replay-header-always", "owned-accounts"]
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
           "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
           "no-fingerprint", "raw-fingerprint", "fingerprint-no-dst", "fingerprint-one-part", "in-flight-only", "unknown-500", "stuck-on-hangup",
@@ -112,6 +115,7 @@ clients = json.load(open(a.clients))
 STATE = a.db + ".state.json"
 keys = {}        # scope -> {"fp", "done", "status", "body"; "held": written while in flight}
 transfers = {}   # id -> [client, body text]
+owners = {}      # account -> the client it belongs to (owned-accounts; not saved)
 if os.path.exists(STATE):
     with open(STATE) as f:
         saved = json.load(f)
@@ -349,6 +353,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         """Moves the money (the lock held); `read`: balances read before (lost-update)."""
         src, dst, amount = str(t["src"]), str(t["dst"]), t["amount"]
         if (src not in balances or dst not in balances) and mistake != "unknown-500":
+            return 404, json.dumps({"reason": "unknown_account", "status": 404})
+        if mistake == "owned-accounts" and owners.setdefault(src, who) != who:
             return 404, json.dumps({"reason": "unknown_account", "status": 404})
         have = read[0] if mistake == "lost-update" else balances[src]
         if have < amount:

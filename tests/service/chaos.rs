@@ -170,7 +170,7 @@ fn server_kills_with_several_instances_are_refused() {
 #[test]
 fn the_verdict_catches_a_server_that_keeps_no_keys() {
     let dir = tempfile::tempdir().unwrap();
-    let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/naive_server.py");
+    let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/peers/naive_server.py");
     let mut cfg = config(dir.path(), None, vec!["python3".into(), naive.into()]);
     cfg.kills = Some(0);
     let s = run(cfg, Policy::embedded()).unwrap();
@@ -183,7 +183,7 @@ fn the_verdict_catches_a_server_that_keeps_no_keys() {
 #[test]
 fn the_verdict_counts_acknowledged_transfers_the_database_does_not_keep_as_lost() {
     let dir = tempfile::tempdir().unwrap();
-    let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/naive_server.py");
+    let naive = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/peers/naive_server.py");
     let serve = ["python3", naive, "--lose-every", "7"].map(String::from).to_vec();
     let mut cfg = config(dir.path(), None, serve);
     cfg.kills = Some(0);

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const HA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/pg-ha");
+const HA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/pg-ha");
 
 struct Cluster {
     root: tempfile::TempDir,

@@ -7,7 +7,7 @@ use crate::common::pg;
 use std::io::BufRead;
 use std::process::{Command, Stdio};
 
-const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers");
+const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/peers");
 
 /// `target/release/examples/ledger`, which `cargo test` builds beside the
 /// tests (`cargo test --test service` alone does not: after a change to the

@@ -225,8 +225,11 @@ pub fn read(result: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Ht
 pub fn openapi() -> &'static Value {
     static DOC: OnceLock<Value> = OnceLock::new();
     DOC.get_or_init(|| {
-        serde_json::from_str(include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/src/service/openapi.json")))
-            .unwrap()
+        serde_json::from_str(include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../src/service/openapi.json"
+        )))
+        .unwrap()
     })
 }
 
