@@ -5,7 +5,7 @@
 //! one must fail the properties its mistake breaks and no other. The table
 //! it prints (`-- --nocapture`) is docs/check.md's engines × properties table.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -881,4 +881,73 @@ fn a_retry_that_prefers_to_wait_is_judged_only_where_the_profile_declares_it() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+/// `--history FILE` writes every request the check made as JSON lines an
+/// outside checker reads. Read here as one would, knowing nothing of the
+/// check: every operation is invoked once and completed once, after its
+/// invoke; and from the history alone, each key's 2xx answers are one
+/// answer (every replay byte-identical), which holds for idem serve and
+/// not for a service that recomputes its replays.
+#[test]
+fn the_history_holds_every_request_once_and_an_outside_reading_finds_a_recomputed_replay() {
+    let service = format!("{PEERS}/http_service.py");
+    let cohort: [(&str, Vec<&str>, bool); 2] = [
+        ("idem serve", vec![IDEM, "serve"], true),
+        ("http_service.py --mistake recompute", vec!["python3", &service, "--mistake", "recompute"], false),
+    ];
+    for (name, program, consistent) in cohort {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, mut child) = serve(&program, dir.path());
+        let file = dir.path().join("history.jsonl");
+        let args: Vec<String> = ["--url", &url, "--token", "tok-1", "--token", "tok-2", "--token", "tok-1b"]
+            .into_iter()
+            .chain(["--profile", &format!("{PEERS}/{OPEN}"), "--seed", "3"])
+            .chain(["--history", file.to_str().unwrap()])
+            .map(String::from)
+            .collect();
+        let run = check(&args);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(run.code == Some(0), consistent, "{name}:\n{}", run.stdout);
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let mut open: BTreeMap<u64, serde_json::Value> = BTreeMap::new();
+        let mut ended: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut answers: BTreeMap<(String, String, String), BTreeSet<String>> = BTreeMap::new();
+        for line in &lines {
+            let process = line["process"].as_u64().unwrap();
+            let kind = line["type"].as_str().unwrap();
+            if kind == "invoke" {
+                assert!(
+                    open.insert(process, line.clone()).is_none(),
+                    "{name}: process {process} invoked twice"
+                );
+                continue;
+            }
+            let invoked = open.remove(&process).unwrap_or_else(|| panic!("{name}: {line} ends no invoke"));
+            assert!(line["time"].as_u64() >= invoked["time"].as_u64(), "{name}: {line} before {invoked}");
+            *ended.entry(kind).or_default() += 1;
+            let status = line["status"].as_u64().unwrap_or(0);
+            if kind == "ok" && (200..300).contains(&status) && invoked["key"].is_string() {
+                let scope = ["client", "path", "key"].map(|f| invoked[f].to_string());
+                let [client, path, key] = scope;
+                answers.entry((client, path, key)).or_default().insert(line["answer_sha256"].to_string());
+            }
+        }
+        assert!(open.is_empty(), "{name}: {} operations never ended", open.len());
+        let properties: BTreeSet<&str> = lines.iter().filter_map(|l| l["property"].as_str()).collect();
+        let twice: Vec<_> = answers.iter().filter(|(_, digests)| digests.len() > 1).collect();
+        println!(
+            "{name}: {} operations ({ended:?}) over {} properties; {} keys answered 2xx, {} with two answers",
+            lines.len() / 2,
+            properties.len(),
+            answers.len(),
+            twice.len()
+        );
+        assert!(lines.len() / 2 >= 100 && properties.len() >= 15, "{name}: a thin history");
+        // the lost answer: sent, its answer dropped by the check's proxy
+        assert!(ended.get("info").is_some_and(|n| *n >= 1), "{name}: no operation of unknown effect");
+        assert_eq!(twice.is_empty(), consistent, "{name}: keys with two 2xx answers: {twice:?}");
+    }
 }

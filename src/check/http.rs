@@ -386,11 +386,16 @@ impl Http {
 
 /// Sends `request` on a new connection and reads the answer to its end.
 pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, CheckError> {
-    let mut stream =
-        TcpStream::connect_timeout(&address, Duration::from_secs(5)).map_err(CheckError::io("connect"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
-    stream.write_all(request).map_err(CheckError::io("send"))?;
-    read_answer(&mut stream)
+    let op = super::history::invoke(request);
+    let answer = (|| {
+        let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))
+            .map_err(CheckError::io("connect"))?;
+        stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
+        stream.write_all(request).map_err(CheckError::io("send"))?;
+        read_answer(&mut stream)
+    })();
+    op.done(&answer);
+    answer
 }
 
 pub(super) fn read_answer(stream: &mut TcpStream) -> Result<Http, CheckError> {

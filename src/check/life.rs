@@ -15,7 +15,7 @@
 use super::http::{Drain, Http, Profile, Target, exchange, read_answer};
 use super::process::Process;
 use super::walk::{InFlight, headers, holds_all, is_final, lease, paid_once, retried, stayed};
-use super::{CheckError, Property, Trace};
+use super::{CheckError, Property, Trace, history};
 use crate::rng::Rng;
 use serde_json::json;
 use std::io::Write;
@@ -255,15 +255,25 @@ fn half_sent(
     target: &Target,
     keys: &[(String, i64)],
     drain: &Drain,
-) -> Result<Vec<(TcpStream, u8)>, CheckError> {
+) -> Result<Vec<(TcpStream, u8, history::Op)>, CheckError> {
     keys.iter()
         .map(|(k, amount)| {
             let body = target.body(&drain.src, &drain.dst, *amount);
             let request = target.post_bytes(&headers(target, k), &body);
-            let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
-                .map_err(CheckError::io("connect"))?;
-            s.write_all(&request[..request.len() - 1]).map_err(CheckError::io("send"))?;
-            Ok((s, request[request.len() - 1]))
+            let op = history::invoke(&request);
+            let sent = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
+                .map_err(CheckError::io("connect"))
+                .and_then(|mut s| {
+                    s.write_all(&request[..request.len() - 1]).map_err(CheckError::io("send"))?;
+                    Ok(s)
+                });
+            match sent {
+                Ok(s) => Ok((s, request[request.len() - 1], op)),
+                Err(e) => {
+                    op.failed(&e);
+                    Err(e)
+                }
+            }
         })
         .collect()
 }
@@ -288,12 +298,14 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         process.signal(libc::SIGTERM);
         std::thread::sleep(Duration::from_millis(50));
         // the last bytes of the requests the service was reading
-        for (s, last) in &mut open {
-            let sent = s.write_all(&[*last]).map_err(CheckError::io("send"));
-            late.push(sent.and_then(|()| {
+        for (mut s, last, op) in open.drain(..) {
+            let sent = s.write_all(&[last]).map_err(CheckError::io("send"));
+            let answer = sent.and_then(|()| {
                 s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
-                read_answer(s)
-            }));
+                read_answer(&mut s)
+            });
+            op.done(&answer);
+            late.push(answer);
         }
     });
     let shutdown = Duration::from_secs(target.profile.shutdown_seconds);

@@ -19,6 +19,7 @@
 
 mod bodies;
 pub mod engine;
+pub mod history;
 pub mod http;
 pub mod lab;
 pub mod leak;
@@ -176,6 +177,7 @@ pub fn judge<'a, T: ?Sized>(
         .into_iter()
         .filter(|p| only.is_empty() || only.iter().any(|o| p.name.contains(o.as_str())))
         .map(|p| {
+            history::property(p.name);
             let mut trace = Trace::default();
             let error = (p.judge)(target, &mut trace);
             (p, trace.verdict(error))

@@ -3,7 +3,7 @@
 //! in-flight answers, a retry that prefers to wait).
 
 use super::http::{Http, Target, read_answer};
-use super::{CheckError, Trace};
+use super::{CheckError, Trace, history};
 use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
@@ -23,23 +23,35 @@ pub(super) fn release(
     let (head, last) = request.split_at(request.len() - 1);
     let mut streams = Vec::new();
     for _ in 0..16 {
-        let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
-            .map_err(CheckError::io("connect"))?;
-        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
-        s.write_all(head).map_err(CheckError::io("send"))?;
-        streams.push(s);
+        let op = history::invoke(&request);
+        let sent = (|| {
+            let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
+                .map_err(CheckError::io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
+            s.write_all(head).map_err(CheckError::io("send"))?;
+            Ok(s)
+        })();
+        match sent {
+            Ok(s) => streams.push((s, op)),
+            Err(e) => {
+                op.failed(&e);
+                return Err(e);
+            }
+        }
     }
     std::thread::sleep(Duration::from_millis(50));
     let barrier = std::sync::Barrier::new(streams.len());
     let answers: Vec<Result<Http, CheckError>> = std::thread::scope(|scope| {
         let runs: Vec<_> = streams
             .into_iter()
-            .map(|mut s| {
+            .map(|(mut s, op)| {
                 let barrier = &barrier;
                 scope.spawn(move || {
                     barrier.wait();
-                    s.write_all(last).map_err(CheckError::io("send"))?;
-                    read_answer(&mut s)
+                    let answer =
+                        s.write_all(last).map_err(CheckError::io("send")).and_then(|()| read_answer(&mut s));
+                    op.done(&answer);
+                    answer
                 })
             })
             .collect();

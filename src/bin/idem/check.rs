@@ -70,10 +70,29 @@ pub struct Check {
     /// rerun a failure alone.
     #[arg(long, value_name = "TEXT")]
     only: Vec<String>,
+    /// Write every HTTP request the check makes, and how it ended, to FILE
+    /// as JSON lines (invoke, then ok, info or fail; docs/check.md), for an
+    /// outside checker to read. For --url and --serve.
+    #[arg(long, value_name = "FILE", conflicts_with = "engine")]
+    history: Option<PathBuf>,
 }
 
 pub fn check(
-    Check { engine, engine_arg, url, serve, token, src, dst, profile, profile_template, seed, days, only }: Check,
+    Check {
+        engine,
+        engine_arg,
+        url,
+        serve,
+        token,
+        src,
+        dst,
+        profile,
+        profile_template,
+        seed,
+        days,
+        only,
+        history,
+    }: Check,
 ) -> Result<(), Failure> {
     if let Some(target) = profile_template {
         let template = match target.as_str() {
@@ -84,6 +103,9 @@ pub fn check(
         return Ok(());
     }
     let seed = seed_or_clock(seed);
+    if let Some(file) = &history {
+        check::history::record_to(file).map_err(io_at(file))?;
+    }
     let passed = match (engine, url) {
         (None, None) if serve.is_some() => {
             let serve = serve.unwrap_or_default();
