@@ -23,7 +23,6 @@
 //! processes interleave; a process's completion follows its invoke.
 
 use super::CheckError;
-use super::http::Http;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use std::fs::File;
@@ -74,19 +73,17 @@ pub(super) fn invoke(request: &[u8]) -> Op {
 }
 
 impl Op {
-    /// Records how the operation ended.
-    pub(super) fn done(self, result: &Result<Http, CheckError>) {
-        match result {
-            Ok(h) => self.end(json!({
-                "type": "ok",
-                "status": h.status,
-                "answer_sha256": hex(&Sha256::digest(h.body.as_bytes())),
-                "replayed": h.header("idempotent-replayed"),
-                "retry_after": h.header("retry-after"),
-                "location": h.header("location"),
-            })),
-            Err(e) => self.failed(e),
-        }
+    /// Records an answer of `status` with `body` and the headers
+    /// `Idempotent-Replayed`, `Retry-After` and `Location`, as answered.
+    pub(super) fn ok(self, status: u16, body: &[u8], [replayed, retry_after, location]: [Option<&str>; 3]) {
+        self.end(json!({
+            "type": "ok",
+            "status": status,
+            "answer_sha256": hex(&Sha256::digest(body)),
+            "replayed": replayed,
+            "retry_after": retry_after,
+            "location": location,
+        }));
     }
 
     /// Records an operation that got no answer: never sent when its

@@ -394,8 +394,20 @@ pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, CheckError>
         stream.write_all(request).map_err(CheckError::io("send"))?;
         read_answer(&mut stream)
     })();
-    op.done(&answer);
+    ended(op, &answer);
     answer
+}
+
+/// Records in the history how the operation `op` ended.
+pub(super) fn ended(op: super::history::Op, answer: &Result<Http, CheckError>) {
+    match answer {
+        Ok(h) => op.ok(
+            h.status,
+            h.body.as_bytes(),
+            ["idempotent-replayed", "retry-after", "location"].map(|n| h.header(n)),
+        ),
+        Err(e) => op.failed(e),
+    }
 }
 
 pub(super) fn read_answer(stream: &mut TcpStream) -> Result<Http, CheckError> {

@@ -12,7 +12,7 @@
 //! CMD is run in a process group of its own (a wrapper script's children
 //! get the signals too), its output kept in the check's directory.
 
-use super::http::{Drain, Http, Profile, Target, exchange, read_answer};
+use super::http::{Drain, Http, Profile, Target, ended, exchange, read_answer};
 use super::process::Process;
 use super::walk::{InFlight, headers, holds_all, is_final, lease, paid_once, retried, stayed};
 use super::{CheckError, Property, Trace, history};
@@ -304,7 +304,7 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
                 s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
                 read_answer(&mut s)
             });
-            op.done(&answer);
+            ended(op, &answer);
             late.push(answer);
         }
     });

@@ -2,7 +2,7 @@
 //! and the properties judged on what such races provoke (`Retry-After` on
 //! in-flight answers, a retry that prefers to wait).
 
-use super::http::{Http, Target, read_answer};
+use super::http::{Http, Target, ended, read_answer};
 use super::{CheckError, Trace, history};
 use std::io::Write;
 use std::net::TcpStream;
@@ -50,7 +50,7 @@ pub(super) fn release(
                     barrier.wait();
                     let answer =
                         s.write_all(last).map_err(CheckError::io("send")).and_then(|()| read_answer(&mut s));
-                    op.done(&answer);
+                    ended(op, &answer);
                     answer
                 })
             })
