@@ -361,7 +361,7 @@ fn serve_on(program: &[&str], db: &str, dir: &std::path::Path) -> (String, std::
     (line.trim().replace("127.0.0.1", "localhost"), child)
 }
 
-const URL_PROPERTIES: [(&str, &str); 19] = [
+const URL_PROPERTIES: [(&str, &str); 20] = [
     ("new", "a new key is created"),
     (
         "replay",
@@ -395,6 +395,10 @@ const URL_PROPERTIES: [(&str, &str); 19] = [
     (
         "first sent",
         "a request first sent past the keys' retention is refused (412), if the profile declares it",
+    ),
+    (
+        "2nd op",
+        "the same key on a second operation is that operation's own request, if the profile declares one",
     ),
 ];
 
@@ -676,7 +680,7 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
     };
     let [with, without, accountless, wrong @ ..] = &done[..] else { unreachable!() };
     assert!(
-        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 22,
+        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 23,
         "{}",
         with.stdout
     );
@@ -950,4 +954,43 @@ fn the_history_holds_every_request_once_and_an_outside_reading_finds_a_recompute
         assert!(ended.get("info").is_some_and(|n| *n >= 1), "{name}: no operation of unknown effect");
         assert_eq!(twice.is_empty(), consistent, "{name}: keys with two 2xx answers: {twice:?}");
     }
+}
+
+/// The same key on a second operation: judged where the profile declares
+/// one (http_service.py's deposits), PASS on a service that scopes keys by
+/// route, FAIL on one that keys by the string alone (its deposit replays
+/// the transfer), SKIP where nothing is declared.
+#[test]
+fn a_key_reused_on_a_second_operation_is_that_operations_own_request() {
+    const SECOND: &str =
+        "the same key on a second operation is that operation's own request, if the profile declares one";
+    let service = format!("{PEERS}/http_service.py");
+    let cohort: [(&str, Vec<&str>, &str, &str); 3] = [
+        ("http_service.py", vec!["python3", &service], "second-operation.json", "PASS"),
+        (
+            "http_service.py --mistake key-across-operations",
+            vec!["python3", &service, "--mistake", "key-across-operations"],
+            "second-operation.json",
+            "FAIL",
+        ),
+        ("http_service.py", vec!["python3", &service], OPEN, "SKIP"),
+    ];
+    let mut wrong = Vec::new();
+    for (name, program, profile, want) in cohort {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, mut child) = serve(&program, dir.path());
+        let run = check_url(&url, "4", profile);
+        let _ = child.kill();
+        let _ = child.wait();
+        let got = verdict(&run, SECOND);
+        let others = failed(&run).into_iter().filter(|f| !f.starts_with(SECOND)).collect::<Vec<_>>();
+        println!("{name} with {profile}: {got:?}, other failures {others:?}");
+        if got != Some(want) || !others.is_empty() {
+            wrong.push(format!(
+                "{name} with {profile}: wanted {want}, got {got:?}, {others:?}\n{}",
+                run.stdout
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
 }

@@ -96,6 +96,19 @@ pub struct Profile {
     /// idem's layer: `IDEM_FAULT=crash-before-commit`); `null`: it has
     /// none, and the property that needs it is skipped.
     pub crash_before_commit_env: Option<String>,
+    /// A second operation that takes keys too (a deposit, a refund,
+    /// another resource's create); `null`: not checked.
+    pub second_operation: Option<Operation>,
+}
+
+/// A route of the API besides the transfer's, which takes a key of its own.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Operation {
+    /// Its route (POST).
+    pub path: String,
+    /// Its body, a template as the profile's `body` is.
+    pub body: Value,
 }
 
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -132,6 +145,7 @@ impl Default for Profile {
             clients: None,
             drain: None,
             lease_seconds: Some(30),
+            second_operation: None,
             shutdown_seconds: 30,
             crash_before_commit_env: None,
         }
@@ -232,10 +246,13 @@ impl Target {
 
     /// The request bytes of a POST to the profile's path.
     pub(super) fn post_bytes(&self, headers: &[(&str, String)], body: &str) -> Vec<u8> {
-        let mut head = format!(
-            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n",
-            self.profile.path, self.host
-        );
+        self.post_bytes_to(&self.profile.path, headers, body)
+    }
+
+    /// [`Target::post_bytes`] to `path`.
+    pub(super) fn post_bytes_to(&self, path: &str, headers: &[(&str, String)], body: &str) -> Vec<u8> {
+        let mut head =
+            format!("POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n", self.host);
         for (name, value) in headers {
             head.push_str(&format!("{name}: {value}\r\n"));
         }
@@ -333,7 +350,7 @@ impl Target {
 /// `template` with `{src}`, `{dst}` and `{amount}` filled in: a string
 /// that is exactly one becomes its value, one that holds one has it
 /// written in (an id that is a string, as it is; any other as JSON).
-fn fill(template: &Value, src: &Value, dst: &Value, amount: i64) -> Value {
+pub(super) fn fill(template: &Value, src: &Value, dst: &Value, amount: i64) -> Value {
     let text = |v: &Value| v.as_str().map_or(v.to_string(), String::from);
     match template {
         Value::String(s) => match s.as_str() {

@@ -432,7 +432,7 @@ macro_rules! property {
 }
 
 /// The properties an HTTP implementation must have, each with its sentence.
-pub static PROPERTIES: [Property<Target>; 19] = [
+pub static PROPERTIES: [Property<Target>; 20] = [
     property!(
         "a new key is created",
         "draft §2: the first request with a key is processed as usual (any 2xx; profile created_status)",
@@ -527,5 +527,10 @@ pub static PROPERTIES: [Property<Target>; 19] = [
         "a request first sent past the keys' retention is refused (412), if the profile declares it",
         "OASIS Repeatable Requests: a request whose Repeatability-First-Sent is older than the server tracks is 412 and not run, a malformed one 400 (judged only if the profile declares first_sent)",
         first_sent
+    ),
+    property!(
+        "the same key on a second operation is that operation's own request, if the profile declares one",
+        "draft §2.2: a key is unique per client and resource (DESIGN §2: per client, endpoint and key); the profile's second_operation sent with a transfer's key is made (a 2xx, neither the transfer's answer nor marked a replay), its retry replays it, and the transfer's retry still replays the transfer",
+        super::operations::second_operation
     ),
 ];

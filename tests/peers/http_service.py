@@ -57,6 +57,8 @@ it breaks:
   token-scope          the scope is the token, not its client
   lost-update          balances read, then written back absolute
   no-key-processed     a request without a key is processed
+  key-across-operations  keys are not scoped by route: a deposit under a
+                       transfer's key replays the transfer and deposits nothing
   no-fingerprint       another body under a used key replays the first answer
   raw-fingerprint      the fingerprint is of the bytes sent, not the JSON
   fingerprint-no-dst   the fingerprint leaves out the destination: the key
@@ -95,7 +97,7 @@ import argparse, datetime, hashlib, http.server, json, os, select, signal, socke
 CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after", "plain-errors", "bare-key-refused",
            "other-statuses", "replay-header-always", "owned-accounts"]
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
-          "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed",
+          "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed", "key-across-operations",
           "no-fingerprint", "raw-fingerprint", "fingerprint-no-dst", "fingerprint-one-part", "in-flight-only", "unknown-500", "stuck-on-hangup",
           "drop-on-hangup", "stuck-in-lock-wait", "claim-committed-apart", "sigterm-ignored", "shutdown-abandons"]
 # a mistake only in the orders shape (the transfers body is flat: sorting its
@@ -111,6 +113,7 @@ p.add_argument("--shape", choices=["transfers", "orders"], default="transfers")
 a = p.parse_args()
 mistake = a.mistake
 ROUTE = "/v1/orders" if a.shape == "orders" else "/v1/transfers"
+DEPOSITS = "/v1/deposits"
 clients = json.load(open(a.clients))
 STATE = a.db + ".state.json"
 keys = {}        # scope -> {"fp", "done", "status", "body"; "held": written while in flight}
@@ -157,6 +160,8 @@ def fingerprint(raw, t):
 
 def made_id(body):
     made = json.loads(body)
+    if "deposit_id" in made:
+        return made["deposit_id"]
     return made["order"]["id"] if a.shape == "orders" else made["transfer_id"]
 
 
@@ -246,6 +251,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         who = self.client()
         if who is None:
             return self.problem(401, "unauthorized")
+        if self.path == DEPOSITS:
+            return self.deposit(who, raw)
         if self.path != ROUTE:
             return self.problem(404, "not_found")
         key = self.key()
@@ -349,6 +356,36 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except OSError:
             return True
 
+    def deposit(self, who, raw):
+        """POST /v1/deposits {"account", "amount"}: a second operation with keys
+        of its own (scoped by route; not under key-across-operations)."""
+        key = self.key()
+        if key is None:
+            return self.problem(400, "missing_idempotency_key")
+        try:
+            d = json.loads(raw)
+            assert isinstance(d, dict) and set(d) == {"account", "amount"} and str(d["account"]) in balances
+            assert type(d["amount"]) is int and d["amount"] > 0
+        except Exception:
+            return self.problem(400, "invalid_request")
+        scope = (who, key if mistake == "key-across-operations" else "deposit:" + key)
+        fp = "deposit:" + canonical(d)
+        with lock:
+            seen = keys.get(scope)
+            if seen is not None:
+                if seen["fp"] != fp and mistake != "key-across-operations":
+                    return self.problem(422, "fingerprint_mismatch")
+                if not seen["done"]:
+                    return self.problem(409, "in_progress", [("Retry-After", "1")])
+                return self.answer(seen["status"], seen["body"], True)
+            account = str(d["account"])
+            balances[account] += d["amount"]
+            body = json.dumps({"deposit_id": f"dep_{len(keys)}", "account": d["account"], "amount": d["amount"],
+                               "balance_after": balances[account]})
+            keys[scope] = {"fp": fp, "done": True, "status": 201, "body": body}
+            save()
+        return self.answer(201, body, False)
+
     def transfer(self, who, t, read=None):
         """Moves the money (the lock held); `read`: balances read before (lost-update)."""
         src, dst, amount = str(t["src"]), str(t["dst"]), t["amount"]
@@ -380,8 +417,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         marked = replayed and mistake != "no-replay-header" or mistake == "replay-header-always"
         extra = [("Idempotent-Replayed", "true")] if marked else []
         if status == 201:
+            route = DEPOSITS if "deposit_id" in json.loads(body) else ROUTE
             return self.reply(200 if mistake == "other-statuses" else 201, body, [("Content-Type", "application/json"),
-                                          ("Location", f"{ROUTE}/{made_id(body)}")] + extra)
+                                          ("Location", f"{route}/{made_id(body)}")] + extra)
         reason = json.loads(body)["reason"]
         self.problem(status, reason, extra)
 
