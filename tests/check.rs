@@ -361,7 +361,7 @@ fn serve_on(program: &[&str], db: &str, dir: &std::path::Path) -> (String, std::
     (line.trim().replace("127.0.0.1", "localhost"), child)
 }
 
-const URL_PROPERTIES: [(&str, &str); 20] = [
+const URL_PROPERTIES: [(&str, &str); 21] = [
     ("new", "a new key is created"),
     (
         "replay",
@@ -399,6 +399,10 @@ const URL_PROPERTIES: [(&str, &str); 20] = [
     (
         "2nd op",
         "the same key on a second operation is that operation's own request, if the profile declares one",
+    ),
+    (
+        "OpenAPI",
+        "every status answered is listed in the service's OpenAPI document, if the profile names one",
     ),
 ];
 
@@ -574,7 +578,7 @@ fn served_services_survive_kill_and_stop_and_each_lifecycle_mistake_fails() {
     let ledger = std::path::Path::new(IDEM).parent().unwrap().join("examples/ledger").display().to_string();
     let ledger = |keys: &str| {
         format!(
-            "{ledger} --keys {keys} --db {{db}} --listen {{listen}} --clients {{clients}} --accounts A=1000000000,B=0,D=800,K=300,T=300,F=300"
+            "{ledger} --keys {keys} --db {{db}} --listen {{listen}} --clients {{clients}} --accounts A=1000000000,B=0,D=800,K=300,T=300,F=300,P=300"
         )
     };
     let py = |mistake: &str| format!("python3 {PEERS}/http_service.py {mistake}");
@@ -680,7 +684,7 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
     };
     let [with, without, accountless, wrong @ ..] = &done[..] else { unreachable!() };
     assert!(
-        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 23,
+        with.code == Some(0) && verdicts(with, "FAIL").is_empty() && with.verdicts.len() == 25,
         "{}",
         with.stdout
     );
@@ -792,7 +796,7 @@ fn a_handler_that_writes_around_the_layers_transaction_fails_the_fault_point_pro
         let spec = server.fresh_schema(false);
         let serve = format!(
             "{ledger} --writes {writes} --db \"{spec}\" --listen {{listen}} --clients {{clients}} \
-             --accounts A=1000000000,B=0,D=800,K=300,T=300,F=300"
+             --accounts A=1000000000,B=0,D=800,K=300,T=300,F=300,P=300"
         );
         let args = ["--serve", &serve, "--profile", &declared, "--seed", "5", "--only", "crashed between"];
         let run = check(&args.map(String::from));
@@ -990,6 +994,97 @@ fn a_key_reused_on_a_second_operation_is_that_operations_own_request() {
                 "{name} with {profile}: wanted {want}, got {got:?}, {others:?}\n{}",
                 run.stdout
             ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+/// Every status answered is in the service's OpenAPI document: PASS on
+/// idem serve and on http_service.py, whose documents list what they
+/// answer; FAIL on a document that lists no 422 though the service answers
+/// one; SKIP where the profile names no document.
+#[test]
+fn every_status_answered_is_in_the_published_openapi_document() {
+    const LISTED: &str =
+        "every status answered is listed in the service's OpenAPI document, if the profile names one";
+    let service = format!("{PEERS}/http_service.py");
+    let cohort: [(&str, Vec<&str>, &str, &str); 4] = [
+        ("idem serve", vec![IDEM, "serve"], "openapi.json", "PASS"),
+        ("http_service.py", vec!["python3", &service], "openapi.json", "PASS"),
+        (
+            "http_service.py --mistake openapi-stale",
+            vec!["python3", &service, "--mistake", "openapi-stale"],
+            "openapi.json",
+            "FAIL",
+        ),
+        ("http_service.py", vec!["python3", &service], OPEN, "SKIP"),
+    ];
+    let mut wrong = Vec::new();
+    for (name, program, profile, want) in cohort {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, mut child) = serve(&program, dir.path());
+        let run = check_url(&url, "6", profile);
+        let _ = child.kill();
+        let _ = child.wait();
+        let got = verdict(&run, LISTED);
+        let others = failed(&run).into_iter().filter(|f| !f.starts_with(LISTED)).collect::<Vec<_>>();
+        println!("{name} with {profile}: {got:?}, other failures {others:?}");
+        if got != Some(want) || !others.is_empty() || (want == "FAIL" && !run.stdout.contains("answered 422"))
+        {
+            wrong.push(format!(
+                "{name} with {profile}: wanted {want}, got {got:?}, {others:?}\n{}",
+                run.stdout
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+/// A service paused (SIGSTOP) past its clients' timeout, then resumed while
+/// every key is retried: the correct services PASS (idem serve, the Python
+/// service, the library's ledger example); one that frees a key when its
+/// client hung up, its transfer kept, pays the retry again and FAILs.
+#[test]
+fn a_service_paused_past_its_clients_timeout_pays_every_key_once() {
+    const PAUSED: &str =
+        "a service paused (SIGSTOP) past its clients' timeout under load, then resumed, pays every key once";
+    let ledger = std::path::Path::new(IDEM).parent().unwrap().join("examples/ledger").display().to_string();
+    let ledger = format!(
+        "{ledger} --keys inside --db {{db}} --listen {{listen}} --clients {{clients}} --accounts A=1000000000,B=0,D=800,K=300,T=300,F=300,P=300"
+    );
+    let py = |mistake: &str| format!("python3 {PEERS}/http_service.py {mistake}");
+    let cohort: Vec<(String, &str, &str)> = vec![
+        (format!("{IDEM} serve"), DECLARED, "PASS"),
+        (py(""), DECLARED, "PASS"),
+        (ledger, "layer-declared.json", "PASS"),
+        (py("--mistake drop-on-hangup"), OPEN, "FAIL"),
+    ];
+    let jobs: Vec<Job<'_, Run>> = cohort
+        .iter()
+        .map(|(serve, profile, _)| -> Job<'_, Run> {
+            Box::new(move || {
+                let profile = format!("{PEERS}/{profile}");
+                let args = ["--serve", serve, "--profile", &profile, "--seed", "5", "--only", "paused"];
+                check(&args.map(String::from))
+            })
+        })
+        .collect();
+    let runs = run_all(jobs);
+    let mut wrong = Vec::new();
+    for ((serve, _, want), run) in cohort.iter().zip(&runs) {
+        let got = verdict(run, PAUSED);
+        println!(
+            "{serve}: {got:?}\n{}",
+            run.stdout
+                .lines()
+                .filter(|l| l.contains("stopped within") || l.contains("exercised"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        // a PASS counts only if the pause caught requests mid-flight
+        let exercised = *want == "FAIL" || run.stdout.contains("note: exercised:");
+        if got != Some(want) || run.verdicts.len() != 1 || !exercised {
+            wrong.push(format!("{serve}: wanted {want} (exercised), got {got:?}:\n{}", run.stdout));
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));

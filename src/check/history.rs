@@ -21,10 +21,14 @@
 //!
 //! Operations run at once from several threads, so lines of different
 //! processes interleave; a process's completion follows its invoke.
+//!
+//! With a history or without, every method, path and status answered is
+//! kept for the run ([`answered`]), for the OpenAPI property.
 
 use super::CheckError;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
@@ -53,13 +57,29 @@ pub(super) fn property(name: &str) {
     with_sink(|s| name.clone_into(&mut s.property));
 }
 
-/// One operation of the history; `None` when no history is written.
+/// One operation: its process in the history (`None` when none is
+/// written) and its method and path.
 #[must_use]
-pub(super) struct Op(Option<u64>);
+pub(super) struct Op {
+    process: Option<u64>,
+    route: (String, String),
+}
+
+/// Every method, path and status the check was answered so far, history
+/// or none (what the OpenAPI property holds to the service's document).
+static ANSWERED: Mutex<BTreeSet<(String, String, u16)>> = Mutex::new(BTreeSet::new());
+
+/// The method, path and status of every answer so far.
+pub(super) fn answered() -> BTreeSet<(String, String, u16)> {
+    ANSWERED.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
 
 /// Records `request` (its raw bytes) as invoked.
 pub(super) fn invoke(request: &[u8]) -> Op {
-    let Some(sink) = SINK.get() else { return Op(None) };
+    let head = request.split(|b| *b == b'\r').next().unwrap_or_default();
+    let mut first = std::str::from_utf8(head).unwrap_or_default().split(' ');
+    let route = (first.next().unwrap_or_default().to_owned(), first.next().unwrap_or_default().to_owned());
+    let Some(sink) = SINK.get() else { return Op { process: None, route } };
     let mut s = sink.lock().unwrap_or_else(|e| e.into_inner());
     s.next += 1;
     let mut line = described(request);
@@ -67,15 +87,17 @@ pub(super) fn invoke(request: &[u8]) -> Op {
     line["process"] = json!(s.next);
     line["time"] = json!(s.start.elapsed().as_nanos() as u64);
     line["property"] = json!(s.property);
-    let process = s.next;
+    let process = Some(s.next);
     write(&mut s, &line);
-    Op(Some(process))
+    Op { process, route }
 }
 
 impl Op {
     /// Records an answer of `status` with `body` and the headers
     /// `Idempotent-Replayed`, `Retry-After` and `Location`, as answered.
     pub(super) fn ok(self, status: u16, body: &[u8], [replayed, retry_after, location]: [Option<&str>; 3]) {
+        let (method, path) = self.route.clone();
+        ANSWERED.lock().unwrap_or_else(|e| e.into_inner()).insert((method, path, status));
         self.end(json!({
             "type": "ok",
             "status": status,
@@ -94,7 +116,7 @@ impl Op {
     }
 
     fn end(self, mut line: Value) {
-        let Some(process) = self.0 else { return };
+        let Some(process) = self.process else { return };
         with_sink(|s| {
             line["process"] = json!(process);
             line["time"] = json!(s.start.elapsed().as_nanos() as u64);

@@ -96,6 +96,10 @@ pub struct Profile {
     /// idem's layer: `IDEM_FAULT=crash-before-commit`); `null`: it has
     /// none, and the property that needs it is skipped.
     pub crash_before_commit_env: Option<String>,
+    /// Where the service publishes its OpenAPI document (3.x, JSON), read
+    /// with GET; every status the check is answered must be listed for its
+    /// operation there. `null`: not checked.
+    pub openapi_path: Option<String>,
     /// A second operation that takes keys too (a deposit, a refund,
     /// another resource's create); `null`: not checked.
     pub second_operation: Option<Operation>,
@@ -146,6 +150,7 @@ impl Default for Profile {
             drain: None,
             lease_seconds: Some(30),
             second_operation: None,
+            openapi_path: None,
             shutdown_seconds: 30,
             crash_before_commit_env: None,
         }
@@ -403,11 +408,21 @@ impl Http {
 
 /// Sends `request` on a new connection and reads the answer to its end.
 pub fn exchange(address: SocketAddr, request: &[u8]) -> Result<Http, CheckError> {
+    exchange_within(address, request, Duration::from_secs(30))
+}
+
+/// [`exchange`], giving up on an answer not come within `wait`, as a
+/// client's timeout does.
+pub(super) fn exchange_within(
+    address: SocketAddr,
+    request: &[u8],
+    wait: Duration,
+) -> Result<Http, CheckError> {
     let op = super::history::invoke(request);
     let answer = (|| {
         let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))
             .map_err(CheckError::io("connect"))?;
-        stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
+        stream.set_read_timeout(Some(wait)).map_err(CheckError::io("set a timeout"))?;
         stream.write_all(request).map_err(CheckError::io("send"))?;
         read_answer(&mut stream)
     })();

@@ -12,7 +12,7 @@
 //! CMD is run in a process group of its own (a wrapper script's children
 //! get the signals too), its output kept in the check's directory.
 
-use super::http::{Drain, Http, Profile, Target, ended, exchange, read_answer};
+use super::http::{Drain, Http, Profile, Target, ended, exchange, exchange_within, read_answer};
 use super::process::Process;
 use super::walk::{InFlight, headers, holds_all, is_final, lease, paid_once, retried, stayed};
 use super::{CheckError, Property, Trace, history};
@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The accounts the check's bank holds, and their balances.
-const ACCOUNTS: [(&str, i64); 6] =
-    [("A", 1_000_000_000), ("B", 0), ("D", 800), ("K", PAID), ("T", PAID), ("F", PAID)];
+const ACCOUNTS: [(&str, i64); 7] =
+    [("A", 1_000_000_000), ("B", 0), ("D", 800), ("K", PAID), ("T", PAID), ("F", PAID), ("P", PAID)];
 /// The tokens the check's clients file holds, and whose they are.
 const CLIENTS: [(&str, &str); 3] = [("tok-1", "shop-1"), ("tok-2", "shop-2"), ("tok-1b", "shop-1")];
 /// Keys a property sends, each of an amount 1, 2, … [`KEYS`].
@@ -35,6 +35,11 @@ const KEYS: i64 = 24;
 const PAID: i64 = KEYS * (KEYS + 1) / 2;
 /// Connections sending the load at once.
 const LANES: usize = 4;
+/// How long a client waits for an answer before it gives up.
+const WAIT: Duration = Duration::from_secs(30);
+/// The same, in the pause: the process stays stopped longer than this.
+const PAUSED_WAIT: Duration = Duration::from_secs(1);
+const PAUSE: Duration = Duration::from_millis(2_500);
 
 /// Starts `command` on a fresh bank, with `{db}`, `{clients}`, `{listen}`,
 /// `{port}` and `{dir}` in its words replaced (none of them: `--db {db}
@@ -136,12 +141,12 @@ fn keys(target: &Target, salt: u64) -> Vec<(String, i64)> {
 
 /// Sends `keys` from `drain` on [`LANES`] connections at once, one request
 /// each, and runs `stop` after `delay` (or once every answer is back);
-/// each key's answer, if one came.
+/// each key's answer, if one came within `wait`.
 fn under_load(
     target: &Target,
     keys: &[(String, i64)],
     drain: &Drain,
-    delay: Duration,
+    [delay, wait]: [Duration; 2],
     stop: impl FnOnce(),
 ) -> Vec<Option<Http>> {
     let answered = AtomicUsize::new(0);
@@ -154,8 +159,8 @@ fn under_load(
                 s.spawn(move || {
                     let sent = chunk.iter().map(|(k, amount)| {
                         let body = target.body(&drain.src, &drain.dst, *amount);
-                        let got =
-                            exchange(target.address, &target.post_bytes(&headers(target, k), &body)).ok();
+                        let request = target.post_bytes(&headers(target, k), &body);
+                        let got = exchange_within(target.address, &request, wait).ok();
                         answered.fetch_add(1, Ordering::SeqCst);
                         got
                     });
@@ -236,7 +241,7 @@ fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let (mut before, mut answered, mut restarts) = (Vec::new(), Vec::new(), Duration::ZERO);
     for round in keys.chunks(LANES) {
         let delay = unit.mul_f64(rng.below(2_000) as f64 / 1_000.0);
-        let mut got = under_load(target, round, &drain, delay, || process.kill());
+        let mut got = under_load(target, round, &drain, [delay, WAIT], || process.kill());
         answered.push(got.iter().filter(|a| a.is_some()).count());
         before.append(&mut got);
         restarts = restarts.max(process.spawn()?);
@@ -294,7 +299,7 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let lanes = loaded.len().div_ceil(LANES) as u32;
     let delay = (unit * lanes).mul_f64(rng.below(1_000) as f64 / 1_000.0);
     let mut late = Vec::new();
-    let mut loads = under_load(target, loaded, &drain, delay, || {
+    let mut loads = under_load(target, loaded, &drain, [delay, WAIT], || {
         process.signal(libc::SIGTERM);
         std::thread::sleep(Duration::from_millis(50));
         // the last bytes of the requests the service was reading
@@ -380,8 +385,50 @@ fn crashed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     settle(target, t, &keys, &before, &drain, 420)
 }
 
+/// Transfers under load; at a random moment within two requests' time the
+/// service is stopped (SIGSTOP) for longer than its clients wait, so they
+/// give up on what it had read, and resumed (SIGCONT): what it read before
+/// the pause runs as it resumes, while every key is retried at once. Then
+/// every key settled and paid once.
+fn paused(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
+    let Some(process) = process(target, t) else { return Ok(()) };
+    let mut rng = Rng::new(target.seed ^ 0x7061_7573);
+    let drain = Drain { src: json!("P"), dst: json!("B"), balance: PAID };
+    let unit = timed(target, t, &drain, 430)?;
+    let keys = keys(target, 800);
+    let delay = unit.mul_f64(rng.below(2_000) as f64 / 1_000.0);
+    let mut retries = Vec::new();
+    let before = under_load(target, &keys, &drain, [delay, PAUSED_WAIT], || {
+        process.signal(libc::SIGSTOP);
+        std::thread::sleep(PAUSE);
+        process.signal(libc::SIGCONT);
+        retries = under_load(target, &keys, &drain, [WAIT, WAIT], || {});
+    });
+    let gave_up = before.iter().filter(|a| a.is_none()).count();
+    let statuses: Vec<u16> = retries.iter().map(|r| r.as_ref().map_or(0, |r| r.status)).collect();
+    t.step(format!(
+        "{KEYS} transfers, {LANES} at once, the service stopped within {} µs for {} ms: {gave_up} requests given up after {} ms; every key retried as it resumed -> {statuses:?}",
+        2 * unit.as_micros(),
+        PAUSE.as_millis(),
+        PAUSED_WAIT.as_millis()
+    ));
+    t.note(match gave_up {
+        0 => "not exercised: every request was answered before the pause".into(),
+        n => format!(
+            "exercised: {n} of {KEYS} requests given up in the pause, every key retried as it resumed"
+        ),
+    });
+    // a key's first final answer, before the pause or as it resumed, is what its later retries replay
+    let first: Vec<Option<Http>> = before
+        .into_iter()
+        .zip(retries)
+        .map(|(b, r)| b.filter(|b| is_final(target, b)).or(r.filter(|r| is_final(target, r))))
+        .collect();
+    settle(target, t, &keys, &first, &drain, 430)
+}
+
 /// The properties that need the service's process (`--serve`).
-pub static PROPERTIES: [Property<Target>; 3] = [
+pub static PROPERTIES: [Property<Target>; 4] = [
     Property {
         name: "a service killed under load and restarted pays every key once and replays what it answered",
         contract: "draft §1 and §2.6: the retry of a request must not repeat its effect, and a completed request's response is stored, so a crash (SIGKILL at a random moment) loses no answer given and holds no key past the lease (profile lease_seconds)",
@@ -396,5 +443,10 @@ pub static PROPERTIES: [Property<Target>; 3] = [
         name: "a service crashed between a handler's writes and their commit pays the key once",
         contract: "draft §2.6: the retry of a request must not repeat its effect; a handler's writes commit with its key's completion or not at all (the service's own fault point, declared in the profile's crash_before_commit_env)",
         judge: crashed,
+    },
+    Property {
+        name: "a service paused (SIGSTOP) past its clients' timeout under load, then resumed, pays every key once",
+        contract: "draft §1 and §2.7: a request its client gave up on may still run when its process resumes; a retry meets it in flight or replays it, never runs it twice, and every key ends once",
+        judge: paused,
     },
 ];

@@ -25,6 +25,7 @@ pub mod lab;
 pub mod leak;
 pub mod life;
 pub mod model;
+mod openapi;
 mod operations;
 mod process;
 mod races;

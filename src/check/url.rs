@@ -432,7 +432,7 @@ macro_rules! property {
 }
 
 /// The properties an HTTP implementation must have, each with its sentence.
-pub static PROPERTIES: [Property<Target>; 20] = [
+pub static PROPERTIES: [Property<Target>; 21] = [
     property!(
         "a new key is created",
         "draft §2: the first request with a key is processed as usual (any 2xx; profile created_status)",
@@ -532,5 +532,11 @@ pub static PROPERTIES: [Property<Target>; 20] = [
         "the same key on a second operation is that operation's own request, if the profile declares one",
         "draft §2.2: a key is unique per client and resource (DESIGN §2: per client, endpoint and key); the profile's second_operation sent with a transfer's key is made (a 2xx, neither the transfer's answer nor marked a replay), its retry replays it, and the transfer's retry still replays the transfer",
         super::operations::second_operation
+    ),
+    // last: it judges the answers every property before it was given
+    property!(
+        "every status answered is listed in the service's OpenAPI document, if the profile names one",
+        "OpenAPI 3 (Responses Object): an operation's responses list what it answers, by status, class or default; judged only if the profile declares openapi_path, on every method, path and status the check was answered before",
+        super::openapi::documented
     ),
 ];

@@ -57,6 +57,8 @@ it breaks:
   token-scope          the scope is the token, not its client
   lost-update          balances read, then written back absolute
   no-key-processed     a request without a key is processed
+  openapi-stale        its OpenAPI document (/openapi.json) lists no 422,
+                       which it answers
   key-across-operations  keys are not scoped by route: a deposit under a
                        transfer's key replays the transfer and deposits nothing
   no-fingerprint       another body under a used key replays the first answer
@@ -97,7 +99,7 @@ import argparse, datetime, hashlib, http.server, json, os, select, signal, socke
 CHOICES = ["chunked", "refusals-not-stored", "no-replay-header", "no-retry-after", "plain-errors", "bare-key-refused",
            "other-statuses", "replay-header-always", "owned-accounts"]
 ERRORS = ["recompute", "lookup-insert", "invalid-consumes", "get-across-clients", "no-scope", "key-before-auth",
-          "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed", "key-across-operations",
+          "doubled-auth", "leak", "path-leak", "missing-key-first", "quoted-distinct", "token-scope", "lost-update", "no-key-processed", "key-across-operations", "openapi-stale",
           "no-fingerprint", "raw-fingerprint", "fingerprint-no-dst", "fingerprint-one-part", "in-flight-only", "unknown-500", "stuck-on-hangup",
           "drop-on-hangup", "stuck-in-lock-wait", "claim-committed-apart", "sigterm-ignored", "shutdown-abandons"]
 # a mistake only in the orders shape (the transfers body is flat: sorting its
@@ -165,6 +167,20 @@ def made_id(body):
     return made["order"]["id"] if a.shape == "orders" else made["transfer_id"]
 
 
+def openapi():
+    """Its OpenAPI document: the statuses each operation answers (a stale one
+    under openapi-stale, which lists no 422)."""
+    made, bad_token = ("200", "403") if mistake == "other-statuses" else ("201", "401")
+    post = [made, "400", bad_token, "402", "404", "409", "412", "422", "500"]
+    if mistake == "openapi-stale":
+        post.remove("422")
+    ops = {ROUTE: {"post": post}, ROUTE + "/{id}": {"get": ["200", bad_token, "404"]},
+           DEPOSITS: {"post": [made, "400", bad_token, "409", "422"]}, "/openapi.json": {"get": ["200"]}}
+    paths = {path: {m: {"responses": {s: {"description": s} for s in statuses}} for m, statuses in item.items()}
+             for path, item in ops.items()}
+    return {"openapi": "3.1.0", "info": {"title": "http_service.py", "version": "1"}, "paths": paths}
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -222,6 +238,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return k or None
 
     def do_GET(self):
+        if self.path == "/openapi.json":
+            return self.reply(200, json.dumps(openapi()), [("Content-Type", "application/json")])
         who = self.client()
         if who is None:
             return self.problem(401, "unauthorized")
