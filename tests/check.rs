@@ -623,7 +623,9 @@ fn served_services_survive_kill_and_stop_and_each_lifecycle_mistake_fails() {
         let must: BTreeSet<String> = must.iter().map(|s| s.to_string()).collect();
         let code = if must.is_empty() { 0 } else { 1 };
         println!("{serve}: {:?}", run.verdicts);
-        if run.code != Some(code) || run.verdicts.len() != 2 || failed(run) != must {
+        // a PASS of a kill that landed nowhere mid-request says so, and counts for nothing
+        let empty = must.is_empty() && !run.stdout.contains("note: exercised:");
+        if run.code != Some(code) || run.verdicts.len() != 2 || failed(run) != must || empty {
             wrong.push(format!("{serve}: must fail {must:?}, failed {:?}:\n{}", failed(run), run.stdout));
         }
     }
