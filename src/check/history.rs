@@ -23,7 +23,7 @@
 //! processes interleave; a process's completion follows its invoke.
 //!
 //! With a history or without, every method, path and status answered is
-//! kept for the run ([`answered`]), for the OpenAPI property.
+//! kept for the run (`answered`), for the OpenAPI property.
 
 use super::CheckError;
 use serde_json::{Value, json};
