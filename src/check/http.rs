@@ -418,16 +418,36 @@ pub(super) fn exchange_within(
     request: &[u8],
     wait: Duration,
 ) -> Result<Http, CheckError> {
+    let (mut stream, op) = begun(address, request, request.len(), wait)?;
+    let answer = read_answer(&mut stream);
+    ended(op, &answer);
+    answer
+}
+
+/// A new connection that has sent the first `upto` bytes of `request`,
+/// answers awaited for `wait` at most, and the request's operation in the
+/// history (a connection or a send that failed is recorded as ended).
+pub(super) fn begun(
+    address: SocketAddr,
+    request: &[u8],
+    upto: usize,
+    wait: Duration,
+) -> Result<(TcpStream, super::history::Op), CheckError> {
     let op = super::history::invoke(request);
-    let answer = (|| {
+    let sent = (|| {
         let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))
             .map_err(CheckError::io("connect"))?;
         stream.set_read_timeout(Some(wait)).map_err(CheckError::io("set a timeout"))?;
-        stream.write_all(request).map_err(CheckError::io("send"))?;
-        read_answer(&mut stream)
+        stream.write_all(&request[..upto]).map_err(CheckError::io("send"))?;
+        Ok(stream)
     })();
-    ended(op, &answer);
-    answer
+    match sent {
+        Ok(stream) => Ok((stream, op)),
+        Err(e) => {
+            op.failed(&e);
+            Err(e)
+        }
+    }
 }
 
 /// Records in the history how the operation `op` ended.

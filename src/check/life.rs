@@ -12,7 +12,7 @@
 //! CMD is run in a process group of its own (a wrapper script's children
 //! get the signals too), its output kept in the check's directory.
 
-use super::http::{Drain, Http, Profile, Target, ended, exchange, exchange_within, read_answer};
+use super::http::{Drain, Http, Profile, Target, begun, ended, exchange, exchange_within, read_answer};
 use super::process::Process;
 use super::walk::{InFlight, headers, holds_all, is_final, lease, paid_once, retried, stayed};
 use super::{CheckError, Property, Trace, history};
@@ -280,20 +280,8 @@ fn half_sent(
         .map(|(k, amount)| {
             let body = target.body(&drain.src, &drain.dst, *amount);
             let request = target.post_bytes(&headers(target, k), &body);
-            let op = history::invoke(&request);
-            let sent = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
-                .map_err(CheckError::io("connect"))
-                .and_then(|mut s| {
-                    s.write_all(&request[..request.len() - 1]).map_err(CheckError::io("send"))?;
-                    Ok(s)
-                });
-            match sent {
-                Ok(s) => Ok((s, request[request.len() - 1], op)),
-                Err(e) => {
-                    op.failed(&e);
-                    Err(e)
-                }
-            }
+            let (s, op) = begun(target.address, &request, request.len() - 1, WAIT)?;
+            Ok((s, request[request.len() - 1], op))
         })
         .collect()
 }
@@ -319,11 +307,9 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
         std::thread::sleep(Duration::from_millis(50));
         // the last bytes of the requests the service was reading
         for (mut s, last, op) in open.drain(..) {
-            let sent = s.write_all(&[last]).map_err(CheckError::io("send"));
-            let answer = sent.and_then(|()| {
-                s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
-                read_answer(&mut s)
-            });
+            // read within WAIT: begun set the connection's timeout
+            let answer =
+                s.write_all(&[last]).map_err(CheckError::io("send")).and_then(|()| read_answer(&mut s));
             ended(op, &answer);
             late.push(answer);
         }

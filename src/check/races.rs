@@ -2,10 +2,9 @@
 //! and the properties judged on what such races provoke (`Retry-After` on
 //! in-flight answers, a retry that prefers to wait).
 
-use super::http::{Http, Target, ended, read_answer};
-use super::{CheckError, Trace, history};
+use super::http::{Http, Target, begun, ended, read_answer};
+use super::{CheckError, Trace};
 use std::io::Write;
-use std::net::TcpStream;
 use std::time::Duration;
 
 /// Sixteen requests of the transfer of `amount` on key `k`, each on its own
@@ -20,24 +19,10 @@ pub(super) fn release(
     let mut headers = vec![auth, ("Idempotency-Key", target.key_header(k))];
     headers.extend(more.iter().cloned());
     let request = target.post_bytes(&headers, &target.transfer(amount));
-    let (head, last) = request.split_at(request.len() - 1);
+    let last = &request[request.len() - 1..];
     let mut streams = Vec::new();
     for _ in 0..16 {
-        let op = history::invoke(&request);
-        let sent = (|| {
-            let mut s = TcpStream::connect_timeout(&target.address, Duration::from_secs(5))
-                .map_err(CheckError::io("connect"))?;
-            s.set_read_timeout(Some(Duration::from_secs(30))).map_err(CheckError::io("set a timeout"))?;
-            s.write_all(head).map_err(CheckError::io("send"))?;
-            Ok(s)
-        })();
-        match sent {
-            Ok(s) => streams.push((s, op)),
-            Err(e) => {
-                op.failed(&e);
-                return Err(e);
-            }
-        }
+        streams.push(begun(target.address, &request, request.len() - 1, Duration::from_secs(30))?);
     }
     std::thread::sleep(Duration::from_millis(50));
     let barrier = std::sync::Barrier::new(streams.len());
