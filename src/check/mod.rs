@@ -140,6 +140,11 @@ impl Trace {
         self.steps.push(what);
     }
 
+    /// Nothing failed or skipped so far.
+    pub fn passing(&self) -> bool {
+        self.failures == 0 && self.skipped.is_none()
+    }
+
     /// Records a failure unless `ok`; the property goes on.
     pub fn expect(&mut self, ok: bool, why: impl FnOnce() -> String) -> bool {
         if !ok {
