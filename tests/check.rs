@@ -716,20 +716,24 @@ fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
     }
 }
 
-/// Three idempotency libraries nobody here wrote, each around a minimal
+/// Five idempotency libraries nobody here wrote, each around a minimal
 /// transfer endpoint under `peers/` (installed from npm, PyPI and crates.io
 /// by `tools/peer-check`), keep the verdicts docs/check.md gives them on
 /// every seed: each fails what its own design gets wrong (read from its
 /// source and its README) and passes the rest. A verdict that moves is a
 /// finding about the checker or about the library's new version.
 #[test]
-#[ignore = "long: installs three libraries (npm, PyPI, crates.io) and builds one"]
+#[ignore = "long: installs five libraries (npm, PyPI, crates.io) and builds one"]
 fn third_party_libraries_fail_what_their_design_gets_wrong_and_nothing_else() {
     let bare = "the key's sf-string and bare spellings are one key, or the bare one is refused";
     let no_key = "a request without a key is refused";
     let auth =
         "authentication comes first: a bad, missing or doubled token is refused before the key is read";
-    let expected: [(&str, &[&str]); 3] = [
+    let reorder = "a retry with members reordered and re-spaced replays";
+    let scoped =
+        "keys are scoped by client: distinct clients own distinct keys, one client's tokens share them";
+    let malformed = "a malformed request is refused and does not consume its key";
+    let expected: [(&str, &[&str]); 5] = [
         // keys not scoped by client; a key is optional; Express's HTML error page
         (
             "express-idempotency",
@@ -737,21 +741,12 @@ fn third_party_libraries_fail_what_their_design_gets_wrong_and_nothing_else() {
                 no_key,
                 bare,
                 auth,
-                "keys are scoped by client: distinct clients own distinct keys, one client's tokens share them",
+                scoped,
                 "errors show no internals (and are problem+json, if the profile says so)",
             ],
         ),
         // the fingerprint is of the raw bytes; a 400 is stored under its key
-        (
-            "fastapi-idempotency",
-            &[
-                no_key,
-                bare,
-                auth,
-                "a retry with members reordered and re-spaced replays",
-                "a malformed request is refused and does not consume its key",
-            ],
-        ),
+        ("fastapi-idempotency", &[no_key, bare, auth, reorder, malformed]),
         // check, then execute: no claim, and the body is not fingerprinted
         (
             "axum-idempotent",
@@ -759,6 +754,22 @@ fn third_party_libraries_fail_what_their_design_gets_wrong_and_nothing_else() {
                 bare,
                 "the same key with another body is refused (mismatch status)",
                 "requests on one key released at one instant: one transfer, the others in flight or its replay",
+            ],
+        ),
+        // the fingerprint is JSON.stringify of the parsed body (member order
+        // counts); the cache key is method, path and key; a thrown error is stored
+        ("node-idempotency", &[no_key, bare, scoped, reorder, malformed]),
+        // no fingerprint; one key set for every client; any JSON answer
+        // stored; a request that raises (its client hung up) keeps its key
+        (
+            "asgi-idempotency-header",
+            &[
+                no_key,
+                bare,
+                scoped,
+                malformed,
+                "the same key with another body is refused (mismatch status)",
+                "a client that hangs up leaves no key held past the lease and nothing paid twice",
             ],
         ),
     ];
