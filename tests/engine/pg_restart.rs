@@ -7,6 +7,7 @@
 
 use crate::common::*;
 use std::collections::BTreeMap;
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -144,4 +145,60 @@ fn a_session_ended_between_two_requests_is_replaced_before_the_next_one_runs() {
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(send(&mut store, "k-2"), 201, "the request after the loss was not run on a new session");
     assert_eq!(bank.balances(), [80, 20]);
+}
+
+/// A server that stops answering in the middle of a transaction begun by
+/// hand (its backend stopped with SIGSTOP: no `statement_timeout` can fire
+/// there) is given up by the client within its deadline, as a lost
+/// connection (the caller's 503), and the next transaction runs on a new
+/// session. Without the client-side deadline the statement waits for ever.
+#[test]
+fn a_server_that_stops_answering_mid_transaction_is_given_up_within_the_deadline() {
+    use idem::request::AcctId;
+    use idem::store::{Durability, StoreError};
+    use serde_json::json;
+    if !backends().contains(&Backend::Postgres) {
+        return;
+    }
+    let bank = Bank::with(Backend::Postgres, &[(json!("A"), 100), (json!("B"), 0)]);
+    let name = format!("idem-stalled-{}", std::process::id());
+    let spec = match bank.spec().starts_with("postgres") {
+        true => format!("{}&application_name={name}", bank.spec()),
+        false => format!("{} application_name={name}", bank.spec()),
+    };
+    let policy = idem::policy::Policy::embedded();
+    let mut store =
+        idem::store::open(&idem::store::Db::parse(&spec), policy, idem::store::Usage::LongLived).unwrap();
+    let pid = bank.count(&format!(
+        "SELECT COALESCE(MAX(pid), 0)::bigint FROM pg_stat_activity WHERE application_name = '{name}'"
+    ));
+    assert!(pid > 0, "the store's session was not found");
+    let signal = |s: &str| Command::new("kill").args([s, &pid.to_string()]).status().unwrap();
+    let a = AcctId::Text("A".into());
+    let (given_up, took) = {
+        let mut tx = store.begin(Durability::Durable).unwrap();
+        assert!(signal("-STOP").success(), "cannot stop the backend {pid}");
+        let begun = Instant::now();
+        // the test's own guard: a statement that never ends would hang it
+        let (done, wait) = std::sync::mpsc::channel();
+        let guard = std::thread::spawn(move || {
+            if wait.recv_timeout(Duration::from_secs(40)).is_err() {
+                let _ = Command::new("kill").args(["-CONT", &pid.to_string()]).status();
+            }
+        });
+        let got = tx.lock_account(&a);
+        let took = begun.elapsed();
+        let _ = done.send(());
+        guard.join().unwrap();
+        (got, took)
+    };
+    signal("-CONT");
+    assert!(
+        matches!(given_up, Err(StoreError::Unavailable(_))),
+        "a stalled server: wanted Unavailable, got {given_up:?} after {took:?}"
+    );
+    assert!(took < Duration::from_secs(20), "given up only after {took:?}");
+    let mut tx = store.begin(Durability::Durable).expect("the next transaction on a new session");
+    let balance = tx.lock_account(&a).unwrap().map(|acct| acct.balance);
+    assert_eq!(balance, Some(100));
 }

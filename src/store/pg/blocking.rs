@@ -8,8 +8,10 @@
 //! back (and the caller must not be on an async runtime's thread).
 
 use super::StoreError;
+use super::steps::DEADLINE;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Error, Row, Statement, ToStatement};
 
@@ -19,6 +21,10 @@ pub struct Client {
     /// (`PgStore`), which borrows the client as it does.
     runtime: Arc<tokio::runtime::Runtime>,
     inner: tokio_postgres::Client,
+    /// A statement outlived [`DEADLINE`]: the server stopped answering, and
+    /// what the connection's transaction did is not known. It is not used
+    /// again ([`Client::is_closed`]).
+    stalled: AtomicBool,
 }
 
 type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
@@ -35,7 +41,7 @@ impl Client {
             .build()
             .map_err(|e| StoreError::Backend(format!("cannot start a connection's runtime: {e}").into()))?;
         let inner = runtime.block_on(super::connect(config, spec))?;
-        Ok(Client { runtime: Arc::new(runtime), inner })
+        Ok(Client { runtime: Arc::new(runtime), inner, stalled: AtomicBool::new(false) })
     }
 
     /// The runtime the connection is driven on, to block on what awaits it.
@@ -54,17 +60,29 @@ impl Client {
         });
     }
 
-    fn block<F: Future>(&self, future: F) -> F::Output {
-        self.runtime.block_on(future)
+    /// `future`'s answer, under the client-side deadline every statement
+    /// of the engine has (as rust-postgres's blocking client times out on
+    /// tokio-postgres): past it, the driver's timeout error, which
+    /// `connect::lost` reads as a lost connection, and the connection is
+    /// stalled.
+    fn block<T>(&self, future: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+        self.runtime.block_on(async {
+            tokio::time::timeout(DEADLINE, future).await.unwrap_or_else(|_| {
+                self.stalled.store(true, Ordering::Relaxed);
+                Err(Error::__private_api_timeout())
+            })
+        })
     }
 
     /// What `statements` do on the connection, awaited to their end (the key
-    /// table's runners, `store::keys::pg`, written once for every face).
-    pub(in crate::store) fn run<'c, F: Future>(
+    /// table's runners, `store::keys::pg`, written once for every face),
+    /// under the deadline.
+    pub(in crate::store) fn run<'c, T, F: Future<Output = Result<T, Error>>>(
         &'c mut self,
         statements: impl FnOnce(&'c tokio_postgres::Client) -> F,
-    ) -> F::Output {
-        self.runtime.block_on(statements(&self.inner))
+    ) -> Result<T, Error> {
+        let inner = &self.inner;
+        self.block(statements(inner))
     }
 
     pub fn query<T: ?Sized + ToStatement>(
@@ -104,9 +122,9 @@ impl Client {
     }
 
     /// Whether the connection is known to be gone (a statement on it
-    /// found it closed).
+    /// found it closed) or stalled past the deadline.
     pub fn is_closed(&self) -> bool {
-        self.inner.is_closed()
+        self.inner.is_closed() || self.stalled.load(Ordering::Relaxed)
     }
 
     /// A transaction: `BEGIN` now; dropped without [`Transaction::commit`],
@@ -155,8 +173,8 @@ impl std::ops::DerefMut for Transaction<'_> {
 
 impl Drop for Transaction<'_> {
     fn drop(&mut self) {
-        if self.open {
-            // on a dead connection there is nothing to roll back
+        // on a dead or stalled connection there is nothing to roll back
+        if self.open && !self.client.is_closed() {
             let _ = self.client.batch_execute("ROLLBACK");
         }
     }

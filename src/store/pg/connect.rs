@@ -46,6 +46,13 @@ pub(in crate::store) fn pg(e: tokio_postgres::Error) -> StoreError {
     }
 }
 
+/// Whether `e` is the driver's timeout, which the blocking client gives
+/// when a statement outlives its deadline (the driver has no other way to
+/// say so: its kinds are private).
+fn timed_out(e: &tokio_postgres::Error) -> bool {
+    e.to_string() == tokio_postgres::Error::__private_api_timeout().to_string()
+}
+
 /// Whether `e` says this connection cannot go on: the server went away (a
 /// restart, a failover, a killed backend: 57P, 08), is out of resources
 /// (53: disk full, memory, connections), or is a standby that cannot write
@@ -57,6 +64,10 @@ pub(in crate::store) fn lost(e: &tokio_postgres::Error) -> bool {
             let c = c.code();
             c.starts_with("57P") || c.starts_with("08") || c.starts_with("53") || c == "25006"
         }
-        None => e.is_closed() || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
+        None => {
+            e.is_closed()
+                || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+                || timed_out(e)
+        }
     }
 }

@@ -110,7 +110,7 @@ impl PgStore {
         // the connection's task reads only while it is blocked on: let it
         // see what the server sent since (a restart closes the socket)
         self.core.client.settle();
-        if !usable(&self.core) {
+        if !usable(&self.core) || self.core.client.is_closed() {
             let client =
                 session(&self.spec, &self.core.policy).map_err(|e| StoreError::Unavailable(e.to_string()))?;
             let (shape, policy) = (self.core.shape.clone(), self.core.policy.clone().into_owned());
@@ -258,8 +258,9 @@ pub struct PgTx<'a> {
 
 impl Drop for PgTx<'_> {
     fn drop(&mut self) {
-        if self.open {
-            // On a dead connection there is nothing to roll back.
+        // On a dead or stalled connection there is nothing to roll back
+        // (the server ends the transaction with the session).
+        if self.open && !self.client.is_closed() {
             let _ = self.client.batch_execute("ROLLBACK");
         }
     }
