@@ -144,6 +144,6 @@ async fn batch_sql(
         }
     }
     let executions = client.prepare(&function.call).await?;
-    let claims = client.prepare(&pg::claim_batch_sql(shape)).await?;
+    let claims = pg::claim_batch_sql(shape);
     Ok(Some(BatchSql { claims, executions }))
 }

@@ -14,6 +14,7 @@
 //! transfer's outcome fails its batch-mates.
 
 use super::*;
+use tokio_postgres::types::Type;
 
 /// The claim of many keys: [`Hot::texts`]' claim over arrays, `$1..$9`
 /// each one column of the batch. The inserts go in key order, so two
@@ -187,9 +188,13 @@ impl PgStore {
     }
 }
 
-/// The statements of a batch, prepared on each connection of a batching pool.
+/// The statements of a batch on each connection of a batching pool: the
+/// executions' call prepared; the claims' text, sent typed and unprepared
+/// (`query_typed`: one round trip, as a prepared one) so that it is planned
+/// at each batch. A plan cached while `idem_key` was small scans it whole,
+/// and goes on doing so as it grows, until autovacuum's first ANALYZE.
 pub(in crate::store) struct BatchSql {
-    pub(in crate::store) claims: Statement,
+    pub(in crate::store) claims: String,
     pub(in crate::store) executions: Statement,
 }
 
@@ -236,10 +241,12 @@ impl Claims {
         claims
     }
 
-    pub(in crate::store) fn params(&self) -> [&(dyn ToSql + Sync); 9] {
+    /// The columns, each a `text[]`.
+    pub(in crate::store) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 9] {
         let [c, e, k, fp, tok, cat, lu] = &self.text;
         let [s, d] = &self.accounts;
-        [c, e, k, fp, tok, cat, lu, s, d]
+        let texts: [&(dyn ToSql + Sync); 9] = [c, e, k, fp, tok, cat, lu, s, d];
+        texts.map(|column| (column, Type::TEXT_ARRAY))
     }
 }
 

@@ -116,7 +116,7 @@ impl Item for ClaimItem {
     async fn send(conn: &mut PgConn, items: Vec<Self>) -> Result<Option<Vec<Row>>, StoreError> {
         let Some(sql) = &conn.batch else { return Ok(None) };
         let claims = Claims::of(items);
-        deadline(&mut conn.broken, conn.client.query(&sql.claims, &claims.params())).await.map(Some)
+        deadline(&mut conn.broken, conn.client.query_typed(&sql.claims, &claims.params())).await.map(Some)
     }
 }
 
