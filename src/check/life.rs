@@ -69,11 +69,7 @@ pub fn start(command: &str, mut profile: Profile, seed: u64) -> Result<Target, C
         CLIENTS.iter().map(|(t, c)| (t.to_string(), json!(c))).collect();
     std::fs::write(&clients, serde_json::Value::Object(map).to_string())
         .map_err(CheckError::io("writing the clients file"))?;
-    // a port free now, kept across restarts
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(CheckError::io("finding a free port"))?
-        .port();
+    let port = service_port()?;
     let listen = format!("127.0.0.1:{port}");
     let fill = |w: &str| {
         let dir = dir.path().display().to_string();
@@ -103,6 +99,31 @@ pub fn start(command: &str, mut profile: Profile, seed: u64) -> Result<Target, C
     process.spawn()?;
     target.process = Some(process);
     Ok(target)
+}
+
+/// A port free now for the service, kept across its restarts: one below
+/// the kernel's ephemeral range, so that no socket bound to port 0
+/// meanwhile (another check's, a test's server, an outgoing connection)
+/// is given it while the service is down or still starting. A port from
+/// port 0 was: two checks side by side were handed the same one, and one
+/// check judged the other's service. Ports at random, tried until one
+/// binds; port 0's if the range cannot be read.
+fn service_port() -> Result<u16, CheckError> {
+    use std::hash::{BuildHasher, Hasher};
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let low = range.split_whitespace().next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(0);
+    if low > 10_000 {
+        let mut random = std::collections::hash_map::RandomState::new().build_hasher();
+        for attempt in 0..64_u64 {
+            random.write_u64(attempt);
+            let port = 10_000 + (random.finish() % u64::from(low - 10_000)) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    let any = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr());
+    Ok(any.map_err(CheckError::io("finding a free port"))?.port())
 }
 
 /// The process the check started, or a SKIP saying it has none.
@@ -485,3 +506,17 @@ pub static PROPERTIES: [Property<Target>; 4] = [
         judge: paused,
     },
 ];
+
+#[cfg(test)]
+mod tests {
+    /// The service's port is one no socket bound to port 0 can be given
+    /// meanwhile: below the kernel's ephemeral range, and free.
+    #[test]
+    fn the_services_port_is_below_the_ephemeral_range() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let low: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
+        let ports: Vec<u16> = (0..20).map(|_| super::service_port().unwrap()).collect();
+        assert!(ports.iter().all(|p| (10_000..low).contains(p)), "{ports:?}, ephemeral from {low}");
+        assert!(ports.windows(2).any(|w| w[0] != w[1]), "always the same port: {ports:?}");
+    }
+}
