@@ -263,16 +263,17 @@ fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let mut rng = Rng::new(target.seed ^ 0x6b69_6c6c);
     let drain = Drain { src: json!("K"), dst: json!("B"), balance: PAID };
     let unit = timed(target, t, &drain, 400)?;
+    let mut window = unit * 2;
     for attempt in 0..ATTEMPTS {
-        let window = unit.mul_f64(2.0 / f64::from(1 << attempt));
+        window /= if attempt == 0 { 1 } else { 2 };
         let salt = 1_000 * u64::from(attempt);
-        if killed_once(target, t, process, &mut rng, window, salt)? || !t.passing() {
+        if killed_once(target, t, (process, &drain), &mut rng, window, salt)? || !t.passing() {
             return Ok(());
         }
     }
     t.note(format!(
         "not exercised: in {ATTEMPTS} runs, down to a window of {} µs, every round was answered whole before its kill",
-        unit.mul_f64(2.0 / f64::from(1 << (ATTEMPTS - 1))).as_micros()
+        window.as_micros()
     ));
     Ok(())
 }
@@ -283,12 +284,11 @@ fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
 fn killed_once(
     target: &Target,
     t: &mut Trace,
-    process: &Process,
+    (process, drain): (&Process, &Drain),
     rng: &mut Rng,
     window: Duration,
     salt: u64,
 ) -> Result<bool, CheckError> {
-    let drain = Drain { src: json!("K"), dst: json!("B"), balance: PAID };
     let keys = keys(target, 500 + salt);
     let (mut before, mut answered, mut restarts) = (Vec::new(), Vec::new(), Duration::ZERO);
     let (rounds, mut landed) = (keys.len().div_ceil(LANES), 0);
@@ -296,7 +296,7 @@ fn killed_once(
         // each round's kill timed from its own start, in a stratum of its
         // own of the window: the early ones land mid-request
         let stratum = (r as f64 + rng.below(1_000) as f64 / 1_000.0) / rounds as f64;
-        let mut got = under_load(target, round, &drain, [window.mul_f64(stratum), WAIT], || process.kill());
+        let mut got = under_load(target, round, drain, [window.mul_f64(stratum), WAIT], || process.kill());
         answered.push(got.iter().filter(|a| a.is_some()).count());
         landed += usize::from(answered[r] < round.len());
         before.append(&mut got);
@@ -316,7 +316,7 @@ fn killed_once(
     if landed > 0 {
         t.note(format!("exercised: {landed} of {rounds} kills landed with requests unanswered"));
     }
-    let counted = settle(target, t, &keys, &before, &drain, 400 + salt)?;
+    let counted = settle(target, t, &keys, &before, drain, 400 + salt)?;
     // a run whose money was not counted leaves the drain short: no other run
     Ok(landed > 0 || !counted)
 }
