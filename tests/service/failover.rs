@@ -108,13 +108,20 @@ impl Drop for Cluster {
     }
 }
 
-/// The first of `n` consecutive loopback ports that are free now.
+/// The first of `n` consecutive loopback ports that are free now, all below
+/// the kernel's ephemeral range: the cluster's nodes bind them again on
+/// every restart, and a port from inside the range can meanwhile be handed
+/// to any outgoing connection (CI once lost a node to "Address already in
+/// use" on a restart that way).
 fn free_ports(n: u16) -> u16 {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let low = range.split_whitespace().next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(32_768);
+    let span = u64::from(low.saturating_sub(10_000 + n).max(1));
     let nanos =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
     let seed = u64::from(std::process::id()) * 7919 + u64::from(nanos);
     (0..200u64)
-        .map(|i| 20_000 + ((seed + i * 104_729) % 20_000) as u16)
+        .map(|i| 10_000 + ((seed + i * 104_729) % span) as u16)
         .find(|base| (0..n).all(|k| std::net::TcpListener::bind(("127.0.0.1", base + k)).is_ok()))
         .expect("no free ports")
 }
