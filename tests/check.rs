@@ -17,6 +17,19 @@ mod pg;
 const IDEM: &str = env!("CARGO_BIN_EXE_idem");
 const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/peers");
 
+/// The Python interpreter itself, quoted for an engine command: `python3`
+/// on the PATH may be a version manager's shim (pyenv's runs a dozen bash
+/// processes first, 0.14 s against the interpreter's 0.05 s), and every
+/// engine call is a new process: the shim tripled the engine cohort's time.
+fn python() -> &'static str {
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let out = Command::new("python3").args(["-c", "import sys; print(sys.executable)"]).output();
+        let exe = out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
+        if exe.is_empty() { "python3".to_owned() } else { format!("'{exe}'") }
+    })
+}
+
 /// One run of `idem check`: its exit code and each property's verdict line.
 struct Run {
     code: Option<i32>,
@@ -137,7 +150,7 @@ fn engine_cohort(whole: bool) {
         }
         args
     };
-    let py = |file: &str| format!("python3 {PEERS}/engines/{file}");
+    let py = |file: &str| format!("{} {PEERS}/engines/{file}", python());
     let correct: Vec<(&str, Vec<String>)> = vec![
         ("idem_api", engine(env!("CARGO_BIN_EXE_idem_api").into(), None)),
         ("dumps.py (json.dumps spacing, 402/404)", engine(py("dumps.py"), None)),
@@ -270,7 +283,7 @@ fn a_declared_choice_is_held_to_the_profile_tightens_and_never_rescues() {
     for (n, (choice, profile, property)) in cases.iter().enumerate() {
         let file = dir.path().join(format!("profile-{n}.json"));
         std::fs::write(&file, profile).unwrap();
-        let engine = format!("python3 {PEERS}/engines/dumps.py {choice}");
+        let engine = format!("{} {PEERS}/engines/dumps.py {choice}", python());
         // judged alone, on one day: every day holds the steps each choice decides
         let only = names(&[property], &ENGINE_PROPERTIES).pop_first().unwrap();
         let args = [
