@@ -17,7 +17,7 @@ mod pg;
 const IDEM: &str = env!("CARGO_BIN_EXE_idem");
 const PEERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/peers");
 
-/// The Python interpreter itself, quoted for an engine command: `python3`
+/// The Python interpreter itself (quote it in a command line): `python3`
 /// on the PATH may be a version manager's shim (pyenv's runs a dozen bash
 /// processes first, 0.14 s against the interpreter's 0.05 s), and every
 /// engine call is a new process: the shim tripled the engine cohort's time.
@@ -26,7 +26,7 @@ fn python() -> &'static str {
     PYTHON.get_or_init(|| {
         let out = Command::new("python3").args(["-c", "import sys; print(sys.executable)"]).output();
         let exe = out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
-        if exe.is_empty() { "python3".to_owned() } else { format!("'{exe}'") }
+        if exe.is_empty() { "python3".to_owned() } else { exe }
     })
 }
 
@@ -150,7 +150,7 @@ fn engine_cohort(whole: bool) {
         }
         args
     };
-    let py = |file: &str| format!("{} {PEERS}/engines/{file}", python());
+    let py = |file: &str| format!("'{}' {PEERS}/engines/{file}", python());
     let correct: Vec<(&str, Vec<String>)> = vec![
         ("idem_api", engine(env!("CARGO_BIN_EXE_idem_api").into(), None)),
         ("dumps.py (json.dumps spacing, 402/404)", engine(py("dumps.py"), None)),
@@ -283,7 +283,7 @@ fn a_declared_choice_is_held_to_the_profile_tightens_and_never_rescues() {
     for (n, (choice, profile, property)) in cases.iter().enumerate() {
         let file = dir.path().join(format!("profile-{n}.json"));
         std::fs::write(&file, profile).unwrap();
-        let engine = format!("{} {PEERS}/engines/dumps.py {choice}", python());
+        let engine = format!("'{}' {PEERS}/engines/dumps.py {choice}", python());
         // judged alone, on one day: every day holds the steps each choice decides
         let only = names(&[property], &ENGINE_PROPERTIES).pop_first().unwrap();
         let args = [
@@ -448,10 +448,11 @@ const NO_LEASE: &str = "no-lease.json";
 const DECLARED: &str = "service-declared.json";
 
 #[test]
+#[ignore = "long suite: cargo test --release -- --ignored"]
 fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
     let service = format!("{PEERS}/http_service.py");
     let py = |mistake: Option<&str>| {
-        let mut v = vec!["python3".to_owned(), service.clone()];
+        let mut v = vec![python().to_owned(), service.clone()];
         v.extend(mistake.map(|m| ["--mistake".to_owned(), m.to_owned()]).into_iter().flatten());
         v
     };
@@ -552,7 +553,7 @@ fn correct_services_pass_and_each_broken_one_fails_on_its_own_property() {
         let correct = &correct;
         jobs.push(Box::new(move || {
             let dir = tempfile::tempdir().unwrap();
-            let (url, mut child) = serve(&["python3", &service, "--mistake", mistake], dir.path());
+            let (url, mut child) = serve(&[python(), &service, "--mistake", mistake], dir.path());
             let choice = correct.iter().any(|(n, ..)| n.contains(&format!("--mistake {mistake} (open)")));
             let run = check_url(&url, "5", if choice { DECLARED } else { OPEN });
             child.kill().unwrap();
@@ -603,7 +604,7 @@ fn served_services_survive_kill_and_stop_and_each_lifecycle_mistake_fails() {
             "{ledger} --keys {keys} --db {{db}} --listen {{listen}} --clients {{clients}} --accounts A=1000000000,B=0,D=800,K=300,T=300,F=300,P=300"
         )
     };
-    let py = |mistake: &str| format!("python3 {PEERS}/http_service.py {mistake}");
+    let py = |mistake: &str| format!("'{}' {PEERS}/http_service.py {mistake}", python());
     // each service, its profile, and the properties it must fail (none: correct)
     let cohort: Vec<(String, &str, &[&str])> = vec![
         (format!("{IDEM} serve"), DECLARED, &[]),
@@ -662,7 +663,7 @@ fn served_services_survive_kill_and_stop_and_each_lifecycle_mistake_fails() {
 /// that shape still fails its own property.
 #[test]
 fn an_api_of_another_shape_is_judged_through_its_profile_alone() {
-    let serve = format!("python3 {PEERS}/http_service.py --shape orders");
+    let serve = format!("'{}' {PEERS}/http_service.py --shape orders", python());
     let orders = format!("{PEERS}/orders.json");
     let mut fixed: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&orders).unwrap()).unwrap();
@@ -858,8 +859,8 @@ fn a_first_sent_date_is_judged_only_where_the_profile_declares_it() {
     let cohort: Vec<(&str, Vec<String>, &str, Option<&str>)> = vec![
         ("idem serve", vec![IDEM.into(), "serve".into()], "first-sent.json", Some("PASS")),
         ("idem serve", vec![IDEM.into(), "serve".into()], DECLARED, Some("SKIP")),
-        ("http_service.py", vec!["python3".into(), service.clone()], "first-sent.json", Some("FAIL")),
-        ("http_service.py", vec!["python3".into(), service], DECLARED, Some("SKIP")),
+        ("http_service.py", vec![python().into(), service.clone()], "first-sent.json", Some("FAIL")),
+        ("http_service.py", vec![python().into(), service], DECLARED, Some("SKIP")),
     ];
     let mut wrong = Vec::new();
     for (name, program, profile, want) in &cohort {
@@ -894,8 +895,8 @@ fn a_retry_that_prefers_to_wait_is_judged_only_where_the_profile_declares_it() {
     let cohort: Vec<(&str, Vec<String>, &str, &str)> = vec![
         ("idem serve on PostgreSQL", vec![IDEM.into(), "serve".into()], "prefer-wait.json", "PASS"),
         ("idem serve on PostgreSQL", vec![IDEM.into(), "serve".into()], DECLARED, "SKIP"),
-        ("http_service.py", vec!["python3".into(), service.clone()], "prefer-wait.json", "FAIL"),
-        ("http_service.py", vec!["python3".into(), service], DECLARED, "SKIP"),
+        ("http_service.py", vec![python().into(), service.clone()], "prefer-wait.json", "FAIL"),
+        ("http_service.py", vec![python().into(), service], DECLARED, "SKIP"),
     ];
     let mut wrong = Vec::new();
     for (name, program, profile, want) in &cohort {
@@ -937,7 +938,7 @@ fn the_history_holds_every_request_once_and_an_outside_reading_finds_a_recompute
     let service = format!("{PEERS}/http_service.py");
     let cohort: [(&str, Vec<&str>, bool); 2] = [
         ("idem serve", vec![IDEM, "serve"], true),
-        ("http_service.py --mistake recompute", vec!["python3", &service, "--mistake", "recompute"], false),
+        ("http_service.py --mistake recompute", vec![python(), &service, "--mistake", "recompute"], false),
     ];
     for (name, program, consistent) in cohort {
         let dir = tempfile::tempdir().unwrap();
@@ -1005,14 +1006,14 @@ fn a_key_reused_on_a_second_operation_is_that_operations_own_request() {
         "the same key on a second operation is that operation's own request, if the profile declares one";
     let service = format!("{PEERS}/http_service.py");
     let cohort: [(&str, Vec<&str>, &str, &str); 3] = [
-        ("http_service.py", vec!["python3", &service], "second-operation.json", "PASS"),
+        ("http_service.py", vec![python(), &service], "second-operation.json", "PASS"),
         (
             "http_service.py --mistake key-across-operations",
-            vec!["python3", &service, "--mistake", "key-across-operations"],
+            vec![python(), &service, "--mistake", "key-across-operations"],
             "second-operation.json",
             "FAIL",
         ),
-        ("http_service.py", vec!["python3", &service], OPEN, "SKIP"),
+        ("http_service.py", vec![python(), &service], OPEN, "SKIP"),
     ];
     judged_where_declared(SECOND, &cohort, "4", |_, _| true);
 }
@@ -1058,14 +1059,14 @@ fn every_status_answered_is_in_the_published_openapi_document() {
     let service = format!("{PEERS}/http_service.py");
     let cohort: [(&str, Vec<&str>, &str, &str); 4] = [
         ("idem serve", vec![IDEM, "serve"], "openapi.json", "PASS"),
-        ("http_service.py", vec!["python3", &service], "openapi.json", "PASS"),
+        ("http_service.py", vec![python(), &service], "openapi.json", "PASS"),
         (
             "http_service.py --mistake openapi-stale",
-            vec!["python3", &service, "--mistake", "openapi-stale"],
+            vec![python(), &service, "--mistake", "openapi-stale"],
             "openapi.json",
             "FAIL",
         ),
-        ("http_service.py", vec!["python3", &service], OPEN, "SKIP"),
+        ("http_service.py", vec![python(), &service], OPEN, "SKIP"),
     ];
     // its FAIL for the status the stale document leaves out
     judged_where_declared(LISTED, &cohort, "6", |want, run| {
@@ -1085,7 +1086,7 @@ fn a_service_paused_past_its_clients_timeout_pays_every_key_once() {
     let ledger = format!(
         "{ledger} --keys inside --db {{db}} --listen {{listen}} --clients {{clients}} --accounts A=1000000000,B=0,D=800,K=300,T=300,F=300,P=300"
     );
-    let py = |mistake: &str| format!("python3 {PEERS}/http_service.py {mistake}");
+    let py = |mistake: &str| format!("'{}' {PEERS}/http_service.py {mistake}", python());
     let cohort: Vec<(String, &str, &str)> = vec![
         (format!("{IDEM} serve"), DECLARED, "PASS"),
         (py(""), DECLARED, "PASS"),
