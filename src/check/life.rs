@@ -265,7 +265,9 @@ fn killed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let unit = timed(target, t, &drain, 400)?;
     let mut window = unit * 2;
     for attempt in 0..ATTEMPTS {
-        window /= if attempt == 0 { 1 } else { 2 };
+        if attempt > 0 {
+            window /= 2;
+        }
         let salt = 1_000 * u64::from(attempt);
         if killed_once(target, t, (process, &drain), &mut rng, window, salt)? || !t.passing() {
             return Ok(());
