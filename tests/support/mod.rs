@@ -268,12 +268,14 @@ pub fn request(client: &str, endpoint: &str, key: &str, src: &Value, dst: &Value
 /// Request files that pay around a ring of accounts: key `{prefix}-{i}`
 /// moves `amounts[i]` from account `i % n` to account `(i + 1) % n`.
 pub fn ring_requests(bank: &Bank, prefix: &str, amounts: &[i64]) -> Vec<PathBuf> {
+    amounts.iter().enumerate().map(|(i, amount)| ring_request(bank, prefix, i, *amount)).collect()
+}
+
+/// The `i`th request of [`ring_requests`].
+pub fn ring_request(bank: &Bank, prefix: &str, i: usize, amount: i64) -> PathBuf {
     let n = bank.accounts.len();
-    let files = amounts.iter().enumerate().map(|(i, amount)| {
-        let (s, d) = (&bank.accounts[i % n], &bank.accounts[(i + 1) % n]);
-        bank.request_file(&request("c", "/t", &format!("{prefix}-{i}"), s, d, *amount))
-    });
-    files.collect()
+    let (s, d) = (&bank.accounts[i % n], &bank.accounts[(i + 1) % n]);
+    bank.request_file(&request("c", "/t", &format!("{prefix}-{i}"), s, d, amount))
 }
 
 /// The balances after each ring key in `paid` moved its amount exactly once.
