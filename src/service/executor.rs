@@ -12,7 +12,10 @@
 //! On both, reader threads with connections of their own answer lookups
 //! and health probes from plain reads, on a queue of their own, and settled
 //! keys (replays, 422s) when the writers are busy: a read never waits
-//! behind an execution's lock wait or a group commit. On PostgreSQL,
+//! behind an execution's lock wait or a group commit. On SQLite a settled
+//! key is read first on the thread that asks, by a reader that never waits
+//! for a lock ([`Executor::settled_at_once`]); only a read that would wait
+//! goes to a reader thread. On PostgreSQL,
 //! writer threads with connections of their own run the payout steps.
 //!
 //! A transfer, once queued or spawned, runs to completion whatever happens
@@ -91,6 +94,10 @@ pub struct Executor {
     writes: Mutex<Option<SyncSender<Job>>>,
     reads: Mutex<Option<SyncSender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// SQLite's readers that never wait, for [`Executor::settled_at_once`].
+    at_once: Mutex<Vec<Box<dyn Reads + Send>>>,
+    policy: &'static Policy,
+    clock: Clock,
 }
 
 /// The service's clock, given by its caller (the binary: the wall clock, or
@@ -123,10 +130,11 @@ impl Executor {
     ) -> std::io::Result<Self> {
         let (writes, write_jobs) = queue(capacity);
         let (reads, read_jobs) = queue(capacity);
-        let mut on_pool = None;
+        let (mut on_pool, mut at_once_readers) = (None, Vec::new());
         let mut workers = Vec::new();
         let readers = match stores {
-            Workers::Grouped { writer, readers } => {
+            Workers::Grouped { writer, readers, at_once } => {
+                at_once_readers = at_once;
                 let (clock, health) = (clock.clone(), health.clone());
                 workers.push(spawn("idem-writer".into(), move || {
                     write_in_groups(writer, &write_jobs, group_max.max(1), policy, &clock, &health, hook)
@@ -166,7 +174,26 @@ impl Executor {
             writes: Mutex::new(Some(writes)),
             reads: Mutex::new(Some(reads)),
             workers: Mutex::new(workers),
+            at_once: Mutex::new(at_once_readers),
+            policy,
+            clock,
         })
+    }
+
+    /// What [`Job::Settled`] answers, read on the calling thread with no
+    /// hand-off to a reader thread and back (two wake-ups, most of a
+    /// replay's cost), by a SQLite reader that never waits for a lock.
+    /// `None` when none is free (all in use, or on PostgreSQL) or the read
+    /// would have waited: then a reader thread answers, as it may wait.
+    pub fn settled_at_once(&self, req: &Request) -> Option<Result<Option<Response>, StoreError>> {
+        let mut reader = self.at_once.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+        let ctx = Ctx { policy: self.policy, now: (self.clock)(), token: "" };
+        let settled = protocol::settled(&mut reader, req, ctx);
+        self.at_once.lock().unwrap_or_else(|e| e.into_inner()).push(reader);
+        match settled {
+            Err(StoreError::Busy) => None,
+            answered => Some(answered),
+        }
     }
 
     /// Whether a transfer's key should first be looked up by a reader

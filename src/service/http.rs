@@ -185,11 +185,17 @@ async fn refuse_or_transfer(
     // A settled key (a replay, another body) is answered by a reader,
     // without queueing behind the writer's group commits.
     if app.executor.settles_first() {
-        let (reply, answer) = oneshot::channel();
-        if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
-            return busy(app, note);
-        }
-        match answer.await {
+        let settled = match app.executor.settled_at_once(&parsed) {
+            Some(settled) => Ok(settled),
+            None => {
+                let (reply, answer) = oneshot::channel();
+                if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
+                    return busy(app, note);
+                }
+                answer.await
+            }
+        };
+        match settled {
             Ok(Ok(Some(settled))) => return respond(settled, note),
             Ok(Ok(None)) => {}
             Ok(Err(e)) => return store_error(app, &e, note),

@@ -14,10 +14,23 @@ use crate::policy::Policy;
 /// Reader connections beside the writers.
 const READERS: usize = 2;
 
+/// SQLite readers that answer a settled key on the thread that asks: one
+/// per runtime worker (tokio's default, one a core).
+fn at_once() -> usize {
+    std::thread::available_parallelism().map_or(2, usize::from)
+}
+
 /// The connections the service runs on.
 pub enum Workers {
-    /// One writer that commits transfers in groups, and readers.
-    Grouped { writer: Box<dyn GroupWriter>, readers: Vec<Box<dyn Reads + Send>> },
+    /// One writer that commits transfers in groups, and readers: with a
+    /// thread each, and `at_once`, which never wait for a lock (a read
+    /// that would is handed to a reader thread) and so can be run on the
+    /// thread that asks, with no hand-off.
+    Grouped {
+        writer: Box<dyn GroupWriter>,
+        readers: Vec<Box<dyn Reads + Send>>,
+        at_once: Vec<Box<dyn Reads + Send>>,
+    },
     /// Transfers run on `pool`, awaited, in batches if asked and not
     /// `unbatched` (why they cannot be); `writers` (payouts only) and
     /// `readers` are synchronous connections with a thread each.
@@ -92,7 +105,13 @@ impl Workers {
                 let readers = (0..READERS)
                     .map(|_| SqliteStore::open(path, policy).map(|s| Box::new(s) as Box<dyn Reads + Send>))
                     .collect::<Result<_, _>>()?;
-                Ok(Workers::Grouped { writer: Box::new(writer), readers })
+                let at_once = (0..at_once())
+                    .map(|_| {
+                        let reader = SqliteStore::open(path, policy)?.never_waiting()?;
+                        Ok(Box::new(reader) as Box<dyn Reads + Send>)
+                    })
+                    .collect::<Result<_, StoreError>>()?;
+                Ok(Workers::Grouped { writer: Box::new(writer), readers, at_once })
             }
         }
     }

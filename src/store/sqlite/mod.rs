@@ -109,6 +109,15 @@ impl SqliteStore {
         })
     }
 
+    /// The same connection, made never to wait for a lock: a statement
+    /// that would wait fails at once with [`StoreError::Busy`]. In WAL a
+    /// plain read waits only in rare moments (the WAL being recovered or
+    /// restarted), so such a reader can run on a thread that must not block.
+    pub fn never_waiting(self) -> Result<Self, StoreError> {
+        self.conn.busy_timeout(Duration::ZERO).map_err(backend)?;
+        Ok(self)
+    }
+
     /// The connection itself, for what the store has no operation for: the
     /// benches preload keys through it. Outside the store's transactions.
     pub fn connection(&self) -> &Connection {
