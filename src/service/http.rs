@@ -182,25 +182,10 @@ async fn refuse_or_transfer(
         Err(e) => return invalid(&e.reason(), note),
     };
     let Ok(permit) = app.in_flight.try_acquire() else { return busy(app, note) };
-    // A settled key (a replay, another body) is answered by a reader,
-    // without queueing behind the writer's group commits.
-    if app.executor.settles_first() {
-        let settled = match app.executor.settled_at_once(&parsed) {
-            Some(settled) => Ok(settled),
-            None => {
-                let (reply, answer) = oneshot::channel();
-                if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
-                    return busy(app, note);
-                }
-                answer.await
-            }
-        };
-        match settled {
-            Ok(Ok(Some(settled))) => return respond(settled, note),
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => return store_error(app, &e, note),
-            Err(_) => return failed(note),
-        }
+    if app.executor.settles_first()
+        && let Some(reply) = settled(app, &parsed, note).await
+    {
+        return reply;
     }
     let again = wait.map(|_| parsed.clone());
     let Some(mut outcome) = run(app, parsed).await else { return busy(app, note) };
@@ -229,6 +214,28 @@ async fn refuse_or_transfer(
         Ok(Ok(Outcome::Respond(answer))) => respond(answer, note),
         Ok(Ok(Outcome::Crashed(_))) | Err(_) => failed(note),
         Ok(Err(e)) => store_error(app, &e, note),
+    }
+}
+
+/// The answer to a settled key (a replay, another body) from a read,
+/// without queueing behind the writer's group commits; `None` when the key
+/// is not settled.
+async fn settled(app: &Arc<App>, parsed: &crate::request::Request, note: &mut Note) -> Option<Reply> {
+    let settled = match app.executor.settled_at_once(parsed) {
+        Some(settled) => Ok(settled),
+        None => {
+            let (reply, answer) = oneshot::channel();
+            if !app.executor.submit_read(Job::Settled { req: parsed.clone(), reply }) {
+                return Some(busy(app, note));
+            }
+            answer.await
+        }
+    };
+    match settled {
+        Ok(Ok(Some(settled))) => Some(respond(settled, note)),
+        Ok(Ok(None)) => None,
+        Ok(Err(e)) => Some(store_error(app, &e, note)),
+        Err(_) => Some(failed(note)),
     }
 }
 
