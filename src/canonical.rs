@@ -69,8 +69,7 @@ impl Json {
 
 /// SHA-256 (lower-case hex) of the canonical form: the request fingerprint.
 pub fn fingerprint(body: &Json) -> String {
-    let digest = Sha256::digest(body.canonical().as_bytes());
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    crate::hex::lower(&Sha256::digest(body.canonical().as_bytes()))
 }
 
 fn write_canonical(value: &Json, out: &mut String) {

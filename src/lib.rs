@@ -74,6 +74,7 @@
 
 pub mod canonical;
 pub mod clock;
+pub mod hex;
 pub mod ledger;
 pub mod policy;
 pub mod protocol;

@@ -33,6 +33,6 @@ pub fn mix(mut z: u64) -> u64 {
 pub fn uuid(mut bytes: [u8; 16], version: u8) -> String {
     bytes[6] = (bytes[6] & 0x0f) | (version << 4);
     bytes[8] = (bytes[8] & 0x3f) | 0x80;
-    let hex: String = bytes.iter().map(|x| format!("{x:02x}")).collect();
+    let hex = crate::hex::lower(&bytes);
     format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
 }

@@ -26,6 +26,7 @@
 //! kept for the run (`answered`), for the OpenAPI property.
 
 use super::CheckError;
+use crate::hex::lower as hex;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
@@ -157,8 +158,4 @@ fn described(request: &[u8]) -> Value {
         "client": client,
         "body_sha256": hex(&Sha256::digest(body)),
     })
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -366,5 +366,5 @@ fn finished(task: Result<Response, tokio::task::JoinError>) -> Response {
 fn with_query(fingerprint: &str, query: &str) -> String {
     use sha2::{Digest, Sha256};
     let digest = Sha256::new().chain_update(fingerprint).chain_update("?").chain_update(query).finalize();
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    crate::hex::lower(&digest)
 }

@@ -357,7 +357,7 @@ impl Keys {
                     .chain_update("\0")
                     .chain_update(bytes)
                     .finalize();
-                Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
+                Ok(crate::hex::lower(&digest))
             }
         }
     }

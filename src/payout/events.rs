@@ -145,7 +145,7 @@ fn fresh(t: i64, now: i64) -> Result<(), Refused> {
 pub fn sign(secret: &[u8], body: &[u8], t: i64) -> String {
     let tag =
         mac(secret, &format!("{t}."), body).map(|m| m.finalize().into_bytes().to_vec()).unwrap_or_default();
-    let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+    let tag = crate::hex::lower(&tag);
     format!("t={t},v1={tag}")
 }
 

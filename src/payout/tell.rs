@@ -103,7 +103,7 @@ pub fn event_id(e: &ClientEvent) -> String {
         c.now.name()
     );
     let digest = Sha256::digest(change.as_bytes());
-    format!("evt_{}", digest[..16].iter().map(|b| format!("{b:02x}")).collect::<String>())
+    format!("evt_{}", crate::hex::lower(&digest[..16]))
 }
 
 /// What a client is sent: what changed, and where to fetch the payout as it

@@ -70,7 +70,7 @@ impl Log {
     /// The tag a key is logged under: 16 hex digits of the keyed hash.
     pub fn key_tag(&self, client: &str, key: &str) -> String {
         let mac = hmac_sha256(&self.secret, &[client.as_bytes(), b"\0", key.as_bytes()]);
-        mac[..8].iter().map(|b| format!("{b:02x}")).collect()
+        crate::hex::lower(&mac[..8])
     }
 
     /// Waits up to `limit` for the queued lines to be written (at shutdown);
@@ -140,9 +140,7 @@ pub fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
 mod tests {
     use super::*;
 
-    fn hex(bytes: &[u8]) -> String {
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
-    }
+    use crate::hex::lower as hex;
 
     #[test]
     fn hmac_matches_rfc_4231() {

@@ -32,6 +32,6 @@ impl IdemKey {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part);
         }
-        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        crate::hex::lower(&h.finalize())
     }
 }

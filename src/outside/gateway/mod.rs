@@ -232,7 +232,7 @@ fn parse_payout(body: &[u8]) -> Result<(String, i64, String, String), String> {
         .ok_or("currency must be three capital letters")?;
     // members in one order, so a retry spelled differently is the same payout
     let normal = json!({"amount": amount, "beneficiary": beneficiary, "currency": currency}).to_string();
-    let fingerprint = Sha256::digest(normal.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    let fingerprint = crate::hex::lower(&Sha256::digest(normal.as_bytes()));
     Ok((beneficiary.to_owned(), amount, currency.to_owned(), fingerprint))
 }
 

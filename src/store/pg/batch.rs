@@ -129,11 +129,7 @@ impl BatchFunction {
             .replace("{wait}", BATCH_LOCK_WAIT)
             .replace("{schema}", &shape.path);
         let digest = Sha256::digest(text.as_bytes());
-        let name = format!(
-            "{}.idem_execute_{}",
-            shape.schema,
-            digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>()
-        );
+        let name = format!("{}.idem_execute_{}", shape.schema, crate::hex::lower(&digest[..8]));
         let call = format!(
             "SELECT o_held, o_premises, o_inexact, o_transfer, o_done, o_alone
              FROM {name}($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
