@@ -173,3 +173,61 @@ fn a_group_dropped_without_its_commit_rolls_back_every_request_and_the_next_grou
     assert_eq!(bank.transfers().len(), 1);
     assert_eq!(bank.balances(), vec![before[0] - 3, before[1] + 3]);
 }
+
+/// Inside a group the writer holds a claim unwritten until its execution
+/// completes it, then writes the key once, completed. A claim left without
+/// its execution (the request stopped after its claim, or its execution
+/// rolled back) must still be on disk, in progress, once the group commits,
+/// as it would be had each claim been written at once.
+#[test]
+fn a_group_writes_a_paid_key_once_and_keeps_every_claim_left_without_its_execution() {
+    use idem::protocol::{self, Ctx, Flow, Outcome, Point};
+    let mut rng = rng();
+    let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
+    let before = bank.balances();
+    let policy = idem::policy::Policy::embedded();
+    let now = idem::clock::Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
+    let mut store = idem::store::sqlite::SqliteStore::open(&bank.db, policy).unwrap();
+    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
+    let send = |group: &mut idem::store::sqlite::Group<'_>, key: &str, token: &str, stop: Option<Point>| {
+        let text = request("shop-g", "/v1/transfers", key, s, d, 3);
+        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
+        let ctx = Ctx { policy, now, token };
+        let mut faults = |p| if Some(p) == stop { Flow::Crash } else { Flow::Continue };
+        match protocol::handle(group, &req, ctx, &mut faults).unwrap() {
+            Outcome::Respond(r) => Some((r.status, r.replay)),
+            Outcome::Crashed(_) => None,
+        }
+    };
+    let mut group = store.group().unwrap();
+    assert_eq!(send(&mut group, "left", "t1", Some(Point::AfterClaim)), None);
+    assert_eq!(send(&mut group, "undone", "t2", Some(Point::BeforeCommit)), None);
+    assert_eq!(send(&mut group, "left", "t3", None), Some((409, false)), "the claim left behind was lost");
+    assert_eq!(send(&mut group, "undone", "t4", None), Some((409, false)));
+    assert_eq!(send(&mut group, "paid", "t5", None), Some((201, false)));
+    assert_eq!(send(&mut group, "paid", "t6", None), Some((201, true)));
+    // the group's last request stops after its claim: only the commit can write it
+    assert_eq!(send(&mut group, "last", "t7", Some(Point::AfterClaim)), None);
+    group.commit().unwrap();
+    let conn = rusqlite::Connection::open(&bank.db).unwrap();
+    let rows: Vec<(String, String, String, bool)> = conn
+        .prepare("SELECT idem_key, state, token, transfer_id IS NOT NULL FROM idem_key ORDER BY idem_key")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let row =
+        |k: &str, state: &str, token: &str, paid| (k.to_owned(), state.to_owned(), token.to_owned(), paid);
+    assert_eq!(
+        rows,
+        [
+            row("last", "in_progress", "t7", false),
+            row("left", "in_progress", "t1", false),
+            row("paid", "completed", "t5", true),
+            row("undone", "in_progress", "t2", false)
+        ]
+    );
+    assert_eq!(bank.transfers().len(), 1);
+    assert_eq!(bank.balances(), vec![before[0] - 3, before[1] + 3]);
+}

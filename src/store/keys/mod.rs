@@ -133,6 +133,12 @@ pub struct KeyTable {
     /// completed_at, `$10` content_type, `$11` headers, `$12` body_bytes;
     /// only if `$9` token holds it in progress.
     pub complete: String,
+    /// A claim and its completion as one row, for a writer that holds the
+    /// claim unwritten until it completes under the same lock (SQLite's
+    /// group commit): the claim's columns as in `insert_claim` (`$4..$7`),
+    /// then the completion's as in `complete`, `$8` status to `$15`
+    /// body_bytes in its order.
+    pub insert_completed: String,
     /// Deletes the key if `$4` token holds it in progress.
     pub release: String,
     /// Deletes up to `$2` keys created before `$1`, oldest first, never the
@@ -170,6 +176,12 @@ impl KeyTable {
                         body_bytes = $12
                  WHERE {KEY} AND state = 'in_progress' AND token = $9"
             ),
+            insert_completed: format!(
+                "INSERT INTO {t} (client_id, endpoint, idem_key, fingerprint, state, token, created_at,
+                        lease_until, status, reason, body, transfer_id, completed_at, content_type,
+                        headers, body_bytes)
+                 VALUES ($1, $2, $3, $4, 'completed', $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+            ),
             release: format!("DELETE FROM {t} WHERE {KEY} AND state = 'in_progress' AND token = $4"),
             purge: format!(
                 "DELETE FROM {t} WHERE (client_id, endpoint, idem_key) IN
@@ -197,6 +209,7 @@ impl KeyTable {
             read_nowait: q(self.read_nowait),
             replace_claim: q(self.replace_claim),
             complete: q(self.complete),
+            insert_completed: q(self.insert_completed),
             release: q(self.release),
             purge: q(self.purge),
             in_progress: q(self.in_progress),

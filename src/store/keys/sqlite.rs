@@ -95,6 +95,37 @@ pub(crate) fn complete(
     Ok(done == 1)
 }
 
+/// Inserts the key claimed by `claim` already completed with `answer` at
+/// `at` (see [`KeyTable::insert_completed`]).
+pub(crate) fn insert_completed(
+    conn: &Connection,
+    t: &KeyTable,
+    who: Who,
+    claim: &Claim,
+    answer: &Stored,
+    at: Timestamp,
+) -> rusqlite::Result<bool> {
+    let reason = answer.reason.as_ref().map(ToString::to_string);
+    let inserted = conn.prepare_cached(&t.insert_completed)?.execute(rusqlite::params![
+        who[0],
+        who[1],
+        who[2],
+        claim.fingerprint,
+        claim.token,
+        claim.created_at.to_string(),
+        claim.lease_until.to_string(),
+        answer.status,
+        reason,
+        answer.body,
+        answer.transfer_id,
+        at.to_string(),
+        None::<String>, // the engine's answers: nothing kept besides the record
+        None::<String>,
+        None::<Vec<u8>>,
+    ])?;
+    Ok(inserted == 1)
+}
+
 /// Deletes the key if `token` still holds it in progress.
 pub(crate) fn release(conn: &Connection, t: &KeyTable, who: Who, token: &str) -> rusqlite::Result<bool> {
     Ok(conn.prepare_cached(&t.release)?.execute((who[0], who[1], who[2], token))? == 1)

@@ -188,7 +188,7 @@ fn run(conn: &Connection, sql: &str) -> Result<(), StoreError> {
 impl Store for SqliteStore {
     fn begin(&mut self, durability: Durability) -> Result<Box<dyn Tx + '_>, StoreError> {
         self.synchronous(durability)?;
-        Ok(Box::new(SqliteTx::start(&self.conn, false)?))
+        Ok(Box::new(SqliteTx::start(&self.conn, None)?))
     }
 
     fn audit(&mut self) -> Result<Audit, StoreError> {
@@ -274,14 +274,23 @@ pub struct SqliteTx<'a> {
     conn: &'a Connection,
     savepoint: bool,
     open: bool,
+    /// Inside a group: the claim the group holds unwritten
+    /// (`group::Held`), and what this savepoint does to it if it commits.
+    held: Option<&'a std::cell::RefCell<Option<group::Held>>>,
+    staged: Option<group::Staged>,
 }
 
 impl<'a> SqliteTx<'a> {
-    fn start(conn: &'a Connection, savepoint: bool) -> Result<Self, StoreError> {
+    /// A transaction of its own, or a savepoint of the group that holds `held`.
+    fn start(
+        conn: &'a Connection,
+        held: Option<&'a std::cell::RefCell<Option<group::Held>>>,
+    ) -> Result<Self, StoreError> {
+        let savepoint = held.is_some();
         // IMMEDIATE takes the write lock now, so a claim never starts as a
         // reader and fails to upgrade later: it waits (busy_timeout) or fails.
         run(conn, if savepoint { "SAVEPOINT request" } else { "BEGIN IMMEDIATE" })?;
-        Ok(SqliteTx { conn, savepoint, open: true })
+        Ok(SqliteTx { conn, savepoint, open: true, held, staged: None })
     }
 }
 
@@ -303,6 +312,9 @@ use super::keys::{NOTHING_KEPT, who};
 
 impl Tx for SqliteTx<'_> {
     fn insert_claim(&mut self, key: &ScopedKey, claim: &Claim) -> Result<Option<KeyRecord>, StoreError> {
+        if self.held.is_some() {
+            return self.hold_claim(key, claim);
+        }
         let inserted = key_sql::insert_claim(self.conn, keys(), who(key), claim).map_err(backend)?;
         match inserted {
             true => Ok(None),
@@ -319,10 +331,15 @@ impl Tx for SqliteTx<'_> {
         seen: &KeyRecord,
         claim: &Claim,
     ) -> Result<bool, StoreError> {
+        self.write_held()?;
         key_sql::replace_claim(self.conn, keys(), who(key), seen, claim).map_err(backend)
     }
 
     fn lock_key(&mut self, key: &ScopedKey) -> Result<Option<KeyRecord>, StoreError> {
+        if let Some(claim) = self.holding(key, None) {
+            return Ok(Some(group::in_progress(claim)));
+        }
+        self.write_held()?;
         read_key(self.conn, key) // the transaction already holds the write lock
     }
 
@@ -333,11 +350,22 @@ impl Tx for SqliteTx<'_> {
         response: &Stored,
         at: Timestamp,
     ) -> Result<bool, StoreError> {
+        if let Some(claim) = self.holding(key, Some(token)) {
+            let done = key_sql::insert_completed(self.conn, keys(), who(key), &claim, response, at);
+            self.staged = Some(group::Staged::Written);
+            return done.map_err(backend);
+        }
+        self.write_held()?;
         // the engine's answers are JSON: no media type of their own
         key_sql::complete(self.conn, keys(), who(key), token, response, NOTHING_KEPT, at).map_err(backend)
     }
 
     fn release(&mut self, key: &ScopedKey, token: &str) -> Result<bool, StoreError> {
+        if self.holding(key, Some(token)).is_some() {
+            self.staged = Some(group::Staged::Written); // never written: nothing to delete
+            return Ok(true);
+        }
+        self.write_held()?;
         key_sql::release(self.conn, keys(), who(key), token).map_err(backend)
     }
 
@@ -387,10 +415,12 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn purge(&mut self, before: Timestamp, limit: u64) -> Result<u64, StoreError> {
+        self.write_held()?;
         key_sql::purge(self.conn, keys(), before, limit, PAYOUTS).map_err(backend)
     }
 
     fn in_progress(&mut self) -> Result<Vec<(ScopedKey, KeyRecord)>, StoreError> {
+        self.write_held()?;
         let mut stmt = self.conn.prepare_cached(&keys().in_progress).map_err(backend)?;
         let rows = stmt.query_map([], |r| {
             let key = ScopedKey { client_id: r.get(9)?, endpoint: r.get(10)?, idem_key: r.get(11)? };
@@ -403,6 +433,7 @@ impl Tx for SqliteTx<'_> {
         // A commit that fails leaves the transaction open: the drop rolls it back.
         run(self.conn, if self.savepoint { "RELEASE request" } else { "COMMIT" })?;
         self.open = false;
+        self.settle_held();
         Ok(())
     }
 }
