@@ -138,28 +138,38 @@ fn stopped_before_the_group_commit_it_answered_nothing_and_nothing_moved() {
     assert_eq!(retry_all(&bank), (0, REQUESTS));
 }
 
+/// A transfer of 3 from `bank`'s first account to its second under `key`,
+/// run by the protocol on `group` as the attempt `token`, stopped at `stop`
+/// if given: its status and whether it replayed, or `None` if it stopped.
+fn send(
+    group: &mut idem::store::sqlite::Group<'_>,
+    bank: &Bank,
+    key: &str,
+    token: &str,
+    stop: Option<idem::protocol::Point>,
+) -> Option<(u16, bool)> {
+    use idem::protocol::{self, Ctx, Flow, Outcome};
+    let policy = idem::policy::Policy::embedded();
+    let now = idem::clock::Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
+    let text = request("shop-g", "/v1/transfers", key, &bank.accounts[0], &bank.accounts[1], 3);
+    let req = idem::request::parse(text.as_bytes(), policy).unwrap();
+    let mut faults = |p| if Some(p) == stop { Flow::Crash } else { Flow::Continue };
+    match protocol::handle(group, &req, Ctx { policy, now, token }, &mut faults).unwrap() {
+        Outcome::Respond(r) => Some((r.status, r.replay)),
+        Outcome::Crashed(_) => None,
+    }
+}
+
 #[test]
 fn a_group_dropped_without_its_commit_rolls_back_every_request_and_the_next_group_works() {
-    use idem::protocol::{self, Ctx, Flow, Outcome};
     let mut rng = rng();
     let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
     let before = bank.balances();
-    let policy = idem::policy::Policy::embedded();
-    let now = idem::clock::Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
-    let mut store = idem::store::sqlite::SqliteStore::open(&bank.db, policy).unwrap();
-    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
-    let send = |group: &mut idem::store::sqlite::Group<'_>, key: &str| {
-        let text = request("shop-g", "/v1/transfers", key, s, d, 3);
-        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
-        let ctx = Ctx { policy, now, token: key };
-        match protocol::handle(group, &req, ctx, &mut |_| Flow::Continue).unwrap() {
-            Outcome::Respond(r) => r.status,
-            Outcome::Crashed(_) => unreachable!("nothing asked it to stop"),
-        }
-    };
+    let mut store =
+        idem::store::sqlite::SqliteStore::open(&bank.db, idem::policy::Policy::embedded()).unwrap();
     // a group whose commit never comes (the commit failed, or the writer unwound)
     let mut lost = store.group().unwrap();
-    assert_eq!(send(&mut lost, "lost"), 201);
+    assert_eq!(send(&mut lost, &bank, "lost", "lost", None), Some((201, false)));
     let inside = idem::store::Store::audit(&mut lost).unwrap();
     assert_eq!(inside.transfers.len(), 1, "the group cannot read its own transfer");
     drop(lost);
@@ -168,7 +178,11 @@ fn a_group_dropped_without_its_commit_rolls_back_every_request_and_the_next_grou
     assert_eq!(bank.balances(), before);
     // the connection is out of the dropped group: the next one begins and commits
     let mut next = store.group().expect("the dropped group left its transaction open");
-    assert_eq!(send(&mut next, "lost"), 201, "the dropped group's key was kept");
+    assert_eq!(
+        send(&mut next, &bank, "lost", "lost", None),
+        Some((201, false)),
+        "the dropped group's key was kept"
+    );
     next.commit().unwrap();
     assert_eq!(bank.transfers().len(), 1);
     assert_eq!(bank.balances(), vec![before[0] - 3, before[1] + 3]);
@@ -181,23 +195,14 @@ fn a_group_dropped_without_its_commit_rolls_back_every_request_and_the_next_grou
 /// as it would be had each claim been written at once.
 #[test]
 fn a_group_writes_a_paid_key_once_and_keeps_every_claim_left_without_its_execution() {
-    use idem::protocol::{self, Ctx, Flow, Outcome, Point};
+    use idem::protocol::Point;
     let mut rng = rng();
     let bank = Bank::on(Backend::Sqlite, &mut rng, 2, false);
     let before = bank.balances();
-    let policy = idem::policy::Policy::embedded();
-    let now = idem::clock::Timestamp::parse("2026-12-01T00:00:00Z").unwrap();
-    let mut store = idem::store::sqlite::SqliteStore::open(&bank.db, policy).unwrap();
-    let (s, d) = (&bank.accounts[0], &bank.accounts[1]);
-    let send = |group: &mut idem::store::sqlite::Group<'_>, key: &str, token: &str, stop: Option<Point>| {
-        let text = request("shop-g", "/v1/transfers", key, s, d, 3);
-        let req = idem::request::parse(text.as_bytes(), policy).unwrap();
-        let ctx = Ctx { policy, now, token };
-        let mut faults = |p| if Some(p) == stop { Flow::Crash } else { Flow::Continue };
-        match protocol::handle(group, &req, ctx, &mut faults).unwrap() {
-            Outcome::Respond(r) => Some((r.status, r.replay)),
-            Outcome::Crashed(_) => None,
-        }
+    let mut store =
+        idem::store::sqlite::SqliteStore::open(&bank.db, idem::policy::Policy::embedded()).unwrap();
+    let send = |group: &mut idem::store::sqlite::Group<'_>, key: &str, token: &str, stop| {
+        send(group, &bank, key, token, stop)
     };
     let mut group = store.group().unwrap();
     assert_eq!(send(&mut group, "left", "t1", Some(Point::AfterClaim)), None);
