@@ -37,6 +37,13 @@ pub(super) struct Held {
     claim: Claim,
 }
 
+impl Held {
+    /// Writes the claim as the claim it is, in progress.
+    fn write(&self, conn: &Connection) -> Result<(), StoreError> {
+        key_sql::insert_claim(conn, keys(), who(&self.key), &self.claim).map_err(backend).map(drop)
+    }
+}
+
 /// What a request's savepoint does to the group's held claim if it commits.
 pub(super) enum Staged {
     /// Holds this claim (the claim's savepoint found the key free).
@@ -81,8 +88,8 @@ impl SqliteTx<'_> {
     /// that reads or writes keys other than through it.
     pub(super) fn write_held(&mut self) -> Result<(), StoreError> {
         let Some(held) = self.held.filter(|_| self.staged.is_none()) else { return Ok(()) };
-        if let Some(Held { key, claim }) = held.borrow().as_ref() {
-            key_sql::insert_claim(self.conn, keys(), who(key), claim).map_err(backend)?;
+        if let Some(claim) = held.borrow().as_ref() {
+            claim.write(self.conn)?;
             self.staged = Some(Staged::Written);
         }
         Ok(())
@@ -101,8 +108,8 @@ impl SqliteTx<'_> {
 
 impl Group<'_> {
     pub fn commit(mut self) -> Result<(), StoreError> {
-        if let Some(Held { key, claim }) = self.held.take() {
-            key_sql::insert_claim(self.conn, keys(), who(&key), &claim).map_err(backend)?;
+        if let Some(claim) = self.held.take() {
+            claim.write(self.conn)?;
         }
         run(self.conn, "COMMIT")?; // on failure the drop rolls the group back
         self.open = false;

@@ -272,10 +272,10 @@ fn read_key(conn: &Connection, key: &ScopedKey) -> Result<Option<KeyRecord>, Sto
 /// [`Group`], a savepoint. Dropped without [`Tx::commit`], it rolls back.
 pub struct SqliteTx<'a> {
     conn: &'a Connection,
-    savepoint: bool,
     open: bool,
-    /// Inside a group: the claim the group holds unwritten
-    /// (`group::Held`), and what this savepoint does to it if it commits.
+    /// Inside a group (then a savepoint): the claim the group holds
+    /// unwritten (`group::Held`), and what this savepoint does to it if it
+    /// commits.
     held: Option<&'a std::cell::RefCell<Option<group::Held>>>,
     staged: Option<group::Staged>,
 }
@@ -286,18 +286,17 @@ impl<'a> SqliteTx<'a> {
         conn: &'a Connection,
         held: Option<&'a std::cell::RefCell<Option<group::Held>>>,
     ) -> Result<Self, StoreError> {
-        let savepoint = held.is_some();
         // IMMEDIATE takes the write lock now, so a claim never starts as a
         // reader and fails to upgrade later: it waits (busy_timeout) or fails.
-        run(conn, if savepoint { "SAVEPOINT request" } else { "BEGIN IMMEDIATE" })?;
-        Ok(SqliteTx { conn, savepoint, open: true, held, staged: None })
+        run(conn, if held.is_some() { "SAVEPOINT request" } else { "BEGIN IMMEDIATE" })?;
+        Ok(SqliteTx { conn, open: true, held, staged: None })
     }
 }
 
 impl Drop for SqliteTx<'_> {
     fn drop(&mut self) {
         if self.open {
-            let _ = match self.savepoint {
+            let _ = match self.held.is_some() {
                 true => {
                     run(self.conn, "ROLLBACK TO request").and_then(|()| run(self.conn, "RELEASE request"))
                 }
@@ -431,7 +430,7 @@ impl Tx for SqliteTx<'_> {
 
     fn commit(mut self: Box<Self>) -> Result<(), StoreError> {
         // A commit that fails leaves the transaction open: the drop rolls it back.
-        run(self.conn, if self.savepoint { "RELEASE request" } else { "COMMIT" })?;
+        run(self.conn, if self.held.is_some() { "RELEASE request" } else { "COMMIT" })?;
         self.open = false;
         self.settle_held();
         Ok(())
