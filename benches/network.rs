@@ -78,6 +78,9 @@ struct Run {
     /// idem only: CPU microseconds per transfer, and chunks sent to the
     /// server per transfer.
     cpu_us: Option<f64>,
+    /// PostgreSQL's CPU microseconds per transfer (every backend's and the
+    /// postmaster's), and the share of the machine's CPU busy, in %.
+    pg: (Option<f64>, f64),
     sends: Option<f64>,
     /// idem with batching: the mean claims and executions a batch carried.
     batch: Option<(f64, f64)>,
@@ -120,8 +123,10 @@ fn idem(bin: &str, conninfo: &str, hop: &Hop, spread: Spread, dir: &std::path::P
         .collect();
     barrier.wait();
     let (cpu_before, sends_before) = (server.cpu("").0, hop.to_server.load(Ordering::Relaxed));
+    let usage = Usage::start(conninfo);
     let started = Instant::now();
     std::thread::sleep(seconds());
+    let usage = usage.stop();
     stop.store(true, Ordering::Relaxed);
     let (mut latencies, mut fresh, mut other) = (Vec::new(), 0, 0);
     for w in workers {
@@ -160,6 +165,7 @@ fn idem(bin: &str, conninfo: &str, hop: &Hop, spread: Spread, dir: &std::path::P
         p99_ms: percentile(&latencies, 0.99),
         cpu_us: Some(cpu.as_secs_f64() * 1e6 / fresh.max(1) as f64),
         sends: Some(sends as f64 / fresh.max(1) as f64),
+        pg: usage.per(fresh),
         batch,
     }
 }
@@ -207,6 +213,7 @@ fn limit(conninfo: &str, spread: Spread, dir: &std::path::Path) -> Run {
     )
     .unwrap();
     let logs = tempfile::tempdir().unwrap();
+    let usage = Usage::start(conninfo);
     let out = Command::new(pgbench)
         .current_dir(logs.path())
         .args(["-n", "-l", "-f"])
@@ -215,6 +222,7 @@ fn limit(conninfo: &str, spread: Spread, dir: &std::path::Path) -> Run {
         .arg(conninfo)
         .output()
         .unwrap();
+    let usage = usage.stop();
     let text = String::from_utf8_lossy(&out.stdout);
     let tps = text
         .lines()
@@ -241,8 +249,80 @@ fn limit(conninfo: &str, spread: Spread, dir: &std::path::Path) -> Run {
         p99_ms: percentile(&latencies, 0.99),
         cpu_us: None,
         sends: None,
+        // pgbench's connecting and its tail are inside the window: a little high
+        pg: usage.per((tps * seconds().as_secs().max(1) as f64) as usize),
         batch: None,
     }
+}
+
+fn micros(us: Option<f64>) -> String {
+    us.map_or("not local".into(), |us| format!("{us:.0}"))
+}
+
+/// PostgreSQL's CPU and the machine's over one window; PostgreSQL's only
+/// when it runs on this machine (its backend's parent found in `/proc`).
+struct Usage {
+    postmaster: Option<u32>,
+    at: (u64, u64, u64),
+}
+
+impl Usage {
+    fn start(conninfo: &str) -> Usage {
+        let mut client = postgres::Client::connect(conninfo, postgres::NoTls).unwrap();
+        let backend: i32 = client.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+        let postmaster = stat(backend as u32).map(|f| f[1]);
+        let postmaster = postmaster.filter(|&p| p > 1).map(|p| p as u32);
+        Usage { postmaster, at: Usage::now(postmaster) }
+    }
+
+    /// (PostgreSQL's ticks, the machine's busy ticks, its total ticks).
+    fn now(postmaster: Option<u32>) -> (u64, u64, u64) {
+        let pg = postmaster.map_or(0, |pm| {
+            let own = stat(pm).map_or(0, |f| f[11] + f[12] + f[13] + f[14]);
+            let children = std::fs::read_dir("/proc").into_iter().flatten().flatten();
+            own + children
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(stat)
+                .filter(|f| f[1] == u64::from(pm))
+                .map(|f| f[11] + f[12])
+                .sum::<u64>()
+        });
+        let line = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let cpu: Vec<u64> = line
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .flat_map(str::parse)
+            .collect();
+        let total = cpu.iter().sum::<u64>();
+        // idle and iowait
+        let idle = cpu.get(3).copied().unwrap_or(0) + cpu.get(4).copied().unwrap_or(0);
+        (pg, total - idle, total)
+    }
+
+    fn stop(self) -> Usage {
+        let now = Usage::now(self.postmaster);
+        Usage { postmaster: self.postmaster, at: (now.0 - self.at.0, now.1 - self.at.1, now.2 - self.at.2) }
+    }
+
+    /// PostgreSQL's CPU µs per transfer (None when not measured) and the
+    /// machine's busy share in %, of a stopped window.
+    fn per(&self, transfers: usize) -> (Option<f64>, f64) {
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let pg = self.postmaster.map(|_| self.at.0 as f64 * 1e6 / hz / transfers.max(1) as f64);
+        (pg, self.at.1 as f64 * 100.0 / self.at.2.max(1) as f64)
+    }
+}
+
+/// The numeric fields of /proc/PID/stat after the command's name: [0] is
+/// the state, [1] the parent, [11..15] utime, stime, cutime, cstime.
+fn stat(pid: u32) -> Option<Vec<u64>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = text.rsplit_once(')')?.1;
+    Some(rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect())
 }
 
 /// The median round trip of `SELECT 1` through the hop, in milliseconds.
@@ -275,8 +355,8 @@ fn main() {
 
     println!("idem serve on PostgreSQL across a delayed hop, {CLIENTS} connections, {:?} a run", seconds());
     println!(
-        "\n| round trip (set / measured) | accounts | idem new/s | p50 / p99 ms | limit tps | p50 / p99 ms | idem / limit | idem CPU µs per transfer | idem sends per transfer | mean batch (claims / executions) |\n\
-         |---|---|---:|---|---:|---|---:|---:|---:|---|"
+        "\n| round trip (set / measured) | accounts | idem new/s | p50 / p99 ms | limit tps | p50 / p99 ms | idem / limit | idem CPU µs per transfer | idem sends per transfer | mean batch (claims / executions) | PostgreSQL CPU µs per transfer (idem / limit) | machine busy % (idem / limit) |\n\
+         |---|---|---:|---|---:|---|---:|---:|---:|---|---|---|"
     );
     let round_trips: Vec<f64> = match std::env::var("IDEM_BENCH_ROUND_TRIPS") {
         Ok(list) => list.split(',').filter_map(|ms| ms.trim().parse().ok()).collect(),
@@ -289,7 +369,7 @@ fn main() {
             let ours = idem(&bin, &conninfo, &hop, spread, dir.path());
             let bound = limit(&conninfo, spread, dir.path());
             println!(
-                "| {rtt_ms} ms / {measured:.2} ms | {} | {:.0} | {:.1} / {:.1} | {:.0} | {:.1} / {:.1} | {:.2}× | {:.0} | {:.1} | {} |",
+                "| {rtt_ms} ms / {measured:.2} ms | {} | {:.0} | {:.1} / {:.1} | {:.0} | {:.1} / {:.1} | {:.2}× | {:.0} | {:.1} | {} | {} / {} | {:.0} / {:.0} |",
                 spread.name(),
                 ours.per_second,
                 ours.p50_ms,
@@ -301,6 +381,10 @@ fn main() {
                 ours.cpu_us.unwrap_or(0.0),
                 ours.sends.unwrap_or(0.0),
                 ours.batch.map_or("none".into(), |(c, x)| format!("{c:.1} / {x:.1}")),
+                micros(ours.pg.0),
+                micros(bound.pg.0),
+                ours.pg.1,
+                bound.pg.1,
             );
         }
     }
