@@ -465,3 +465,71 @@ fn on_postgres_a_batch_leaves_its_accounts_no_multixact() {
     assert!(versions > 2, "only {versions} versions on the page: nothing to look at");
     assert_eq!(multi, 0, "{multi} of the {versions} versions of the pair have a MultiXact's xmax");
 }
+
+/// Another session holds the row of a key a batch still holds (an
+/// operator's `SELECT … FOR UPDATE` on `idem_key`): after the batch's
+/// short lock wait, that transfer is handed back to go alone, and its
+/// batch-mate is paid without waiting for the foreign session. The batch
+/// function called as the lanes call it, with two claims of its own.
+#[test]
+fn on_postgres_a_key_another_session_holds_is_handed_back_alone_and_its_batch_mate_is_paid() {
+    let Some(server) = pg::server() else { return };
+    let spec = bank(server, &[("a1", 100), ("a2", 0), ("a3", 100), ("a4", 0)]);
+    let serve = Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "4"], &[]);
+    assert_eq!(at_once(&serve, "warm", &[transfer("a1", "a2", 1)]), [201]);
+    serve.stop();
+    let mut c = pg::client(&spec);
+    let function: String = c
+        .query_one(
+            "SELECT p.oid::regproc::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+             WHERE n.nspname = current_schema() AND p.proname LIKE 'idem_execute_%'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    c.batch_execute(
+        "INSERT INTO idem_key (client_id, endpoint, idem_key, fingerprint, state, token, created_at, lease_until) \
+         VALUES ('t', '/e', 'k1', 'fp', 'in_progress', 'tok1', '2026', '2999'), \
+                ('t', '/e', 'k2', 'fp', 'in_progress', 'tok2', '2026', '2999')",
+    )
+    .unwrap();
+    let (locked_tx, locked) = std::sync::mpsc::channel();
+    let foreign = {
+        let spec = spec.clone();
+        std::thread::spawn(move || {
+            let mut c = pg::client(&spec);
+            let mut tx = c.transaction().unwrap();
+            tx.query("SELECT * FROM idem_key WHERE idem_key = 'k1' FOR UPDATE", &[]).unwrap();
+            locked_tx.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            tx.commit().unwrap();
+        })
+    };
+    locked.recv().unwrap();
+    let began = std::time::Instant::now();
+    let rows = c
+        .query(
+            &format!(
+                "SELECT o_held, o_transfer IS NOT NULL, o_alone FROM {function}( \
+                 '{{t,t}}', '{{/e,/e}}', '{{k1,k2}}', '{{tok1,tok2}}', '{{a1,a3}}', '{{a2,a4}}', \
+                 '{{t,t}}', '{{0,0}}', '{{100,100}}', '{{t,t}}', '{{0,0}}', '{{100,100}}', '{{5,5}}', \
+                 '{{KRW,KRW}}', '{{2026,2026}}', '{{201,201}}', '{{NULL,NULL}}', '{{\"}}\",\"}}\"}}', \
+                 '{{\"transfer_id\":')"
+            ),
+            &[],
+        )
+        .unwrap();
+    let took = began.elapsed();
+    let rows: Vec<(bool, bool, bool)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    assert_eq!(rows, [(false, false, true), (true, true, false)], "(held, paid, alone) of k1 and k2");
+    assert!(took < std::time::Duration::from_secs(2), "the batch waited {took:?} for the foreign lock");
+    let states: Vec<String> = c
+        .query("SELECT state FROM idem_key WHERE client_id = 't' ORDER BY idem_key", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(states, ["in_progress", "completed"]);
+    assert_eq!(ledger(&spec).0, [99, 1, 95, 5], "only k2's transfer moved money");
+    foreign.join().unwrap();
+}
