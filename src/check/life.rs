@@ -163,13 +163,14 @@ fn keys(target: &Target, salt: u64) -> Vec<(String, i64)> {
 }
 
 /// Sends `keys` from `drain` on [`LANES`] connections at once, one request
-/// each, and runs `stop` after `delay` (or once every answer is back);
-/// each key's answer, if one came within `wait`.
+/// each, and runs `stop` after `delay` or once `answers` answers are back,
+/// whichever comes first; each key's answer, if one came within `wait`.
 fn under_load(
     target: &Target,
     keys: &[(String, i64)],
     drain: &Drain,
     [delay, wait]: [Duration; 2],
+    answers: usize,
     stop: impl FnOnce(),
 ) -> Vec<Option<Http>> {
     let answered = AtomicUsize::new(0);
@@ -192,7 +193,7 @@ fn under_load(
             })
             .collect();
         let until = Instant::now() + delay;
-        while answered.load(Ordering::SeqCst) < keys.len() && Instant::now() < until {
+        while answered.load(Ordering::SeqCst) < answers.min(keys.len()) && Instant::now() < until {
             std::thread::yield_now();
         }
         stop();
@@ -298,7 +299,8 @@ fn killed_once(
         // each round's kill timed from its own start, in a stratum of its
         // own of the window: the early ones land mid-request
         let stratum = (r as f64 + rng.below(1_000) as f64 / 1_000.0) / rounds as f64;
-        let mut got = under_load(target, round, drain, [window.mul_f64(stratum), WAIT], || process.kill());
+        let mut got =
+            under_load(target, round, drain, [window.mul_f64(stratum), WAIT], round.len(), || process.kill());
         answered.push(got.iter().filter(|a| a.is_some()).count());
         landed += usize::from(answered[r] < round.len());
         before.append(&mut got);
@@ -356,7 +358,7 @@ fn terminated(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let lanes = loaded.len().div_ceil(LANES) as u32;
     let delay = (unit * lanes).mul_f64(rng.below(1_000) as f64 / 1_000.0);
     let mut late = Vec::new();
-    let mut loads = under_load(target, loaded, &drain, [delay, WAIT], || {
+    let mut loads = under_load(target, loaded, &drain, [delay, WAIT], loaded.len(), || {
         process.signal(libc::SIGTERM);
         std::thread::sleep(Duration::from_millis(50));
         // the last bytes of the requests the service was reading
@@ -442,8 +444,8 @@ fn crashed(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     Ok(())
 }
 
-/// Transfers under load; at a random moment within two requests' time the
-/// service is stopped (SIGSTOP) for longer than its clients wait, so they
+/// Transfers under load; at a random moment within two requests' time, and
+/// before half the load's answers are back, the service is stopped (SIGSTOP) for longer than its clients wait, so they
 /// give up on what it had read, and resumed (SIGCONT): what it read before
 /// the pause runs as it resumes, while every key is retried at once. Then
 /// every key settled and paid once.
@@ -454,17 +456,20 @@ fn paused(target: &Target, t: &mut Trace) -> Result<(), CheckError> {
     let unit = timed(target, t, &drain, 430)?;
     let keys = keys(target, 800);
     let delay = unit.mul_f64(rng.below(2_000) as f64 / 1_000.0);
+    // and before half the answers are back: a service faster under load
+    // than its first requests was otherwise often done before the pause
+    let answers = rng.below(KEYS as u64 / 2) as usize;
     let mut retries = Vec::new();
-    let before = under_load(target, &keys, &drain, [delay, PAUSED_WAIT], || {
+    let before = under_load(target, &keys, &drain, [delay, PAUSED_WAIT], answers, || {
         process.signal(libc::SIGSTOP);
         std::thread::sleep(PAUSE);
         process.signal(libc::SIGCONT);
-        retries = under_load(target, &keys, &drain, [WAIT, WAIT], || {});
+        retries = under_load(target, &keys, &drain, [WAIT, WAIT], keys.len(), || {});
     });
     let gave_up = before.iter().filter(|a| a.is_none()).count();
     let statuses: Vec<u16> = retries.iter().map(|r| r.as_ref().map_or(0, |r| r.status)).collect();
     t.step(format!(
-        "{KEYS} transfers, {LANES} at once, the service stopped within {} µs for {} ms: {gave_up} requests given up after {} ms; every key retried as it resumed -> {statuses:?}",
+        "{KEYS} transfers, {LANES} at once, the service stopped within {} µs or at answer {answers} for {} ms: {gave_up} requests given up after {} ms; every key retried as it resumed -> {statuses:?}",
         2 * unit.as_micros(),
         PAUSE.as_millis(),
         PAUSED_WAIT.as_millis()
