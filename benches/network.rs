@@ -317,12 +317,9 @@ impl Usage {
     }
 }
 
-/// The numeric fields of /proc/PID/stat after the command's name: [0] is
-/// the state, [1] the parent, [11..15] utime, stime, cutime, cstime.
+/// /proc/PID/stat's fields ([`stat_fields`]).
 fn stat(pid: u32) -> Option<Vec<u64>> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = text.rsplit_once(')')?.1;
-    Some(rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect())
+    stat_fields(std::path::Path::new(&format!("/proc/{pid}/stat")))
 }
 
 /// The median round trip of `SELECT 1` through the hop, in milliseconds.

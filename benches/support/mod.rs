@@ -58,18 +58,14 @@ impl Server {
     /// The server's CPU time so far (user plus system), all threads, and
     /// that of its threads named `thread` (the SQLite writer: `idem-writer`).
     pub fn cpu(&self, thread: &str) -> (Duration, Duration) {
-        let ticks = |stat: &str| -> u64 {
-            let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace().collect();
-            fields.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
-                + fields.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
-        };
+        let ticks = |path: &Path| stat_fields(path).map_or(0, |f| f[11] + f[12]);
         let pid = self.child.id();
-        let all = ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default());
+        let all = ticks(Path::new(&format!("/proc/{pid}/stat")));
         let mut named = 0;
         for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
             let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
             if comm.trim() == thread {
-                named += ticks(&std::fs::read_to_string(task.path().join("stat")).unwrap_or_default());
+                named += ticks(&task.path().join("stat"));
             }
         }
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
@@ -160,13 +156,23 @@ pub fn metric(address: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
-/// The `p` quantile of `sorted` microseconds, in milliseconds.
 /// The median of `samples` (the upper one of an even count).
 pub fn median(mut samples: Vec<f64>) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
 }
 
+/// The numeric fields of a `/proc/…/stat` file after the command's name:
+/// [0] is the state, [1] the parent, [11..15] utime, stime, cutime, cstime
+/// (ticks). None if it is gone or short.
+pub fn stat_fields(path: &Path) -> Option<Vec<u64>> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let fields: Vec<u64> =
+        text.rsplit_once(')')?.1.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect();
+    (fields.len() > 14).then_some(fields)
+}
+
+/// The `p` quantile of `sorted` microseconds, in milliseconds.
 pub fn percentile(sorted: &[u32], p: f64) -> f64 {
     sorted.get(((sorted.len() as f64 - 1.0) * p) as usize).map_or(0.0, |v| f64::from(*v) / 1000.0)
 }

@@ -277,6 +277,24 @@ fn on_postgres_a_function_planted_at_the_batch_functions_name_is_never_run() {
     assert_eq!(ledger(&spec), (vec![79, 21, 0], 21), "the planted function ran");
 }
 
+/// Another session runs `lock` in a transaction it keeps open for `held`
+/// (a back-office edit, a session idle in a transaction); returns once the
+/// lock is taken, with the thread that commits it.
+fn hold(spec: &str, lock: &'static str, held: std::time::Duration) -> std::thread::JoinHandle<()> {
+    let (locked_tx, locked) = std::sync::mpsc::channel();
+    let spec = spec.to_owned();
+    let foreign = std::thread::spawn(move || {
+        let mut c = pg::client(&spec);
+        let mut tx = c.transaction().unwrap();
+        tx.query(lock, &[]).unwrap();
+        locked_tx.send(()).unwrap();
+        std::thread::sleep(held);
+        tx.commit().unwrap();
+    });
+    locked.recv().unwrap();
+    foreign
+}
+
 /// Another session holds one account's row (a back-office edit, a session
 /// idle in a transaction) for longer than the busy budget. Transfers on
 /// that account wait alone, as unbatched ones do; every other transfer,
@@ -294,19 +312,7 @@ fn on_postgres_a_foreign_row_lock_holds_up_only_the_transfers_on_its_account() {
         Serve::start(std::path::Path::new(&spec), &[SHOP], &["--pool", "16", "--pg-batch-max", "256"], &[]);
     assert_eq!(at_once(&serve, "warm", &[transfer("a0", "b0", 1), transfer("x", "c0", 1)]), [201, 201]);
     let held = std::time::Duration::from_secs(6);
-    let (locked_tx, locked) = std::sync::mpsc::channel();
-    let foreign = {
-        let spec = spec.clone();
-        std::thread::spawn(move || {
-            let mut c = pg::client(&spec);
-            let mut tx = c.transaction().unwrap();
-            tx.query("SELECT * FROM account WHERE acct_id = 'x' FOR UPDATE", &[]).unwrap();
-            locked_tx.send(()).unwrap();
-            std::thread::sleep(held);
-            tx.commit().unwrap();
-        })
-    };
-    locked.recv().unwrap();
+    let foreign = hold(&spec, "SELECT * FROM account WHERE acct_id = 'x' FOR UPDATE", held);
     let until = std::time::Instant::now() + held - std::time::Duration::from_secs(1);
     let send = |name: String, body: String| {
         let url = serve.url.clone();
@@ -493,19 +499,11 @@ fn on_postgres_a_key_another_session_holds_is_handed_back_alone_and_its_batch_ma
                 ('t', '/e', 'k2', 'fp', 'in_progress', 'tok2', '2026', '2999')",
     )
     .unwrap();
-    let (locked_tx, locked) = std::sync::mpsc::channel();
-    let foreign = {
-        let spec = spec.clone();
-        std::thread::spawn(move || {
-            let mut c = pg::client(&spec);
-            let mut tx = c.transaction().unwrap();
-            tx.query("SELECT * FROM idem_key WHERE idem_key = 'k1' FOR UPDATE", &[]).unwrap();
-            locked_tx.send(()).unwrap();
-            std::thread::sleep(std::time::Duration::from_secs(3));
-            tx.commit().unwrap();
-        })
-    };
-    locked.recv().unwrap();
+    let foreign = hold(
+        &spec,
+        "SELECT * FROM idem_key WHERE idem_key = 'k1' FOR UPDATE",
+        std::time::Duration::from_secs(3),
+    );
     let began = std::time::Instant::now();
     let rows = c
         .query(

@@ -13,10 +13,12 @@ DECLARE
   v_n int := coalesce(cardinality(p_k), 0);
   v_seq regclass := pg_get_serial_sequence('transfer', 'transfer_id');
   v_held int[];
-  v_p bool[] := array_fill(false, ARRAY[v_n]);
-  v_x text[] := array_fill(NULL::text, ARRAY[v_n]);
-  v_t bigint[] := array_fill(NULL::bigint, ARRAY[v_n]);
-  v_go bool[] := array_fill(false, ARRAY[v_n]);
+  -- each transfer's premises, inexact accounts, transfer id, and whether
+  -- it is paid: set afresh by each pass
+  v_p bool[];
+  v_x text[];
+  v_t bigint[];
+  v_go bool[];
   v_alone bool[] := array_fill(false, ARRAY[v_n]);
   v_ours int[];
   -- the batch's keys in key order, the order every batch locks them in
@@ -55,9 +57,13 @@ BEGIN
   <<attempt>>
   FOR v_pass IN 1 .. 2 LOOP
     BEGIN
+      v_p := array_fill(false, ARRAY[v_n]);
+      v_x := array_fill(NULL::text, ARRAY[v_n]);
+      v_t := array_fill(NULL::bigint, ARRAY[v_n]);
+      v_go := array_fill(false, ARRAY[v_n]);
+      v_held := '{}';
       IF v_pass = 1 THEN
         PERFORM set_config('lock_timeout', '{wait}', true);
-        v_held := '{}';
         FOREACH i IN ARRAY v_order LOOP
           PERFORM FROM idem_key x
            WHERE x.client_id = p_c[i] AND x.endpoint = p_e[i] AND x.idem_key = p_k[i]
@@ -73,11 +79,6 @@ BEGIN
          FOR UPDATE;
         PERFORM set_config('lock_timeout', v_wait, true);
       ELSE
-        v_p := array_fill(false, ARRAY[v_n]);
-        v_x := array_fill(NULL::text, ARRAY[v_n]);
-        v_t := array_fill(NULL::bigint, ARRAY[v_n]);
-        v_go := array_fill(false, ARRAY[v_n]);
-        v_held := '{}';
         v_ours := '{}';
         FOREACH i IN ARRAY v_order LOOP
           PERFORM FROM idem_key x
